@@ -1,0 +1,20 @@
+import warnings
+
+import pytest
+import torch
+
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+
+
+@pytest.fixture
+def world1():
+    """A one-process gloo group plus megatron-core's model-parallel groups (TP=PP=1)."""
+    from k3train.distributed import init_distributed
+
+    return init_distributed()
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_threads():
+    torch.manual_seed(0)
+    yield

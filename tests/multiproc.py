@@ -1,0 +1,63 @@
+"""Run a test body in several local processes joined by a gloo process group.
+
+Every parallel feature is proven on CPU this way: ``run_multiprocess(fn, world_size, *args)``
+spawns ``world_size`` processes, initialises ``torch.distributed`` with gloo over a free TCP
+port on localhost, calls ``fn(rank, world_size, *args)`` in each, and re-raises the first
+failure in the parent with the child's traceback. ``fn`` must be a module-level function so
+that the spawned interpreter can import it.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn, args, errors) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+    )
+    # One thread per process: the CI machine has 2 cores and several ranks share them.
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        fn(rank, world_size, *args)
+    except BaseException:  # noqa: BLE001 - forwarded to the parent verbatim
+        errors.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        try:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+        except Exception:  # noqa: BLE001 - megatron may be unused by this test
+            pass
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_multiprocess(fn, world_size: int, *args) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; raise on any failure."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = free_port()
+    try:
+        mp.start_processes(_entry, args=(world_size, port, fn, args, errors),
+                           nprocs=world_size, join=True, start_method="spawn")
+    except mp.ProcessRaisedException as exc:
+        details = []
+        while not errors.empty():
+            rank, tb = errors.get()
+            details.append(f"--- rank {rank} ---\n{tb}")
+        raise AssertionError("multi-process test failed:\n" + "\n".join(details)) from exc
