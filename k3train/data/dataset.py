@@ -1,0 +1,253 @@
+"""Token streams, fixed-length windows and deterministic, resumable batching.
+
+``TokenSource`` is a flat token stream ``doc0 EOD doc1 EOD ...`` ([N] numpy ints), split into
+train/val by position: the last ``val_fraction`` of the tokens is validation. Cutting by position
+gives exact split sizes whatever the document lengths and works for a single-document corpus; at
+most one document straddles the cut.
+
+``SequenceDataset`` cuts the stream into non-overlapping windows of ``seq_len + 1`` tokens (inputs
+are ``w[:-1]``, targets ``w[1:]``); windows may span document boundaries, the EOD token marks them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from k3train.data.corpus import embedded_documents
+from k3train.data.prepare import META_FORMAT, meta_path
+
+__all__ = ["TokenSource", "SequenceDataset", "BatchIterator", "eval_batches"]
+
+_SPLITS = ("train", "val")
+_IDX_MAGIC = b"MMIDIDX\x00\x00"  # first bytes of every megatron-core .idx file
+
+
+def _split(tokens: np.ndarray, split: str, val_fraction: float) -> np.ndarray:
+    if split not in _SPLITS:
+        raise ValueError(f"unknown split {split!r}; allowed: 'train', 'val'")
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    cut = int(len(tokens) * (1.0 - val_fraction))
+    return tokens[:cut] if split == "train" else tokens[cut:]
+
+
+class TokenSource:
+    """A flat 1-D token stream: ``tokens`` [N] (numpy ints, possibly a read-only memmap)."""
+
+    def __init__(self, tokens: np.ndarray, vocab_size: int, description: str = "") -> None:
+        if tokens.ndim != 1:
+            raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+        self.tokens = tokens
+        self.vocab_size = int(vocab_size)
+        self.description = description
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __repr__(self) -> str:
+        return f"TokenSource({self.description}, {len(self)} tokens)"
+
+    @classmethod
+    def embedded(cls, tokenizer, split: str = "train", val_fraction: float = 0.05) -> "TokenSource":
+        """The pydoc-topics corpus (see ``corpus.py``), tokenized in memory (~466k byte tokens)."""
+        ids: list[int] = []
+        for doc in embedded_documents():
+            ids.extend(tokenizer.encode(doc))
+            ids.append(tokenizer.eod_id)
+        tokens = np.asarray(ids, dtype=np.int64)
+        return cls(_split(tokens, split, val_fraction), tokenizer.vocab_size, f"embedded:{split}")
+
+    @classmethod
+    def from_prefix(
+        cls, prefix: str | Path, tokenizer, split: str = "train", val_fraction: float = 0.05
+    ) -> "TokenSource":
+        """A dataset written by ``prepare_data``; the token stream is memory-mapped, not copied."""
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+        prefix = str(prefix)
+        bin_path, idx_path, meta = Path(prefix + ".bin"), Path(prefix + ".idx"), meta_path(prefix)
+        for p in (bin_path, idx_path):
+            if not p.is_file():
+                raise FileNotFoundError(
+                    f"no prepared dataset at {prefix}: {p} is missing; run `k3train prepare-data`"
+                )
+        if not meta.is_file():
+            raise FileNotFoundError(
+                f"{meta} is missing: {prefix} was not prepared by k3train or its preparation "
+                f"did not finish; re-run `k3train prepare-data`"
+            )
+        try:
+            info = json.loads(meta.read_text())
+            name, vocab, eod = info["tokenizer"], int(info["vocab_size"]), int(info["eod_id"])
+            dtype = np.dtype(info["dtype"])
+            n_tok, n_doc = int(info["num_tokens"]), int(info["num_documents"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{meta} is not a valid k3train dataset meta file ({e!r})") from None
+        if info.get("format") != META_FORMAT:
+            raise ValueError(f"{meta}: format {info.get('format')!r}, expected {META_FORMAT!r}")
+        if (name, vocab, eod) != (tokenizer.name, tokenizer.vocab_size, tokenizer.eod_id):
+            raise ValueError(
+                f"{prefix} was prepared with tokenizer {name!r} (vocab {vocab}, eod {eod}) but "
+                f"this run uses {tokenizer.name!r} (vocab {tokenizer.vocab_size}, "
+                f"eod {tokenizer.eod_id}); "
+                f"re-run `k3train prepare-data` with the run's tokenizer"
+            )
+
+        # Sizes first: megatron's reader would fail on a short file with a bare numpy error.
+        # The .idx layout (34-byte header, int32 lengths, int64 pointers, int64 document
+        # indices) holds one sequence per document, as prepare_data writes it.
+        expected = {bin_path: n_tok * dtype.itemsize, idx_path: 34 + 12 * n_doc + 8 * (n_doc + 1)}
+        for p, size in expected.items():
+            actual = os.path.getsize(p)
+            if actual != size:
+                raise ValueError(
+                    f"{p} is truncated or corrupt: {actual} bytes, expected {size} from {meta}; "
+                    f"re-run `k3train prepare-data`"
+                )
+        with open(idx_path, "rb") as f:
+            # Checked here because megatron's reader asserts on a bad header and then raises
+            # again from its own __del__, which buries the message.
+            if f.read(len(_IDX_MAGIC)) != _IDX_MAGIC:
+                raise ValueError(f"{idx_path} is not a Megatron index file (bad header)")
+        try:
+            ds = IndexedDataset(prefix, mmap=True)
+            lengths = np.asarray(ds.sequence_lengths, dtype=np.int64)
+            index_dtype = np.dtype(ds.index.dtype)
+            del ds
+        except (AssertionError, ValueError, OSError) as e:
+            msg = f"{idx_path} is corrupt ({e}); re-run `k3train prepare-data`"
+            raise ValueError(msg) from None
+        if index_dtype != dtype or len(lengths) != n_doc or int(lengths.sum()) != n_tok:
+            raise ValueError(
+                f"{idx_path} disagrees with {meta} (dtype {index_dtype} vs {dtype}, "
+                f"{len(lengths)} vs {n_doc} documents, {int(lengths.sum())} vs {n_tok} tokens); "
+                f"re-run `k3train prepare-data`"
+            )
+        # Documents are stored back to back, so the .bin file is the concatenated stream.
+        tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(n_tok,))
+        return cls(_split(tokens, split, val_fraction), vocab, f"{prefix}:{split}")
+
+
+class SequenceDataset(torch.utils.data.Dataset):
+    """Non-overlapping windows of ``seq_len + 1`` tokens with stride ``seq_len``.
+
+    Window ``i`` is ``tokens[i*seq_len : i*seq_len + seq_len + 1]``; consecutive windows share one
+    token so every token of the stream is a prediction target exactly once.
+    """
+
+    def __init__(self, source: TokenSource, seq_len: int) -> None:
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        self.tokens = source.tokens
+        self.seq_len = int(seq_len)
+        self._len = (len(self.tokens) - 1) // self.seq_len
+        if self._len < 1:
+            raise ValueError(
+                f"{source!r} has {len(self.tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}"
+            )
+        self._offsets = np.arange(self.seq_len + 1, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        """-> LongTensor [seq_len + 1]."""
+        if not 0 <= i < self._len:
+            raise IndexError(f"window {i} out of range [0, {self._len})")
+        start = int(i) * self.seq_len
+        window = self.tokens[start : start + self.seq_len + 1]
+        return torch.from_numpy(np.asarray(window, dtype=np.int64))
+
+    def batch(self, indices) -> torch.Tensor:
+        """Windows ``indices`` [B] stacked -> LongTensor [B, seq_len + 1] (one gather, no loop)."""
+        starts = np.asarray(indices, dtype=np.int64) * self.seq_len
+        windows = self.tokens[starts[:, None] + self._offsets]
+        return torch.from_numpy(np.asarray(windows, dtype=np.int64))
+
+
+class BatchIterator:
+    """Infinite, deterministic, resumable batches from a ``SequenceDataset``.
+
+    Epoch ``e`` visits the windows in the order ``default_rng(seed + e).permutation(len(dataset))``.
+    Each step consumes one global batch of ``batch_size * world_size`` consecutive entries of that
+    permutation; data-parallel rank ``r`` takes entries ``[r*batch_size, (r+1)*batch_size)`` of it,
+    so ranks are disjoint and their union is the world_size=1 batch of ``batch_size*world_size``.
+    A tail shorter than a global batch is dropped and the next epoch starts.
+
+    ``next(it)`` -> LongTensor [batch_size, seq_len + 1].
+    """
+
+    def __init__(
+        self,
+        dataset: SequenceDataset,
+        batch_size: int,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(
+                f"need batch_size >= 1 and 0 <= rank < world_size, "
+                f"got batch_size={batch_size}, rank={rank}, world_size={world_size}"
+            )
+        self.global_batch = batch_size * world_size
+        if len(dataset) < self.global_batch:
+            raise ValueError(
+                f"dataset has {len(dataset)} windows, fewer than one global batch "
+                f"(batch_size {batch_size} x world_size {world_size}); "
+                f"use a smaller batch or seq_len"
+            )
+        self.dataset, self.batch_size = dataset, batch_size
+        self.rank, self.world_size = rank, world_size
+        self.seed, self.epoch, self.position = int(seed), 0, 0
+        self._perm: tuple[int, np.ndarray] | None = None  # (epoch, permutation) cache
+
+    def _permutation(self) -> np.ndarray:
+        if self._perm is None or self._perm[0] != self.epoch:
+            rng = np.random.default_rng(self.seed + self.epoch)
+            self._perm = (self.epoch, rng.permutation(len(self.dataset)))
+        return self._perm[1]
+
+    def __iter__(self) -> "BatchIterator":
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self.position + self.global_batch > len(self.dataset):
+            self.epoch, self.position = self.epoch + 1, 0
+        start = self.position + self.rank * self.batch_size
+        indices = self._permutation()[start : start + self.batch_size]
+        self.position += self.global_batch
+        return self.dataset.batch(indices)
+
+    def state_dict(self) -> dict:
+        """``{"epoch", "position", "seed"}``; ``position`` counts windows (rank-independent)."""
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        missing = {"epoch", "position", "seed"} - set(state)
+        if missing:
+            raise ValueError(f"BatchIterator state is missing {sorted(missing)}")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self.seed = int(state["seed"])
+        self._perm = None
+
+
+def eval_batches(dataset: SequenceDataset, batch_size: int, max_batches: int) -> list[torch.Tensor]:
+    """The first ``min(max_batches, len(dataset) // batch_size)`` batches of windows, in order.
+
+    Each is LongTensor [batch_size, seq_len + 1]. If the dataset is smaller than one batch, a
+    single batch of all its windows is returned so evaluation never silently does nothing.
+    """
+    if batch_size < 1 or max_batches < 1:
+        raise ValueError(
+            f"batch_size and max_batches must be >= 1, got {batch_size}, {max_batches}"
+        )
+    n = min(max_batches, len(dataset) // batch_size)
+    if n == 0:
+        return [dataset.batch(np.arange(len(dataset)))]
+    return [dataset.batch(np.arange(b * batch_size, (b + 1) * batch_size)) for b in range(n)]
