@@ -1,0 +1,15 @@
+"""Optimizers for k3train: Muon (per-head), AdamW grouping by a parameter table, LR schedules.
+
+Depends on torch (and megatron-core) only, never on ``k3train``.
+"""
+from .build import OPTIMIZER_NAMES, CombinedOptimizer, build_optimizer
+from .muon import NS_COEFFICIENTS, Muon, muon_scale, muon_update, newton_schulz
+from .param_table import OPTIMIZERS, ParamEntry, ParamRule, build_param_table, format_table
+from .schedule import SCHEDULES, apply_lr, lr_factor
+
+__all__ = [
+    "OPTIMIZER_NAMES", "CombinedOptimizer", "build_optimizer",
+    "NS_COEFFICIENTS", "Muon", "muon_scale", "muon_update", "newton_schulz",
+    "OPTIMIZERS", "ParamEntry", "ParamRule", "build_param_table", "format_table",
+    "SCHEDULES", "apply_lr", "lr_factor",
+]

@@ -1,0 +1,190 @@
+"""Muon: momentum orthogonalised by a Newton-Schulz iteration, with optional per-head blocks.
+
+The update for a 2-D weight ``W: [A, B]`` (A = output rows, B = input columns) is
+
+    buf = mu * buf + g                      # heavy-ball momentum
+    u   = g + mu * buf  (nesterov)  or  buf
+    O   = newton_schulz(u)                  # ~ U V^T of u's SVD, singular values near 1
+    W  *= 1 - lr * wd                       # decoupled weight decay
+    W  -= lr * 0.2 * sqrt(max(A, B)) * O
+
+The ``0.2 * sqrt(max(A, B))`` factor is the Moonlight scaling: an orthogonal-like ``[A, B]``
+matrix has RMS ``~1 / sqrt(max(A, B))``, so the scaled update has RMS ``~0.2``, about what AdamW
+gives. That lets Muon reuse AdamW's learning rate and weight decay.
+
+Per-head Muon (``heads=H``) splits the momentum's rows into ``H`` blocks ``[H, A/H, B]`` (one
+block per attention head of a q/k/v projection) and orthogonalises each block on its own. The
+scale then uses the block's shape, ``0.2 * sqrt(max(A/H, B))``, so that each block's update, and
+hence the whole matrix's, still has RMS ~0.2.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+
+__all__ = ["NS_COEFFICIENTS", "newton_schulz", "muon_scale", "muon_update", "Muon"]
+
+# Quintic p(x) = a x + b x^3 + c x^5 applied to the singular values. The large slope a at 0
+# pulls small singular values up fast; the price is that 1 is not a fixed point (p(1) ~ 0.70),
+# so after a few steps singular values sit in a band around 1 rather than at 1.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """Approximately orthogonalise ``G: [..., A, B]`` (each trailing matrix on its own).
+
+    Returns a tensor of ``G``'s shape and dtype whose trailing matrices have singular values
+    near 1 and the same singular vectors as ``G``'s. Leading dims are a batch, so per-head
+    blocks ``[H, A/H, B]`` run in one call. Works in bf16 on CUDA (the iteration is robust to
+    it and tensor cores make it cheap) and in fp32 on CPU (bf16 matmuls are slow there).
+    """
+    if G.ndim < 2:
+        raise ValueError(f"newton_schulz needs a [..., A, B] tensor, got shape {tuple(G.shape)}")
+    a, b, c = NS_COEFFICIENTS
+    X = G.to(torch.bfloat16 if G.is_cuda else torch.float32)
+    # Iterate on the wide orientation so the Gram matrix X X^T is the smaller min(A, B)^2 one.
+    tall = X.size(-2) > X.size(-1)
+    if tall:
+        X = X.mT
+    # Frobenius norm >= spectral norm, so every singular value starts in [0, 1].
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)
+    for _ in range(steps):
+        A = X @ X.mT
+        B = b * A + c * (A @ A)
+        X = a * X + B @ X
+    if tall:
+        X = X.mT
+    return X.to(G.dtype)
+
+
+def muon_scale(rows: int, cols: int) -> float:
+    """Moonlight update scale for an orthogonalised ``[rows, cols]`` block: RMS ~0.2 after it."""
+    return 0.2 * math.sqrt(max(rows, cols))
+
+
+def _check_heads(shape: tuple[int, ...], heads: int | None, name: str | None) -> None:
+    if heads is None:
+        return
+    what = f"parameter {name!r}" if name else "parameter"
+    if not isinstance(heads, int) or heads < 1:
+        raise ValueError(f"heads must be a positive int or None for {what}, got {heads!r}")
+    if shape[0] % heads != 0:
+        raise ValueError(
+            f"per-head Muon: {what} has {shape[0]} rows (shape {tuple(shape)}), "
+            f"not divisible by heads={heads}"
+        )
+
+
+def muon_update(
+    grad: torch.Tensor,
+    buf: torch.Tensor,
+    *,
+    momentum: float,
+    nesterov: bool,
+    heads: int | None,
+    ns_steps: int,
+) -> torch.Tensor:
+    """Advance the momentum ``buf`` in place and return the scaled Muon update for one matrix.
+
+    ``grad, buf: [A, B]``. Returns ``update: [A, B]`` (dtype of ``grad + buf``) such that the
+    caller applies ``p -= lr * update`` after weight decay. With ``heads=H`` the rows are split
+    into ``H`` blocks ``[H, A/H, B]`` orthogonalised separately. Standalone so that a sharded
+    optimizer step can call it on whole matrices owned by one rank.
+    """
+    if grad.ndim != 2:
+        raise ValueError(f"muon_update needs a 2-D gradient, got shape {tuple(grad.shape)}")
+    _check_heads(tuple(grad.shape), heads, None)
+    buf.mul_(momentum).add_(grad)
+    u = grad.add(buf, alpha=momentum) if nesterov else buf
+    rows, cols = u.shape
+    if heads is None:
+        return newton_schulz(u, ns_steps) * muon_scale(rows, cols)
+    blocks = u.reshape(heads, rows // heads, cols)
+    ortho = newton_schulz(blocks, ns_steps).reshape(rows, cols)
+    return ortho * muon_scale(rows // heads, cols)
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for 2-D weights ``[A, B]``; see the module docstring for the update.
+
+    Group options: ``lr``, ``weight_decay``, ``momentum`` (0.95), ``nesterov`` (True),
+    ``ns_steps`` (5) and ``heads``: None (whole matrix), an int (every parameter of the group
+    split into that many row blocks) or a list with one entry (None or int) per parameter.
+    Parameters may be given as ``(name, tensor)`` pairs (torch keeps them in
+    ``group["param_names"]``); names then appear in error messages. State per parameter is
+    ``momentum_buffer`` (same shape and dtype as the parameter).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 0.02,
+        weight_decay: float = 0.0,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        heads: int | None = None,
+    ) -> None:
+        if lr < 0:
+            raise ValueError(f"Muon: lr must be >= 0, got {lr}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"Muon: momentum must be in [0, 1), got {momentum}")
+        if ns_steps < 1:
+            raise ValueError(f"Muon: ns_steps must be >= 1, got {ns_steps}")
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum,
+                        nesterov=nesterov, ns_steps=ns_steps, heads=heads)
+        super().__init__(params, defaults)
+
+    @staticmethod
+    def _per_param(group: dict[str, Any]) -> list[tuple[torch.Tensor, str | None, int | None]]:
+        params = group["params"]
+        names = group.get("param_names") or [None] * len(params)
+        heads = group["heads"]
+        if isinstance(heads, (list, tuple)):
+            if len(heads) != len(params):
+                raise ValueError(f"Muon: group has {len(params)} params but {len(heads)} heads")
+        else:
+            heads = [heads] * len(params)
+        return list(zip(params, names, heads))
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        # Check shapes now so a misconfigured table fails at build time, not at step 1; a
+        # rejected group is removed so a caller that catches the error keeps a sound optimizer.
+        try:
+            for p, name, heads in self._per_param(self.param_groups[-1]):
+                if p.ndim != 2:
+                    what = f"parameter {name!r}" if name else "a parameter"
+                    raise ValueError(
+                        f"Muon only handles 2-D matrices; {what} has shape {tuple(p.shape)} "
+                        "(route it to AdamW)"
+                    )
+                _check_heads(tuple(p.shape), heads, name)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, wd = group["lr"], group["weight_decay"]
+            for p, _name, heads in self._per_param(group):
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                update = muon_update(
+                    p.grad, state["momentum_buffer"], momentum=group["momentum"],
+                    nesterov=group["nesterov"], heads=heads, ns_steps=group["ns_steps"],
+                )
+                if wd != 0:
+                    p.mul_(1.0 - lr * wd)
+                p.add_(update.to(p.dtype), alpha=-lr)
+        return loss
