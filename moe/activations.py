@@ -1,0 +1,26 @@
+"""SiTU and SiTU-GLU activations of the K3 experts (DESIGN.md section 3).
+
+SiTU(g) = beta * tanh(g / beta) * sigmoid(g) behaves like SiLU near zero but saturates at
+``beta`` for large g, and the GLU's up branch is soft-capped at ``beta_lin``: both bound the
+activations so that low-precision (MXFP8) activation quantisation has a fixed range.
+"""
+from __future__ import annotations
+
+import torch
+
+DEFAULT_BETA = 4.0
+DEFAULT_BETA_LIN = 25.0
+
+
+def situ(g: torch.Tensor, beta: float = DEFAULT_BETA) -> torch.Tensor:
+    """SiTU(g) = beta * tanh(g / beta) * sigmoid(g), elementwise; same shape and dtype as g."""
+    return beta * torch.tanh(g / beta) * torch.sigmoid(g)
+
+
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = DEFAULT_BETA,
+             beta_lin: float = DEFAULT_BETA_LIN) -> torch.Tensor:
+    """SiTU(gate) * beta_lin * tanh(up / beta_lin).
+
+    gate, up: ``[..., F]`` (same shape) -> ``[..., F]``.
+    """
+    return situ(gate, beta) * (beta_lin * torch.tanh(up / beta_lin))

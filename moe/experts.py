@@ -1,0 +1,129 @@
+"""SiTU-GLU experts: all local experts in one grouped GEMM, plus a dense SiTU-GLU MLP.
+
+``torch._grouped_mm(a [M, K], b [G, K, N], offs=[G] int32)`` multiplies row block
+``a[offs[g-1]:offs[g]]`` by ``b[g]``. Measured on CPU in torch 2.13 (forward and backward):
+  * dtypes float32, bfloat16, float16, both operands the same dtype; float64 is rejected;
+  * ``offs`` must be int32 (cumulative end offsets, last one = M);
+  * the non-unit stride of every operand must be a multiple of 16 bytes, i.e. ``K`` and ``N``
+    times the element size must be multiples of 16 (fp32: multiples of 4; bf16: of 8);
+  * empty groups (repeated offsets) and ``M == 0`` are allowed and give the right result;
+  * backward applies the stride rules to the output gradient too (see ``_ContiguousGrad``).
+On one H200 with torch 2.11 the same rules held for fp32/bf16/fp16 (checked once, with empty
+groups and M == 0). The 16-byte base-pointer check is ours (CUDA kernels load 16-byte vectors).
+Inputs outside these rules (fp64 reference tests, odd widths) take the per-expert loop, which
+needs the counts on the host (a device sync on GPU).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .activations import DEFAULT_BETA, DEFAULT_BETA_LIN, situ_glu
+
+_GMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _aligned_2d(t: torch.Tensor) -> bool:
+    """Unit stride in the last dim, 16-byte row stride and 16-byte base pointer."""
+    size = t.element_size()
+    return (t.stride(-1) == 1 and (t.stride(-2) * size) % 16 == 0
+            and t.data_ptr() % 16 == 0)
+
+
+def grouped_mm_supported(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm(a [M, K], b [G, K, N], offs)`` accepts these operands."""
+    return (a.dtype == b.dtype and a.dtype in _GMM_DTYPES and a.device == b.device
+            and _aligned_2d(a) and _aligned_2d(b))
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous.
+
+    ``_grouped_mm``'s backward applies the same stride rules to the output gradient, and
+    common losses hand it a stride-0 expanded gradient (``y.sum().backward()`` fails with
+    "Invalid strides/sizes" on CPU and CUDA otherwise).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+class GroupedExperts(nn.Module):
+    """``E`` SiTU-GLU experts ``y = (SiTU(x Wg) * cap(x Wu)) Wd`` over expert-sorted tokens.
+
+    Weights: ``w_gate [E, in, ffn]``, ``w_up [E, in, ffn]``, ``w_down [E, ffn, in]``.
+    Init is normal(0, init_std); ``down_std`` (default ``init_std``) lets a model scale the
+    output projection, e.g. by 1/sqrt(2 * num_layers).
+    """
+
+    def __init__(self, num_experts: int, in_size: int, ffn_size: int, *,
+                 init_std: float = 0.02, down_std: float | None = None,
+                 beta: float = DEFAULT_BETA, beta_lin: float = DEFAULT_BETA_LIN):
+        super().__init__()
+        self.num_experts, self.in_size, self.ffn_size = num_experts, in_size, ffn_size
+        self.init_std = init_std
+        self.down_std = init_std if down_std is None else down_std
+        self.beta, self.beta_lin = beta, beta_lin
+        self.w_gate = nn.Parameter(torch.empty(num_experts, in_size, ffn_size))
+        self.w_up = nn.Parameter(torch.empty(num_experts, in_size, ffn_size))
+        self.w_down = nn.Parameter(torch.empty(num_experts, ffn_size, in_size))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # Fixed order so that a given torch.manual_seed always gives the same experts.
+        nn.init.normal_(self.w_gate, std=self.init_std)
+        nn.init.normal_(self.w_up, std=self.init_std)
+        nn.init.normal_(self.w_down, std=self.down_std)
+
+    def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """x_sorted: ``[M, in]`` rows grouped by expert (expert 0 first);
+        tokens_per_expert: ``[E]`` integer counts summing to M. Returns ``[M, in]``."""
+        if not (grouped_mm_supported(x_sorted, self.w_gate)
+                and grouped_mm_supported(x_sorted, self.w_down)):
+            return self.forward_loop(x_sorted, tokens_per_expert)
+        # Offsets stay on the device: no host sync on the grouped path.
+        offs = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
+        gate = torch._grouped_mm(x_sorted, self.w_gate, offs=offs)
+        up = torch._grouped_mm(x_sorted, self.w_up, offs=offs)
+        h = situ_glu(gate, up, self.beta, self.beta_lin)
+        return _ContiguousGrad.apply(torch._grouped_mm(h, self.w_down, offs=offs))
+
+    def forward_loop(self, x_sorted: torch.Tensor,
+                     tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """Per-expert loop with the same contract as ``forward``; the reference path and the
+        fallback for operands ``torch._grouped_mm`` rejects. Reads the counts on the host."""
+        chunks = torch.split(x_sorted, tokens_per_expert.tolist(), dim=0)
+        outs = []
+        for e, xe in enumerate(chunks):
+            h = situ_glu(xe @ self.w_gate[e], xe @ self.w_up[e], self.beta, self.beta_lin)
+            outs.append(h @ self.w_down[e])
+        return torch.cat(outs, dim=0)
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, in={self.in_size}, ffn={self.ffn_size}"
+
+
+class SiTUGLUMLP(nn.Module):
+    """Dense SiTU-GLU MLP ``[..., d] -> [..., d]`` with intermediate size ``ffn_size``
+    (gate_proj, up_proj: d -> ffn; down_proj: ffn -> d; no biases)."""
+
+    def __init__(self, hidden_size: int, ffn_size: int, *, init_std: float = 0.02,
+                 down_std: float | None = None, beta: float = DEFAULT_BETA,
+                 beta_lin: float = DEFAULT_BETA_LIN):
+        super().__init__()
+        self.beta, self.beta_lin = beta, beta_lin
+        self.gate_proj = nn.Linear(hidden_size, ffn_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, ffn_size, bias=False)
+        self.down_proj = nn.Linear(ffn_size, hidden_size, bias=False)
+        nn.init.normal_(self.gate_proj.weight, std=init_std)
+        nn.init.normal_(self.up_proj.weight, std=init_std)
+        nn.init.normal_(self.down_proj.weight, std=init_std if down_std is None else down_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = situ_glu(self.gate_proj(x), self.up_proj(x), self.beta, self.beta_lin)
+        return self.down_proj(h)

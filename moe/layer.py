@@ -1,0 +1,106 @@
+"""Stable LatentMoE: routed SiTU-GLU experts in a narrow latent space plus a shared expert.
+
+    router(x) -> top-k experts and weights            (on the full hidden x)
+    latent = down(x)                                   d -> latent
+    routed = sum_k w_k E_k(latent)                     experts in the latent dim
+    out    = up(RMSNorm(routed)) + shared(x)           latent -> d, shared on full width
+
+Running the experts in the latent dim cuts expert weights and all-to-all traffic by
+hidden/latent; the RMSNorm before ``up`` keeps the scale of the routed sum stable whatever
+the routing weights (the "Stable" in Stable LatentMoE).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from .balancing import switch_aux_loss
+from .dispatch import LocalDispatcher, TokenDispatcher
+from .experts import GroupedExperts, SiTUGLUMLP
+from .router import RouterOutput, SigmoidTopKRouter
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim with a learnable weight, computed in (at least) fp32."""
+
+    def __init__(self, size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        y = F.rms_norm(x.to(dtype), (x.shape[-1],), self.weight.to(dtype), self.eps)
+        return y.to(x.dtype)
+
+
+class LatentMoE(nn.Module):
+    """Stable LatentMoE layer (module docstring); ``[B, T, d]`` or ``[N, d]`` -> same shape.
+
+    Args:
+        hidden_size: model width d.
+        latent_size: width the routed experts run in (down/up projections exist even when it
+            equals hidden_size, as in K3).
+        num_experts, topk: routed experts and experts per token.
+        expert_ffn_size: intermediate size of each routed expert.
+        num_shared_experts, shared_ffn_size: the shared branch is ONE SiTU-GLU MLP of width
+            ``num_shared_experts * shared_ffn_size``; none when num_shared_experts == 0.
+        dispatcher: token dispatcher (default ``LocalDispatcher``); the routed experts are
+            built for its ``num_local_experts``.
+        aux_loss_coef: when > 0, forward stores ``aux_loss_coef * switch_aux_loss`` in
+            ``self.aux_loss`` (in the graph, ready to be added to the loss).
+        init_std: std of all weight inits.
+
+    State written by forward (read by balancers and metrics, outside autograd):
+        last_routing: ``RouterOutput`` of the last forward, detached.
+        tokens_per_expert: ``[E_local]`` counts of the last forward (local experts).
+        aux_loss: scalar tensor or None.
+    """
+
+    def __init__(self, hidden_size: int, latent_size: int, num_experts: int, topk: int,
+                 expert_ffn_size: int, num_shared_experts: int = 0, shared_ffn_size: int = 0,
+                 dispatcher: TokenDispatcher | None = None, aux_loss_coef: float = 0.0,
+                 init_std: float = 0.02):
+        super().__init__()
+        self.hidden_size, self.latent_size = hidden_size, latent_size
+        self.num_experts, self.topk = num_experts, topk
+        self.aux_loss_coef = aux_loss_coef
+        self.dispatcher = dispatcher if dispatcher is not None else LocalDispatcher(num_experts)
+        if self.dispatcher.num_experts != num_experts:
+            raise ValueError(f"dispatcher routes {self.dispatcher.num_experts} experts, "
+                             f"layer has {num_experts}")
+        self.router = SigmoidTopKRouter(hidden_size, num_experts, topk, init_std=init_std)
+        self.down = nn.Linear(hidden_size, latent_size, bias=False)
+        self.experts = GroupedExperts(self.dispatcher.num_local_experts, latent_size,
+                                      expert_ffn_size, init_std=init_std)
+        self.norm = RMSNorm(latent_size, eps=1e-6)
+        self.up = nn.Linear(latent_size, hidden_size, bias=False)
+        self.shared = (SiTUGLUMLP(hidden_size, num_shared_experts * shared_ffn_size,
+                                  init_std=init_std)
+                       if num_shared_experts > 0 else None)
+        nn.init.normal_(self.down.weight, std=init_std)
+        nn.init.normal_(self.up.weight, std=init_std)
+        self.last_routing: RouterOutput | None = None
+        self.tokens_per_expert: torch.Tensor | None = None
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: ``[B, T, d]`` or ``[N, d]`` -> same shape and dtype."""
+        shape = x.shape
+        x2 = x.reshape(-1, self.hidden_size)
+        routing = self.router(x2)
+        latent = self.down(x2)
+        x_sorted, tokens_per_expert, state = self.dispatcher.dispatch(
+            latent, routing.indices, routing.weights)
+        y_sorted = self.experts(x_sorted, tokens_per_expert)
+        routed = self.dispatcher.combine(y_sorted, state)
+        out = self.up(self.norm(routed))
+        if self.shared is not None:
+            out = out + self.shared(x2)
+        self.last_routing = routing.detach()
+        self.tokens_per_expert = tokens_per_expert.detach()
+        self.aux_loss = (self.aux_loss_coef * switch_aux_loss(
+            routing.scores, routing.indices, self.num_experts, self.topk)
+            if self.aux_loss_coef > 0 else None)
+        return out.reshape(shape)
