@@ -1,0 +1,90 @@
+"""Kimi Delta Attention ops: recurrent oracle, chunked pure-torch form, and backend dispatch.
+
+``kda`` runs fla's Triton ``chunk_kda`` on CUDA tensors when ``fla`` is importable, else
+``chunk_kda_torch``. All paths share fla's conventions: q,k ``[B, T, H, K]`` (L2-normalised by
+the caller), v ``[B, T, H, V]``, g per-key log-decay ``[B, T, H, K]``, beta ``[B, T, H]``,
+state ``[B, H, K, V]`` in fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from k3train.ops.kda.chunk import chunk_kda_torch
+from k3train.ops.kda.naive import naive_recurrent_kda
+
+__all__ = ["chunk_kda_torch", "kda", "kda_backend", "naive_recurrent_kda"]
+
+
+@functools.cache
+def _fla_chunk_kda():
+    """fla's ``chunk_kda``, or None when fla (or its Triton stack) cannot be imported."""
+    # Imported lazily: fla pulls in Triton, which CPU-only installs do not have.
+    try:
+        from fla.ops.kda import chunk_kda
+    except ImportError:
+        return None
+    return chunk_kda
+
+
+def kda_backend(device: torch.device | str) -> str:
+    """Which implementation ``kda`` runs for tensors on ``device``: ``"fla"`` or ``"torch"``."""
+    if torch.device(device).type == "cuda" and _fla_chunk_kda() is not None:
+        return "fla"
+    return "torch"
+
+
+def kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Kimi Delta Attention on the fastest available backend.
+
+    Args:
+        q: queries ``[B, T, H, K]``, already L2-normalised over ``K``.
+        k: keys ``[B, T, H, K]``, already L2-normalised over ``K``.
+        v: values ``[B, T, H, V]``.
+        g: per-key log-decay ``[B, T, H, K]``, ``<= 0`` (already through the gate activation).
+        beta: delta-rule write strength ``[B, T, H]``, already through the sigmoid.
+        scale: query scale; defaults to ``K ** -0.5``.
+        initial_state: ``[B, H, K, V]`` state before the first token, or None.
+        output_final_state: whether to return the state after the last token.
+
+    Returns:
+        ``(o, final_state)``: ``o`` ``[B, T, H, V]`` in ``v.dtype``; ``final_state``
+        ``[B, H, K, V]`` (fp32) or None.
+    """
+    if kda_backend(q.device) == "fla":
+        # Matched to fla 0.6.0 (fla-core 0.6.0, fla/ops/kda/chunk.py):
+        #   chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+        #             use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+        #             use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False,
+        #             lower_bound=None, ..., cu_seqlens=None, ...) -> (o, final_state)
+        # q,k arrive normalised, g is already the log-decay and beta already a sigmoid, so the
+        # in-kernel l2norm / gate / beta-sigmoid flags are pinned off. fla asserts an fp32 state.
+        if initial_state is not None:
+            initial_state = initial_state.float()
+        return _fla_chunk_kda()(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=False,
+            use_gate_in_kernel=False,
+            use_beta_sigmoid_in_kernel=False,
+        )
+    return chunk_kda_torch(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state
+    )
