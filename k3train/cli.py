@@ -1,0 +1,95 @@
+"""Command-line entry point: ``k3train <command> ...`` and ``python -m k3train <command> ...``."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from pathlib import Path
+
+# megatron-core warns at import time that optional fused kernels are missing; we never use them.
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="YAML run config, e.g. configs/k3_tiny.yaml")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value",
+                   help="config overrides, e.g. train.steps=50 optim.lr=1e-3")
+
+
+def _cmd_train(args) -> int:
+    from k3train.config import load_config
+    from k3train.trainer.loop import train
+
+    cfg = load_config(args.config, args.overrides)
+    run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem)
+    train(cfg, run_dir, resume=args.resume)
+    return 0
+
+
+def _cmd_model_info(args) -> int:
+    from k3train.config import load_config
+    from k3train.distributed import init_distributed, shutdown_distributed
+    from k3train.model.info import format_info, model_info
+
+    cfg = load_config(args.config, args.overrides)
+    init_distributed()
+    try:
+        counts, assumptions = model_info(cfg)
+    finally:
+        shutdown_distributed()
+    print(f"model: {args.config}  ({cfg.model.num_layers} layers, pattern {cfg.model.layer_pattern}, "
+          f"hidden {cfg.model.hidden_size}, {cfg.moe.num_experts} experts top-{cfg.moe.topk})")
+    print(format_info(counts, assumptions))
+    return 0
+
+
+def _cmd_prepare_data(args) -> int:
+    from k3train.data import get_tokenizer, prepare_data
+
+    stats = prepare_data(args.inputs, args.output_prefix, get_tokenizer(args.tokenizer), text_key=args.text_key)
+    print(f"wrote {args.output_prefix}.bin/.idx/.meta.json: {stats['num_documents']:,} documents, "
+          f"{stats['num_tokens']:,} tokens ({stats['tokenizer']} tokenizer)")
+    print(f"train on it with: k3train train --config configs/k3_tiny.yaml data.source={args.output_prefix}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="k3train", description="Train Kimi-K3-style hybrid MoE models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train a model (CPU or GPU; torchrun for several processes)")
+    _add_config_args(p)
+    p.add_argument("--run-dir", help="where config.yaml, metrics.jsonl and checkpoints go "
+                                     "(default runs/<config name>)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest verified checkpoint")
+    p.set_defaults(fn=_cmd_train)
+
+    p = sub.add_parser("model-info", help="print total and activated parameters per component")
+    _add_config_args(p)
+    p.set_defaults(fn=_cmd_model_info)
+
+    p = sub.add_parser("prepare-data", help="tokenize .txt/.jsonl/.parquet files into an indexed dataset")
+    p.add_argument("inputs", nargs="+", help="input files")
+    p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx, PREFIX.meta.json")
+    p.add_argument("--tokenizer", default="byte", help="tokenizer name (default: byte)")
+    p.add_argument("--text-key", default="text", help="field holding the text in .jsonl/.parquet")
+    p.set_defaults(fn=_cmd_prepare_data)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("WANDB_SILENT", "true")
+    from k3train.config import ConfigError
+
+    try:
+        return args.fn(args)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        # Bad input: one clear message, no traceback. Bugs (other exceptions) keep their traceback.
+        print(f"k3train: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

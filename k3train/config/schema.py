@@ -1,0 +1,200 @@
+"""Typed, validated run configuration.
+
+Every field has a default that suits the CPU quickstart; YAML files in ``configs/`` override
+them and ``key.sub=value`` arguments override the YAML. Unknown keys are rejected (a typo must
+never silently fall back to a default).
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class KDAConfig(_Strict):
+    """Kimi Delta Attention sublayer."""
+
+    num_heads: int = Field(4, ge=1)
+    head_dim: int = Field(64, ge=1)
+    """Key and value head dimension (K = V)."""
+    conv_size: int = Field(4, ge=1)
+    """Kernel of the causal depthwise short convolution on q, k, v."""
+    gate_lower_bound: float = Field(-5.0, lt=0)
+    """K3 "safe" gate: g = lower_bound * sigmoid(...) so each step keeps at least exp(lower_bound)."""
+    chunk_size: int = Field(64, ge=1)
+    """Chunk length of the pure-torch chunked kernel (CPU path)."""
+
+
+class MLAConfig(_Strict):
+    """Gated multi-head latent attention sublayer (NoPE)."""
+
+    num_heads: int = Field(4, ge=1)
+    q_lora_rank: int = Field(128, ge=1)
+    kv_lora_rank: int = Field(128, ge=1)
+    qk_nope_head_dim: int = Field(64, ge=1)
+    qk_rope_head_dim: int = Field(32, ge=0)
+    """Width of the key part shared by all heads (DeepSeek's rope part; no rotary is applied)."""
+    v_head_dim: int = Field(64, ge=1)
+
+
+class AttnResConfig(_Strict):
+    """Block Attention Residuals over depth."""
+
+    enabled: bool = True
+    """False gives the standard pre-norm residual baseline."""
+    block_size: int = Field(2, ge=1)
+    """Transformer layers (attention + FFN) per AttnRes block."""
+
+
+class FFNConfig(_Strict):
+    """Dense SiTU-GLU feed-forward (the first ``dense_layers`` layers)."""
+
+    intermediate_size: int = Field(512, ge=1)
+    situ_beta: float = Field(4.0, gt=0)
+    situ_beta_lin: float = Field(25.0, gt=0)
+
+
+class ModelConfig(_Strict):
+    vocab_size: int = Field(320, ge=2)
+    """Embedding rows; must be >= the tokenizer's vocabulary (extra rows are never targets)."""
+    hidden_size: int = Field(256, ge=1)
+    num_layers: int = Field(8, ge=1)
+    layer_pattern: str = "KKKM"
+    """K = KDA, M = gated MLA. Either one unit repeated to ``num_layers`` ("KKKM") or terms
+    joined by '+' with repeat counts whose lengths add up to ``num_layers`` ("KKKM*21+KKM*3")."""
+    dense_layers: int = Field(1, ge=0)
+    """The first N layers use a dense SiTU-GLU FFN, the rest LatentMoE."""
+    tie_embeddings: bool = False
+    init_std: float = Field(0.02, gt=0)
+    norm_eps: float = Field(1e-6, gt=0)
+    kda: KDAConfig = KDAConfig()
+    mla: MLAConfig = MLAConfig()
+    attnres: AttnResConfig = AttnResConfig()
+    ffn: FFNConfig = FFNConfig()
+
+
+class MoEConfig(_Strict):
+    """Stable LatentMoE layers and their load balancing."""
+
+    num_experts: int = Field(8, ge=1)
+    topk: int = Field(2, ge=1)
+    latent_size: int = Field(128, ge=1)
+    expert_ffn_size: int = Field(128, ge=1)
+    num_shared_experts: int = Field(1, ge=0)
+    shared_ffn_size: int = Field(256, ge=1)
+    balancing: Literal["quantile", "aux_free", "aux_loss", "none"] = "quantile"
+    aux_free_rate: float = Field(1e-3, gt=0)
+    aux_loss_coef: float = Field(1e-2, ge=0)
+    """Weight of the switch-style balance loss; used only with ``balancing: aux_loss``."""
+    dispatcher: Literal["local"] = "local"
+
+    @model_validator(mode="after")
+    def _topk_fits(self) -> "MoEConfig":
+        if self.topk >= self.num_experts:
+            raise ValueError(f"moe.topk ({self.topk}) must be smaller than moe.num_experts ({self.num_experts})")
+        return self
+
+
+class DataConfig(_Strict):
+    source: str = "embedded"
+    """"embedded" (Python's documentation text, no download) or the prefix of a dataset
+    written by ``k3train prepare-data``."""
+    tokenizer: Literal["byte"] = "byte"
+    val_fraction: float = Field(0.05, gt=0, lt=1)
+
+
+class TrainConfig(_Strict):
+    steps: int = Field(200, ge=1)
+    seed: int = 1234
+    micro_batch_size: int = Field(8, ge=1)
+    microbatches: int = Field(1, ge=1)
+    """Microbatches per step (gradient accumulation; pipeline microbatches when pp > 1)."""
+    seq_len: int = Field(128, ge=2)
+    grad_clip: float = Field(1.0, ge=0)
+    """Global gradient-norm clip; 0 disables it."""
+    log_interval: int = Field(10, ge=1)
+    eval_interval: int = Field(50, ge=1)
+    eval_batches: int = Field(4, ge=1)
+    max_consecutive_skips: int = Field(5, ge=1)
+    """Steps with a non-finite loss or gradient are skipped; this many in a row stop the run."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: int = Field(0, ge=0)
+    """CPU threads for torch (0 leaves torch's default)."""
+
+
+class OptimConfig(_Strict):
+    name: Literal["adamw", "muon"] = "adamw"
+    lr: float = Field(3e-3, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    warmup_steps: int = Field(20, ge=0)
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    muon_per_head: bool = True
+    """Orthogonalise q/k/v projection updates head by head (K3) rather than whole."""
+
+
+class ParallelConfig(_Strict):
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    vpp: int = Field(1, ge=1)
+    """Virtual pipeline stages (model chunks) per pipeline rank."""
+    ep: int = Field(1, ge=1)
+
+
+class PipelineConfig(_Strict):
+    attnres_transport: Literal["cached", "naive"] = "cached"
+
+
+class PrecisionConfig(_Strict):
+    recipe: Literal["bf16", "fp8", "mxfp8", "mxfp4_qat"] = "bf16"
+    """bf16: bf16 autocast on CUDA, fp32 on CPU."""
+
+
+class CheckpointConfig(_Strict):
+    interval: int = Field(0, ge=0)
+    """Save every N steps (0: only at the end of the run)."""
+    keep_last: int = Field(2, ge=1)
+
+
+class WandbConfig(_Strict):
+    mode: Literal["offline", "online", "disabled"] = "offline"
+    project: str = "k3train"
+    group: str | None = None
+    name: str | None = None
+
+
+class LoggingConfig(_Strict):
+    wandb: WandbConfig = WandbConfig()
+    progress_bar: bool = True
+
+
+class RunConfig(_Strict):
+    """The whole run: one YAML file maps onto this object."""
+
+    model: ModelConfig = ModelConfig()
+    moe: MoEConfig = MoEConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    optim: OptimConfig = OptimConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    precision: PrecisionConfig = PrecisionConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    @model_validator(mode="after")
+    def _cross_field_checks(self) -> "RunConfig":
+        from k3train.model.layout import expand_layer_pattern
+
+        m = self.model
+        expand_layer_pattern(m.layer_pattern, m.num_layers)  # raises with a precise message
+        if m.dense_layers > m.num_layers:
+            raise ValueError(f"model.dense_layers ({m.dense_layers}) exceeds model.num_layers ({m.num_layers})")
+        return self

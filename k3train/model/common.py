@@ -1,0 +1,149 @@
+"""Pieces shared by every sublayer: RMSNorm and the tensor-parallel linear wrappers.
+
+Projections are megatron-core ``ColumnParallelLinear`` / ``RowParallelLinear`` so that
+``parallel.tp > 1`` shards heads and FFN width. They are built with CPU initialisation: the full
+master weight is drawn from the global RNG on every rank and each rank keeps its slice, so a
+TP=2 model holds exactly the weights of the TP=1 model with the same seed.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMS normalisation over the last dim, computed in fp32 or wider (bf16 sums of squares drift)."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.to(xf.dtype)
+    return y.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def tp_size() -> int:
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def tp_rank() -> int:
+    return parallel_state.get_tensor_model_parallel_rank()
+
+
+def divide(total: int, parts: int, what: str) -> int:
+    if total % parts:
+        raise ValueError(f"{what} ({total}) must be divisible by parallel.tp ({parts})")
+    return total // parts
+
+
+@functools.lru_cache(maxsize=8)
+def _mp_config(tp: int) -> ModelParallelConfig:
+    return ModelParallelConfig(
+        tensor_model_parallel_size=tp,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        sequence_parallel=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def _normal(std: float):
+    return functools.partial(nn.init.normal_, mean=0.0, std=std)
+
+
+class ColumnLinear(nn.Module):
+    """``y[..., out/tp] = x[..., in] @ W^T``: output features sharded over tensor-parallel ranks."""
+
+    def __init__(self, in_features: int, out_features: int, std: float):
+        super().__init__()
+        self.inner = ColumnParallelLinear(
+            in_features, out_features, config=_mp_config(tp_size()), init_method=_normal(std),
+            bias=False, gather_output=False,
+        )
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.inner.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)[0]
+
+
+class RowLinear(nn.Module):
+    """``y[..., out] = sum over tp of x[..., in/tp] @ W_shard^T``: input features sharded."""
+
+    def __init__(self, in_features: int, out_features: int, std: float):
+        super().__init__()
+        self.inner = RowParallelLinear(
+            in_features, out_features, config=_mp_config(tp_size()), init_method=_normal(std),
+            bias=False, input_is_parallel=True, skip_bias_add=False,
+        )
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.inner.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)[0]
+
+
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over tensor-parallel ranks.
+
+    For a replicated tensor that feeds only this rank's heads. (megatron-core's
+    ``copy_to_tensor_model_parallel_region`` reduces ``grad.contiguous()`` but returns the
+    original grad, so a non-contiguous gradient comes back unreduced; we own this one.)
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
+        return grad
+
+
+def sum_grad_over_tp(x: torch.Tensor) -> torch.Tensor:
+    return _SumGradOverTP.apply(x) if tp_size() > 1 else x
+
+
+def replicated_linear(in_features: int, out_features: int, std: float) -> nn.Linear:
+    """A plain linear that every tensor-parallel rank holds whole (small low-rank projections)."""
+    lin = nn.Linear(in_features, out_features, bias=False)
+    nn.init.normal_(lin.weight, std=std)
+    return lin
+
+
+def sharded_param(full: torch.Tensor, parts: int, rank: int) -> nn.Parameter:
+    """This rank's contiguous slice of dim 0 (heads / channels) as a Parameter.
+
+    Marked ``tensor_model_parallel`` like megatron-core's sharded weights, so that gradient-norm
+    code sums it over tensor-parallel ranks instead of counting it as a replica.
+    """
+    p = nn.Parameter(full.chunk(parts, dim=0)[rank].clone())
+    p.tensor_model_parallel, p.partition_dim = True, 0
+    return p
+
+
+def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Causal depthwise 1-D convolution. x: [B, T, C], weight: [C, W] -> [B, T, C]."""
+    width = weight.shape[1]
+    xt = F.pad(x.transpose(1, 2), (width - 1, 0))
+    return F.conv1d(xt, weight.unsqueeze(1).to(x.dtype), groups=weight.shape[0]).transpose(1, 2)

@@ -1,0 +1,79 @@
+"""Kimi Delta Attention sublayer (Kimi Linear, arXiv 2510.26692) with K3's safe gate.
+
+x -> q, k, v: linear -> causal depthwise short conv -> SiLU; q, k L2-normalised per head.
+Forget gate (low rank d -> head_dim -> H*K): g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias)),
+a per-channel log-decay in (lower_bound, 0). beta = sigmoid(linear d -> H).
+o = KDA(q, k, v, g, beta); out = o_proj(RMSNorm_head(o) * sigmoid(W_gate x)).
+Heads are sharded over tensor-parallel ranks; every per-head parameter is sharded with them.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from k3train.model.common import (
+    ColumnLinear, RowLinear, causal_depthwise_conv, divide, replicated_linear, rms_norm, sharded_param,
+    tp_rank, tp_size,
+)
+from k3train.ops.kda import kda
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, conv_size: int = 4,
+                 gate_lower_bound: float = -5.0, chunk_size: int = 64, std: float = 0.02,
+                 out_std: float | None = None, eps: float = 1e-6):
+        super().__init__()
+        tp, rank = tp_size(), tp_rank()
+        self.num_heads = divide(num_heads, tp, "model.kda.num_heads")
+        self.head_dim, self.lower_bound, self.chunk_size, self.eps = head_dim, gate_lower_bound, chunk_size, eps
+        width = num_heads * head_dim
+        self.q_proj = ColumnLinear(hidden_size, width, std)
+        self.k_proj = ColumnLinear(hidden_size, width, std)
+        self.v_proj = ColumnLinear(hidden_size, width, std)
+        # Depthwise conv weights are drawn whole and sliced so every TP size sees the same model.
+        bound = 1.0 / math.sqrt(conv_size)
+        self.q_conv, self.k_conv, self.v_conv = (
+            sharded_param(torch.empty(width, conv_size).uniform_(-bound, bound), tp, rank)
+            for _ in range(3)
+        )
+        self.f_down = replicated_linear(hidden_size, head_dim, std)
+        self.f_up = ColumnLinear(head_dim, width, std)
+        # A = exp(A_log) = 1 at init; dt_bias puts the per-step decay rate -g at init log-uniformly in
+        # [1e-3, 1e-1] (long memory first), inverting g = lb * sigmoid(dt_bias).
+        rate = torch.exp(torch.empty(num_heads, head_dim).uniform_(math.log(1e-3), math.log(1e-1)))
+        self.A_log = sharded_param(torch.zeros(num_heads), tp, rank)
+        self.dt_bias = sharded_param(torch.logit(rate / abs(gate_lower_bound)), tp, rank)
+        self.b_proj = ColumnLinear(hidden_size, num_heads, std)
+        self.g_proj = ColumnLinear(hidden_size, width, std)
+        # Per-head norm weights: a shared [K] weight would see only local heads under TP.
+        self.o_norm_weight = sharded_param(torch.ones(num_heads, head_dim), tp, rank)
+        self.o_proj = RowLinear(width, hidden_size, out_std or std)
+
+    def _qkv(self, proj: ColumnLinear, conv: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        y = F.silu(causal_depthwise_conv(proj(x), conv))
+        return y.view(B, T, self.num_heads, self.head_dim)
+
+    def gate(self, x: torch.Tensor) -> torch.Tensor:
+        """Log-decay g: [B, T, H, K] fp32 in (lower_bound, 0)."""
+        B, T, _ = x.shape
+        ct = torch.promote_types(x.dtype, torch.float32)
+        f = self.f_up(self.f_down(x)).view(B, T, self.num_heads, self.head_dim).to(ct)
+        a = torch.exp(self.A_log.to(ct))[:, None]
+        return self.lower_bound * torch.sigmoid(a * (f + self.dt_bias.to(ct)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, D] -> [B, T, D]."""
+        B, T, _ = x.shape
+        ct = torch.promote_types(x.dtype, torch.float32)  # fp32 at least; fp64 stays fp64 (tests)
+        q = F.normalize(self._qkv(self.q_proj, self.q_conv, x).to(ct), dim=-1).to(x.dtype)
+        k = F.normalize(self._qkv(self.k_proj, self.k_conv, x).to(ct), dim=-1).to(x.dtype)
+        v = self._qkv(self.v_proj, self.v_conv, x)
+        beta = torch.sigmoid(self.b_proj(x).to(ct))
+        o, _ = kda(q, k, v, self.gate(x), beta)
+        o = rms_norm(o, self.o_norm_weight, self.eps)
+        o = o * torch.sigmoid(self.g_proj(x)).view(B, T, self.num_heads, self.head_dim).to(o.dtype)
+        return self.o_proj(o.reshape(B, T, -1).to(x.dtype))

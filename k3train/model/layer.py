@@ -1,0 +1,78 @@
+"""One K3 layer: a token mixer (KDA or gated MLA) and an FFN (dense SiTU-GLU or LatentMoE).
+
+The layer reads and writes a ``StageIO``, the same object that crosses pipeline stages:
+* standard residual: ``hidden`` is the residual stream, ``blocks`` is empty;
+* Block AttnRes: ``blocks`` holds completed blocks by global index (0 = embedding) and
+  ``hidden`` the current block's partial sum (None right after a block closed).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from k3train.model.attnres import DepthAttention
+from k3train.model.common import RMSNorm
+from pipeline.stage_io import StageIO
+
+
+class AuxLossAttach(torch.autograd.Function):
+    """Identity on ``x`` whose backward also sends ``grad_scale`` into ``aux``.
+
+    Lets a layer deep inside a pipeline chunk contribute a loss term (the MoE balance loss)
+    without returning it through every stage boundary.
+    """
+
+    grad_scale = 1.0  # the trainer sets 1/microbatches, matching how the main loss is averaged
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, AuxLossAttach.grad_scale)
+
+
+class K3Layer(nn.Module):
+    def __init__(self, index: int, mixer: nn.Module, ffn: nn.Module, hidden_size: int,
+                 attnres_block_size: int | None, eps: float = 1e-6):
+        super().__init__()
+        self.index = index
+        self.mixer_norm, self.mixer = RMSNorm(hidden_size, eps), mixer
+        self.ffn_norm, self.ffn = RMSNorm(hidden_size, eps), ffn
+        self.block_size = attnres_block_size
+        if attnres_block_size is not None:
+            self.mixer_res = DepthAttention(hidden_size, eps)
+            self.ffn_res = DepthAttention(hidden_size, eps)
+
+    @property
+    def closes_block(self) -> int | None:
+        """Global index of the AttnRes block this layer completes, if any."""
+        if self.block_size is None or (self.index + 1) % self.block_size:
+            return None
+        return (self.index + 1) // self.block_size
+
+    def _ffn(self, h: torch.Tensor) -> torch.Tensor:
+        y = self.ffn(self.ffn_norm(h))
+        aux = getattr(self.ffn, "aux_loss", None)
+        if aux is not None and torch.is_grad_enabled():
+            y = AuxLossAttach.apply(y, aux)
+        return y
+
+    def forward(self, io: StageIO) -> StageIO:
+        if self.block_size is None:
+            h = io.hidden
+            h = h + self.mixer(self.mixer_norm(h))
+            return StageIO(hidden=h + self._ffn(h), blocks=io.blocks)
+        done = [io.blocks[i] for i in sorted(io.blocks)]
+        partial = io.hidden
+        h = self.mixer_res(done if partial is None else done + [partial])
+        y = self.mixer(self.mixer_norm(h))
+        partial = y if partial is None else partial + y
+        partial = partial + self._ffn(self.ffn_res(done + [partial]))
+        closed = self.closes_block
+        if closed is None:
+            return StageIO(hidden=partial, blocks=io.blocks)
+        return StageIO(hidden=None, blocks={**io.blocks, closed: partial})

@@ -1,0 +1,50 @@
+"""Gated multi-head latent attention (DeepSeek-style low-rank q/kv, NoPE, sigmoid output gate).
+
+q = q_up(RMSNorm(q_down x)) per head [nope + rope]; kv_down x = [c_kv, k_shared];
+[k_nope, v] = kv_up(RMSNorm(c_kv)) per head; k = [k_nope, k_shared broadcast over heads].
+No rotary embedding: KDA layers supply position. Gate (arXiv 2505.06708):
+out = o_proj(attn * sigmoid(W_g x)). Heads are sharded over tensor-parallel ranks.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from k3train.model.common import (
+    ColumnLinear, RMSNorm, RowLinear, divide, replicated_linear, sum_grad_over_tp, tp_size,
+)
+
+
+class GatedMLA(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int, kv_lora_rank: int,
+                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, std: float = 0.02,
+                 out_std: float | None = None, eps: float = 1e-6):
+        super().__init__()
+        self.num_heads = divide(num_heads, tp_size(), "model.mla.num_heads")
+        self.nope, self.rope, self.v_dim, self.kv_rank = qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank
+        self.scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
+        self.q_down = replicated_linear(hidden_size, q_lora_rank, std)
+        self.q_norm = RMSNorm(q_lora_rank, eps)
+        self.q_up = ColumnLinear(q_lora_rank, num_heads * (qk_nope_head_dim + qk_rope_head_dim), std)
+        self.kv_down = replicated_linear(hidden_size, kv_lora_rank + qk_rope_head_dim, std)
+        self.kv_norm = RMSNorm(kv_lora_rank, eps)
+        self.kv_up = ColumnLinear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), std)
+        self.gate_proj = ColumnLinear(hidden_size, num_heads * v_head_dim, std)
+        self.o_proj = RowLinear(num_heads * v_head_dim, hidden_size, out_std or std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, D] -> [B, T, D]."""
+        B, T, _ = x.shape
+        H = self.num_heads
+        q = self.q_up(self.q_norm(self.q_down(x))).view(B, T, H, self.nope + self.rope)
+        c_kv, k_shared = self.kv_down(x).split([self.kv_rank, self.rope], dim=-1)
+        k_shared = sum_grad_over_tp(k_shared)  # feeds only this rank's heads
+        k_nope, v = self.kv_up(self.kv_norm(c_kv)).view(B, T, H, self.nope + self.v_dim).split(
+            [self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_shared.unsqueeze(2).expand(B, T, H, self.rope)], dim=-1)
+        attn = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.scale,
+        ).transpose(1, 2)  # [B, T, H, v_dim]
+        gate = torch.sigmoid(self.gate_proj(x)).view(B, T, H, self.v_dim)
+        return self.o_proj((attn * gate).reshape(B, T, H * self.v_dim))

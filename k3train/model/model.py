@@ -1,0 +1,138 @@
+"""The K3 model as a list of chunks: each chunk owns a contiguous range of layers.
+
+A single-device model is one chunk holding everything; a pipeline rank builds only its chunks.
+Every layer is initialised from its own seed (run seed, layer index), so a chunk holds exactly
+the weights that the same layers hold in the single-device model: this is what lets the
+pipeline tests compare gradients against a one-process run.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from k3train.config.schema import RunConfig
+from k3train.model.attnres import DepthAttention
+from k3train.model.common import RMSNorm
+from k3train.model.ffn import SiTUGLU
+from k3train.model.kda_layer import KimiDeltaAttention
+from k3train.model.layer import K3Layer
+from k3train.model.layout import expand_layer_pattern
+from k3train.model.mla import GatedMLA
+from moe import LatentMoE
+from pipeline.stage_io import StageIO
+
+_EMBED_SALT, _HEAD_SALT = 0, 1_000_003
+
+
+@contextlib.contextmanager
+def seeded(seed: int, salt: int):
+    """Draw parameters from a private RNG stream so construction order does not matter."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed * 7919 + salt)
+        yield
+
+
+def build_layer(cfg: RunConfig, index: int) -> K3Layer:
+    m, moe = cfg.model, cfg.moe
+    kind = expand_layer_pattern(m.layer_pattern, m.num_layers)[index]
+    std = m.init_std
+    out_std = std / math.sqrt(2 * m.num_layers)  # residual-branch outputs shrink with depth
+    with seeded(cfg.train.seed, 1 + index):
+        if kind == "K":
+            k = m.kda
+            mixer = KimiDeltaAttention(m.hidden_size, k.num_heads, k.head_dim, k.conv_size,
+                                       k.gate_lower_bound, k.chunk_size, std, out_std, m.norm_eps)
+        else:
+            a = m.mla
+            mixer = GatedMLA(m.hidden_size, a.num_heads, a.q_lora_rank, a.kv_lora_rank,
+                             a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, std, out_std, m.norm_eps)
+        if index < m.dense_layers:
+            ffn = SiTUGLU(m.hidden_size, m.ffn.intermediate_size, m.ffn.situ_beta, m.ffn.situ_beta_lin,
+                          std, out_std)
+        else:
+            ffn = LatentMoE(m.hidden_size, moe.latent_size, moe.num_experts, moe.topk, moe.expert_ffn_size,
+                            moe.num_shared_experts, moe.shared_ffn_size,
+                            aux_loss_coef=moe.aux_loss_coef if moe.balancing == "aux_loss" else 0.0,
+                            init_std=std)
+        block = m.attnres.block_size if m.attnres.enabled else None
+        return K3Layer(index, mixer, ffn, m.hidden_size, block, m.norm_eps)
+
+
+def produced_blocks(cfg: RunConfig, ranges: list[tuple[int, int]]) -> list[list[int]]:
+    """For each chunk (layer range), the global AttnRes block ids it completes (0 = embedding)."""
+    m = cfg.model
+    if not m.attnres.enabled:
+        return [[] for _ in ranges]
+    size = m.attnres.block_size
+    out = []
+    for c, (start, end) in enumerate(ranges):
+        ids = [0] if c == 0 else []
+        ids += [(i + 1) // size for i in range(start, end) if (i + 1) % size == 0]
+        out.append(ids)
+    return out
+
+
+class K3Chunk(nn.Module):
+    """Layers ``[start, end)``; the first chunk adds the embedding, the last the output head.
+
+    forward: first chunk takes token ids ``[B, T]``, others a ``StageIO``; the last chunk returns
+    the mean cross-entropy over ``targets [B, T]`` (or logits ``[B, T, vocab]`` without targets),
+    the others a ``StageIO``.
+    """
+
+    def __init__(self, cfg: RunConfig, start: int, end: int, first: bool, last: bool):
+        super().__init__()
+        m = cfg.model
+        self.first, self.last, self.attnres = first, last, m.attnres.enabled
+        self.layer_range = (start, end)
+        if first:
+            with seeded(cfg.train.seed, _EMBED_SALT):
+                self.embed = nn.Embedding(m.vocab_size, m.hidden_size)
+                nn.init.normal_(self.embed.weight, std=m.init_std)
+        self.layers = nn.ModuleList(build_layer(cfg, i) for i in range(start, end))
+        if last:
+            with seeded(cfg.train.seed, _HEAD_SALT):
+                if self.attnres:
+                    self.final_res = DepthAttention(m.hidden_size, m.norm_eps)
+                self.final_norm = RMSNorm(m.hidden_size, m.norm_eps)
+                self.head = nn.Linear(m.hidden_size, m.vocab_size, bias=False)
+                nn.init.normal_(self.head.weight, std=m.init_std)
+            if m.tie_embeddings:
+                if not first:
+                    raise ValueError("model.tie_embeddings needs the embedding and head in one chunk (pp=1)")
+                self.head.weight = self.embed.weight
+
+    def embed_tokens(self, tokens: torch.Tensor) -> StageIO:
+        h = self.embed(tokens)
+        return StageIO(hidden=None, blocks={0: h}) if self.attnres else StageIO(hidden=h, blocks={})
+
+    def logits(self, io: StageIO) -> torch.Tensor:
+        if self.attnres:
+            done = [io.blocks[i] for i in sorted(io.blocks)]
+            h = self.final_res(done if io.hidden is None else done + [io.hidden])
+        else:
+            h = io.hidden
+        return self.head(self.final_norm(h))
+
+    def forward(self, x, targets: torch.Tensor | None = None):
+        io = self.embed_tokens(x) if self.first else x
+        for layer in self.layers:
+            io = layer(io)
+        if not self.last:
+            return io
+        logits = self.logits(io)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def moe_layers(self) -> list[nn.Module]:
+        return [layer.ffn for layer in self.layers if isinstance(layer.ffn, LatentMoE)]
+
+
+def build_model(cfg: RunConfig) -> K3Chunk:
+    """The whole model as one chunk (single device, or the reference for pipeline tests)."""
+    return K3Chunk(cfg, 0, cfg.model.num_layers, first=True, last=True)

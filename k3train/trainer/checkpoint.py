@@ -1,0 +1,146 @@
+"""Atomic, verified checkpoints.
+
+Layout of a run directory's ``checkpoints/``:
+    step_00000100/rank_00000.pt ...   one file per rank (its model shard, optimizer, data and RNG state)
+    step_00000100/manifest.json       step, world layout, sha256 and size of every rank file
+    latest                            text file naming the newest complete step directory
+
+A save writes into ``.tmp-step_...``, fsyncs, renames the directory into place, and only then
+rewrites ``latest`` (itself via a temp file + rename). A crash at any moment therefore leaves
+the previous checkpoint and pointer intact. ``--resume`` verifies every checksum before loading
+and names the corrupted file if one does not match.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, state: dict[str, Any], layout: dict,
+                    keep_last: int = 2) -> Path:
+    """Collective: every rank passes its own ``state``; returns the final directory."""
+    ckpt_dir = Path(ckpt_dir)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    final, tmp = ckpt_dir / _step_name(step), ckpt_dir / f".tmp-{_step_name(step)}"
+    if rank == 0:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    _barrier()
+    rank_file = tmp / f"rank_{rank:05d}.pt"
+    with open(rank_file, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _barrier()
+    if rank == 0:
+        files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in sorted(tmp.glob("rank_*.pt"))}
+        if len(files) != world:
+            raise CheckpointError(f"expected {world} rank files in {tmp}, found {len(files)}")
+        manifest = {"step": step, "world_size": world, "layout": layout, "files": files}
+        _write_atomic_text(tmp / "manifest.json", json.dumps(manifest, indent=1))
+        _fsync_dir(tmp)
+        if final.exists():  # an earlier save of the same step (e.g. after a resume) is replaced whole
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(ckpt_dir)
+        _write_atomic_text(ckpt_dir / "latest", final.name)
+        _prune(ckpt_dir, keep_last)
+    _barrier()
+    return final
+
+
+def _prune(ckpt_dir: Path, keep_last: int) -> None:
+    steps = sorted(p for p in ckpt_dir.glob("step_*") if p.is_dir())
+    for old in steps[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
+    """The directory named by ``latest``, or None when the run has no checkpoint yet."""
+    pointer = Path(ckpt_dir) / "latest"
+    if not pointer.is_file():
+        return None
+    target = Path(ckpt_dir) / pointer.read_text().strip()
+    if not target.is_dir():
+        raise CheckpointError(f"{pointer} names {target.name}, which does not exist")
+    return target
+
+
+def verify_checkpoint(path: Path, world_size: int) -> dict:
+    """Check the manifest and every checksum; return the manifest or raise naming the bad file."""
+    manifest_file = path / "manifest.json"
+    if not manifest_file.is_file():
+        raise CheckpointError(f"checkpoint {path} has no manifest.json: it is incomplete")
+    try:
+        manifest = json.loads(manifest_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{manifest_file} is not valid JSON ({exc})") from None
+    if manifest["world_size"] != world_size:
+        raise CheckpointError(
+            f"checkpoint {path} was written by {manifest['world_size']} ranks, this run has {world_size}; "
+            f"resume with the same parallel layout"
+        )
+    for name, meta in manifest["files"].items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint file {f} is missing")
+        if f.stat().st_size != meta["bytes"] or _sha256(f) != meta["sha256"]:
+            raise CheckpointError(f"checkpoint file {f} is corrupted (checksum mismatch); "
+                                  f"delete {path} and point 'latest' at an older step to resume from it")
+    return manifest
+
+
+def load_checkpoint(path: Path) -> tuple[dict, dict]:
+    """Verify ``path`` and return (manifest, this rank's state)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    manifest = verify_checkpoint(path, world)
+    state = torch.load(path / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=False)
+    return manifest, state

@@ -1,0 +1,40 @@
+"""Build the run's token streams from the config: train batches and fixed validation batches."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from k3train.config import RunConfig
+from k3train.data import BatchIterator, SequenceDataset, TokenSource, eval_batches, get_tokenizer
+
+
+@dataclass
+class RunData:
+    train: BatchIterator
+    """next() -> LongTensor [micro_batch_size * microbatches, seq_len + 1] for this DP rank."""
+    val: list[torch.Tensor]
+    """Fixed validation batches, each [micro_batch_size, seq_len + 1]."""
+    description: str
+
+
+def build_data(cfg: RunConfig, dp_rank: int = 0, dp_size: int = 1) -> RunData:
+    tokenizer = get_tokenizer(cfg.data.tokenizer)
+    if cfg.model.vocab_size < tokenizer.vocab_size:
+        raise ValueError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the '{tokenizer.name}' tokenizer's "
+            f"vocabulary ({tokenizer.vocab_size}); set model.vocab_size >= {tokenizer.vocab_size}")
+    t = cfg.train
+    if cfg.data.source == "embedded":
+        train_src = TokenSource.embedded(tokenizer, "train", cfg.data.val_fraction)
+        val_src = TokenSource.embedded(tokenizer, "val", cfg.data.val_fraction)
+    else:
+        train_src = TokenSource.from_prefix(cfg.data.source, tokenizer, "train", cfg.data.val_fraction)
+        val_src = TokenSource.from_prefix(cfg.data.source, tokenizer, "val", cfg.data.val_fraction)
+    train_ds, val_ds = SequenceDataset(train_src, t.seq_len), SequenceDataset(val_src, t.seq_len)
+    it = BatchIterator(train_ds, t.micro_batch_size * t.microbatches, seed=t.seed, rank=dp_rank,
+                       world_size=dp_size)
+    val = eval_batches(val_ds, t.micro_batch_size, t.eval_batches)
+    desc = (f"{train_src!r}: {len(train_src):,} train tokens ({len(train_ds):,} windows of {t.seq_len}), "
+            f"{len(val_src):,} val tokens")
+    return RunData(it, val, desc)

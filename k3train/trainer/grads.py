@@ -1,0 +1,59 @@
+"""Gradient reduction and clipping that agree across tensor-, pipeline- and data-parallel ranks."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+
+def allreduce_mean(tensors: list[torch.Tensor], group, world: int) -> None:
+    """Average ``tensors`` in place over ``group`` with one collective per dtype bucket."""
+    if world == 1 or not tensors:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group_tensors in by_dtype.values():
+        flat = _flatten_dense_tensors(group_tensors)
+        dist.all_reduce(flat, group=group)
+        flat.div_(world)
+        for t, synced in zip(group_tensors, _unflatten_dense_tensors(flat, group_tensors)):
+            t.copy_(synced)
+
+
+def is_tp_sharded(p: torch.Tensor) -> bool:
+    """megatron-core marks sharded weights with ``tensor_model_parallel``; we mark our own too."""
+    return bool(getattr(p, "tensor_model_parallel", False))
+
+
+def grad_norm(params: list[torch.nn.Parameter], tp_group=None, pp_group=None) -> torch.Tensor:
+    """Global L2 norm of all gradients: TP shards summed over TP, replicas counted once,
+    pipeline stages summed over PP. Returns a 0-dim fp32 tensor (NaN/Inf if any grad is)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    sharded = torch.zeros((), device=device, dtype=torch.float32)
+    replicated = torch.zeros((), device=device, dtype=torch.float32)
+    for p in params:
+        if p.grad is None:
+            continue
+        sq = p.grad.detach().float().pow(2).sum()
+        if is_tp_sharded(p):
+            sharded += sq
+        else:
+            replicated += sq
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(sharded, group=tp_group)
+    total = sharded + replicated
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(total, group=pp_group)
+    return total.sqrt()
+
+
+def clip_(params: list[torch.nn.Parameter], norm: torch.Tensor, max_norm: float) -> None:
+    """Scale grads by min(1, max_norm / norm) without a host sync."""
+    if max_norm <= 0:
+        return
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(scale.to(p.grad.dtype))

@@ -1,0 +1,155 @@
+"""The training run: set-up, the step loop, evaluation, logging, checkpoints, signals."""
+from __future__ import annotations
+
+import math
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from tqdm import tqdm
+
+from k3train.config import RunConfig, dump_config, save_config
+from k3train.distributed import init_distributed
+from k3train.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from k3train.trainer.data import build_data
+from k3train.trainer.metrics import MetricsLogger
+from k3train.trainer.state import TrainState
+from optim import apply_lr, lr_factor
+
+
+class TrainingStopped(RuntimeError):
+    """Raised to stop a run with a clear message (e.g. too many non-finite steps)."""
+
+
+def pick_device(choice: str) -> str:
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return choice
+
+
+def code_version() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent, timeout=5)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+class _SignalGuard:
+    """First SIGTERM/SIGINT: finish the step, checkpoint, exit 0. Second: abort at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt(f"second signal {signum}: aborting without a checkpoint")
+        self.requested = True
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, stop_at: int | None = None) -> dict:
+    """Run training; returns a summary dict. ``stop_at`` ends the run early after that step
+    (as a preemption would), keeping the schedule of ``train.steps``."""
+    run_dir = Path(run_dir)
+    device = pick_device(cfg.train.device)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    p = cfg.parallel
+    info = init_distributed(p.tp, p.pp, p.vpp, p.ep, device)
+    if device == "cuda":
+        torch.cuda.set_device(info.local_rank)
+    dev = torch.device(device, info.local_rank) if device == "cuda" else torch.device("cpu")
+    main = info.is_main
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+
+    data = build_data(cfg, parallel_state.get_data_parallel_rank(), info.dp)
+    state = TrainState(cfg, info, dev)
+    ckpt_dir = run_dir / "checkpoints"
+    start_step = 0
+    if resume:
+        path = latest_checkpoint(ckpt_dir)
+        if path is None:
+            if main:
+                print(f"[k3train] --resume: no checkpoint in {ckpt_dir}, starting from step 0")
+        else:
+            _, saved = load_checkpoint(path)
+            start_step = state.load_state_dict(saved)
+            data.train.load_state_dict(saved["data"])
+            if main:
+                print(f"[k3train] resumed from {path} (step {start_step})")
+    logger = MetricsLogger(run_dir, cfg.logging.wandb, cfg.model_dump(mode="json"), enabled=main,
+                           resume=resume and start_step > 0)
+    if main:
+        print(f"[k3train] code {code_version()} | device {device} | world {info.world_size} "
+              f"(tp {p.tp} pp {p.pp} dp {info.dp}) | {state.describe()}")
+        print(f"[k3train] data: {data.description}")
+
+    tokens_per_step = cfg.train.micro_batch_size * cfg.train.microbatches * info.dp * cfg.train.seq_len
+    last_step = min(cfg.train.steps, stop_at or cfg.train.steps)
+    bar = tqdm(total=last_step, initial=start_step, disable=not (main and cfg.logging.progress_bar),
+               desc="train", dynamic_ncols=True, file=sys.stdout)
+    summary: dict = {"first_loss": None, "last_loss": None, "val_loss": None, "steps": start_step}
+    skips, window_tokens, window_start = 0, 0, time.perf_counter()
+    warmup = min(cfg.optim.warmup_steps, cfg.train.steps)  # a short run (train.steps=5) keeps working
+    with _SignalGuard() as guard:
+        for step in range(start_step + 1, last_step + 1):
+            lr = cfg.optim.lr * lr_factor(step - 1, cfg.train.steps, warmup,
+                                          cfg.optim.schedule, cfg.optim.min_lr_ratio)
+            apply_lr(state.optimizer, lr / cfg.optim.lr)
+            out = state.train_step(next(data.train))
+            skips = 0 if out["finite"] else skips + 1
+            if skips >= cfg.train.max_consecutive_skips:
+                raise TrainingStopped(
+                    f"{skips} consecutive steps had a non-finite loss or gradient (last at step {step}); "
+                    f"lower optim.lr or inspect the data. The last checkpoint is in {ckpt_dir}")
+            window_tokens += tokens_per_step
+            loss = out["loss"]
+            summary["first_loss"] = summary["first_loss"] if summary["first_loss"] is not None else loss
+            summary["last_loss"], summary["steps"] = loss, step
+            bar.update(1)
+            if step % cfg.train.log_interval == 0 or step == last_step:
+                elapsed = time.perf_counter() - window_start
+                record = {"step": step, "loss": loss, "lr": lr, "grad_norm": out["grad_norm"],
+                          "tokens_per_s": window_tokens / max(elapsed, 1e-9), "skipped": int(not out["finite"]),
+                          **state.moe_metrics()}
+                if step % cfg.train.eval_interval == 0 or step == last_step:
+                    record["val_loss"] = summary["val_loss"] = state.evaluate(data.val)
+                logger.log(record)
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                window_tokens, window_start = 0, time.perf_counter()
+            interval = cfg.checkpoint.interval
+            stop_now = guard.requested or step == last_step
+            if (interval and step % interval == 0) or stop_now:
+                save_checkpoint(ckpt_dir, step, {**state.state_dict(step), "data": data.train.state_dict()},
+                                layout=info.__dict__, keep_last=cfg.checkpoint.keep_last)
+            if guard.requested:
+                if main:
+                    print(f"\n[k3train] signal received: saved step {step} to {ckpt_dir}; exiting")
+                break
+    bar.close()
+    logger.close()
+    if main and summary["last_loss"] is not None:
+        val = "n/a" if summary["val_loss"] is None else f"{summary['val_loss']:.4f}"
+        print(f"[k3train] done: step {summary['steps']}, train loss {summary['first_loss']:.4f} -> "
+              f"{summary['last_loss']:.4f}, val loss {val}")
+    return summary

@@ -1,0 +1,55 @@
+"""Run logging: ``metrics.jsonl`` (always) and wandb (offline unless configured otherwise)."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from k3train.config.schema import WandbConfig
+
+
+class MetricsLogger:
+    """Main-rank logger. ``log(record)`` appends one JSON line and forwards it to wandb."""
+
+    def __init__(self, run_dir: Path, wandb_cfg: WandbConfig, config: dict, enabled: bool = True,
+                 resume: bool = False):
+        self.enabled = enabled
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._wandb = None
+        if not enabled:
+            return
+        if not resume and self.path.exists():
+            self.path.unlink()
+        if wandb_cfg.mode != "disabled":
+            self._wandb = _start_wandb(Path(run_dir), wandb_cfg, config)
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def log_image(self, key: str, path: Path, step: int) -> None:
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({key: wandb.Image(str(path))}, step=step)
+
+    def close(self) -> None:
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def _start_wandb(run_dir: Path, cfg: WandbConfig, config: dict):
+    import wandb
+
+    # An explicit WANDB_MODE in the environment wins (e.g. a user who exported it for a cluster).
+    mode = os.environ.get("WANDB_MODE", cfg.mode)
+    return wandb.init(
+        project=cfg.project, group=cfg.group, name=cfg.name or run_dir.name, dir=str(run_dir),
+        mode=mode, config=config, settings=wandb.Settings(silent=True, console="off"),
+    )

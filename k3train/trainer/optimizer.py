@@ -1,0 +1,42 @@
+"""The K3 parameter table: which optimizer, lr and weight-decay multiplier each parameter gets.
+
+Muon takes the 2-D hidden matrices (projections, output gates, dense FFN, MoE latent down/up
+and shared experts). KDA q/k/v and MLA q/kv up-projections are orthogonalised per head (K3).
+AdamW takes embeddings, head, norms, AttnRes queries, the router, conv filters, A_log, dt_bias
+and the beta / forget-gate projections (small gate parameters whose scale matters more than
+their direction). Routed-expert weights are 3-D ``[E, in, out]`` and stay on AdamW until the
+expert-sharded Muon step lands. Norm-like parameters get no weight decay.
+"""
+from __future__ import annotations
+
+import re
+
+import torch.nn as nn
+
+from k3train.config.schema import OptimConfig
+from k3train.model.kda_layer import KimiDeltaAttention
+from k3train.model.mla import GatedMLA
+from optim import ParamRule, build_optimizer, build_param_table, format_table
+
+_NO_DECAY = r"(norm|\.query$|A_log|dt_bias|bias$|o_norm_weight)"
+_ADAMW = r"(embed\.|head\.|router\.|_conv$|\.b_proj\.|\.f_down\.|\.f_up\.)"
+
+
+def k3_param_rules(model: nn.Module, per_head: bool) -> list[ParamRule]:
+    rules = [ParamRule(_NO_DECAY, "adamw", wd_mult=0.0), ParamRule(_ADAMW, "adamw")]
+    if per_head:
+        for name, mod in model.named_modules():
+            prefix = re.escape(name)
+            if isinstance(mod, KimiDeltaAttention):
+                rules.append(ParamRule(rf"^{prefix}\.(q|k|v)_proj\.", "muon", heads=mod.num_heads))
+            elif isinstance(mod, GatedMLA):
+                rules.append(ParamRule(rf"^{prefix}\.(q_up|kv_up)\.", "muon", heads=mod.num_heads))
+    return rules
+
+
+def build_k3_optimizer(model: nn.Module, cfg: OptimConfig):
+    """Returns (optimizer, table text for the run log)."""
+    table = build_param_table(model.named_parameters(), k3_param_rules(model, cfg.muon_per_head))
+    opt = build_optimizer(table, cfg.name, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                          betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    return opt, format_table(table)

@@ -1,0 +1,104 @@
+"""What a rank trains: its model part, optimizer, balancers, and the step itself."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from megatron.core import parallel_state
+
+from k3train.config import RunConfig
+from k3train.distributed import ParallelInfo
+from k3train.model.layer import AuxLossAttach
+from k3train.model.model import build_model
+from k3train.model.info import count_parameters
+from k3train.trainer.grads import allreduce_mean, clip_, grad_norm
+from k3train.trainer.optimizer import build_k3_optimizer
+from moe import Balancer, LoadTracker, expert_load
+
+
+class TrainState:
+    """The model, optimizer and per-step logic of one rank (single stage; DP and TP aware)."""
+
+    def __init__(self, cfg: RunConfig, info: ParallelInfo, device: torch.device):
+        if info.pp > 1:
+            raise ValueError("parallel.pp > 1 runs through the pipeline engine, which this build "
+                             "does not wire into train yet; use parallel.pp=1")
+        if info.ep > 1:
+            raise ValueError("parallel.ep > 1 needs the expert-parallel dispatcher, not available yet; "
+                             "use parallel.ep=1")
+        self.cfg, self.info, self.device = cfg, info, device
+        self.model = build_model(cfg).to(device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer, self.param_table = build_k3_optimizer(self.model, cfg.optim)
+        self.balancer = Balancer(cfg.moe.balancing, cfg.moe.aux_free_rate)
+        self.moe_layers = self.model.moe_layers()
+        self.loads = LoadTracker(len(self.moe_layers), cfg.moe.num_experts) if self.moe_layers else None
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                         else contextlib.nullcontext())
+
+    def describe(self) -> str:
+        counts = count_parameters(self.model, self.cfg.moe.topk, self.cfg.moe.num_experts)
+        return (f"{counts['total'] / 1e6:.2f}M parameters on this rank "
+                f"({counts['activated'] / 1e6:.2f}M activated per token), optimizer {self.cfg.optim.name}")
+
+    def train_step(self, batch: torch.Tensor) -> dict:
+        """batch: LongTensor [micro_batch_size * microbatches, seq_len + 1] for this DP rank."""
+        m = self.cfg.train.microbatches
+        batch = batch.to(self.device, non_blocking=True)
+        AuxLossAttach.grad_scale = 1.0 / m
+        self.model.train()
+        total = torch.zeros((), device=self.device)
+        for mb in batch.chunk(m):
+            with self.autocast:
+                loss = self.model(mb[:, :-1], mb[:, 1:])
+            (loss / m).backward()
+            total += loss.detach() / m
+        allreduce_mean([p.grad for p in self.params if p.grad is not None], self.dp_group, self.info.dp)
+        allreduce_mean([total], self.dp_group, self.info.dp)
+        norm = grad_norm(self.params, self.tp_group)
+        # One host sync per step: the skip decision must be known before the update.
+        finite = bool(torch.isfinite(norm) & torch.isfinite(total))
+        if finite:
+            clip_(self.params, norm, self.cfg.train.grad_clip)
+            self.optimizer.step()
+            self._balance()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"loss": total.item(), "grad_norm": norm.item(), "finite": finite}
+
+    @torch.no_grad()
+    def _balance(self) -> None:
+        """Update router biases from this step's routing (last microbatch), agreeing over DP."""
+        group = self.dp_group if self.info.dp > 1 else None
+        for i, layer in enumerate(self.moe_layers):
+            self.balancer.update(layer, group)
+            load = expert_load(layer.last_routing.indices, layer.num_experts).float()
+            allreduce_mean([load], self.dp_group, self.info.dp)
+            self.loads.record(i, load * self.info.dp)
+
+    def moe_metrics(self) -> dict:
+        return self.loads.summary() if self.loads is not None else {}
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[torch.Tensor]) -> float:
+        self.model.eval()
+        losses = []
+        for b in batches:
+            b = b.to(self.device)
+            with self.autocast:
+                losses.append(self.model(b[:, :-1], b[:, 1:]).float())
+        return torch.stack(losses).mean().item()
+
+    def state_dict(self, step: int) -> dict:
+        return {"step": step, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}
+
+    def load_state_dict(self, state: dict) -> int:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        if state.get("cuda_rng") is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"])
+        return int(state["step"])
