@@ -6,14 +6,16 @@ from .activations import situ, situ_glu
 from .balancing import (BALANCER_NAMES, Balancer, aux_free_update, quantile_balance,
                         quantile_balance_distributed, switch_aux_loss)
 from .dispatch import LocalDispatcher, TokenDispatcher
+from .dispatch_a2a import GroupedAllToAllDispatcher, all_to_all_rows
 from .experts import GroupedExperts, SiTUGLUMLP, grouped_mm_supported
 from .layer import LatentMoE, RMSNorm
 from .metrics import LoadTracker, expert_load, max_vio
 from .router import RouterOutput, SigmoidTopKRouter
 
 __all__ = [
-    "BALANCER_NAMES", "Balancer", "GroupedExperts", "LatentMoE", "LoadTracker",
-    "LocalDispatcher", "RMSNorm", "RouterOutput", "SiTUGLUMLP", "SigmoidTopKRouter",
-    "TokenDispatcher", "aux_free_update", "expert_load", "grouped_mm_supported", "max_vio",
-    "quantile_balance", "quantile_balance_distributed", "situ", "situ_glu", "switch_aux_loss",
+    "BALANCER_NAMES", "Balancer", "GroupedAllToAllDispatcher", "GroupedExperts", "LatentMoE",
+    "LoadTracker", "LocalDispatcher", "RMSNorm", "RouterOutput", "SiTUGLUMLP",
+    "SigmoidTopKRouter", "TokenDispatcher", "all_to_all_rows", "aux_free_update",
+    "expert_load", "grouped_mm_supported", "max_vio", "quantile_balance",
+    "quantile_balance_distributed", "situ", "situ_glu", "switch_aux_loss",
 ]

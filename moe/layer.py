@@ -56,6 +56,8 @@ class LatentMoE(nn.Module):
         last_routing: ``RouterOutput`` of the last forward, detached.
         tokens_per_expert: ``[E_local]`` counts of the last forward (local experts).
         aux_loss: scalar tensor or None.
+        dropped_tokens: the dispatcher's ``dropped_tokens`` after the last forward (0-dim
+            tensor of slots dropped on this rank), or None for dispatchers that never drop.
     """
 
     def __init__(self, hidden_size: int, latent_size: int, num_experts: int, topk: int,
@@ -84,6 +86,7 @@ class LatentMoE(nn.Module):
         self.last_routing: RouterOutput | None = None
         self.tokens_per_expert: torch.Tensor | None = None
         self.aux_loss: torch.Tensor | None = None
+        self.dropped_tokens: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ``[B, T, d]`` or ``[N, d]`` -> same shape and dtype."""
@@ -100,6 +103,7 @@ class LatentMoE(nn.Module):
             out = out + self.shared(x2)
         self.last_routing = routing.detach()
         self.tokens_per_expert = tokens_per_expert.detach()
+        self.dropped_tokens = getattr(self.dispatcher, "dropped_tokens", None)
         self.aux_loss = (self.aux_loss_coef * switch_aux_loss(
             routing.scores, routing.indices, self.num_experts, self.topk)
             if self.aux_loss_coef > 0 else None)
