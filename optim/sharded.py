@@ -1,0 +1,401 @@
+"""Data-parallel sharded optimizer step (ZeRO-1): each DP rank keeps optimizer state only for
+the part of the model it owns, updates that part, and shares the result.
+
+* Muon needs whole matrices: each Muon matrix is owned by one rank of its DP group
+  (``plan_muon_owners``: largest first to the least-loaded rank by numel).
+* AdamW is elementwise: the AdamW parameters of one dtype are laid end to end in a flat
+  buffer ``[N]`` padded to ``[W * S]`` (``W`` = DP size); rank ``r`` owns ``[r*S, (r+1)*S)``.
+
+``step()`` takes each rank's un-averaged ``p.grad``, reduce-scatters (average) the AdamW flat
+gradients, reduces (average) each Muon gradient to its owner, computes the global grad norm
+from the owned parts, clips, updates the owned parts, then all-gathers the AdamW shards and
+broadcasts each Muon matrix from its owner. Ownership, communication volume, memory and the
+expert / pipeline cases are described in ``docs/optim_sharding.md``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from .muon import muon_update
+from .param_table import ParamEntry
+
+__all__ = ["ShardedOptimizer", "plan_muon_owners"]
+
+STATE_FORMAT = "k3train.sharded/1"
+# torch 2.13 renamed the flat collectives; keep the old names for torch 2.8 .. 2.12.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def plan_muon_owners(numels: list[int], world: int) -> list[int]:
+    """Group-local owner rank of each matrix (``numels[i]`` elements): largest first, each to
+    the least-loaded rank. Ties break on table position and lowest rank, so every rank derives
+    the same plan with no communication; max load <= min load + largest matrix."""
+    load, owners = [0] * world, [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        owner = min(range(world), key=lambda r: (load[r], r))
+        owners[i], load[owner] = owner, load[owner] + numels[i]
+    return owners
+
+
+@dataclass
+class _Segment:
+    """The part of one AdamW parameter inside this rank's shard: shard ``[lo, hi)`` holds the
+    flattened parameter's ``[plo, plo + hi - lo)``."""
+    param: torch.Tensor
+    group: int
+    lo: int
+    hi: int
+    plo: int
+
+
+@dataclass
+class _Bucket:
+    """One dtype's AdamW parameters of one domain, flattened ``[N]`` and padded to ``[W*S]``."""
+    params: list[torch.Tensor]
+    shard: int  # S
+    segments: list[_Segment]
+    exp_avg: torch.Tensor  # [S] fp32, this rank's shard only
+    exp_avg_sq: torch.Tensor  # [S] fp32
+    grad: torch.Tensor | None = None  # [S] averaged gradient of the shard, set by the reduce
+
+
+@dataclass
+class _Domain:
+    """Parameters reduced and sharded over one group: "dense" (DP) or "expert" (expert DP)."""
+    name: str
+    group: Any
+    world: int
+    rank: int
+    muon: list[tuple[ParamEntry, int, int]]  # (entry, param-group index, owner rank)
+    buckets: list[_Bucket] = field(default_factory=list)
+    momentum: dict[str, torch.Tensor] = field(default_factory=dict)  # owned Muon matrices only
+
+    def owned_muon(self) -> Iterable[tuple[ParamEntry, int]]:
+        return ((e, g) for e, g, owner in self.muon if owner == self.rank)
+
+
+def _group_info(group) -> tuple[int, int]:
+    if not dist.is_initialized():
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _is_tp_sharded(p: torch.Tensor) -> bool:
+    # megatron-core's marker on tensor-parallel shards (k3train marks its own shards the same way).
+    return bool(getattr(p, "tensor_model_parallel", False))
+
+
+class ShardedOptimizer:
+    """ZeRO-1 optimizer over a parameter table; same surface as ``CombinedOptimizer``.
+
+    ``name``: "adamw" (every entry on AdamW) or "muon" (Muon entries on Muon with their
+    per-head ``heads``, the rest on AdamW), with ``build_optimizer``'s hyper-parameters.
+    ``dp_group``: the data-parallel group (None: the default group; no ``torch.distributed``:
+    a single rank). ``expert_dp_group`` + ``is_expert``: entries whose name satisfies
+    ``is_expert`` are reduced/sharded over the expert-DP group; the grad norm assumes, as in
+    Megatron's layout, that the DP group is the union of disjoint expert-DP groups each
+    holding a different expert shard. ``norm_groups``: extra groups (the pipeline group) the
+    squared norm is summed over. ``tp_group``: sum the squares of tensor-parallel shards
+    (``tensor_model_parallel``) over it, count replicated parameters once.
+    """
+
+    reduces_gradients = True  # the trainer must NOT all-reduce gradients over DP itself
+
+    def __init__(self, table: list[ParamEntry], name: str = "adamw", dp_group=None, *,
+                 lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.95),
+                 eps: float = 1e-8, muon_lr: float | None = None, muon_momentum: float = 0.95,
+                 ns_steps: int = 5, expert_dp_group=None,
+                 is_expert: Callable[[str], bool] | None = None,
+                 norm_groups: Iterable[Any] = (), tp_group=None) -> None:
+        if name not in ("adamw", "muon"):
+            raise ValueError(f"unknown optimizer {name!r}; allowed: adamw, muon")
+        if not table:
+            raise ValueError("ShardedOptimizer: the parameter table is empty")
+        if (expert_dp_group is None) != (is_expert is None):
+            raise ValueError("expert_dp_group and is_expert must be given together")
+        self.name, self.table = name, list(table)
+        self.betas, self.eps, self.muon_momentum, self.ns_steps = betas, eps, muon_momentum, ns_steps
+        self.norm_groups, self.tp_group = list(norm_groups), tp_group
+        self._step, self._reduced, self._norm = 0, False, None
+        use_muon = [name == "muon" and e.optimizer == "muon" for e in self.table]
+        for e, m in zip(self.table, use_muon):
+            if m and e.param.ndim != 2:
+                raise ValueError(f"Muon only handles 2-D matrices; {e.name!r} has shape {e.shape}")
+
+        # Groups as build_optimizer makes them (Muon first, then AdamW; one per (lr, wd) mult).
+        self.param_groups: list[dict[str, Any]] = []
+        index: dict[tuple[str, float, float], int] = {}
+        group_of = [0] * len(self.table)
+        for i in sorted(range(len(self.table)), key=lambda i: not use_muon[i]):  # stable
+            e, kind = self.table[i], "muon" if use_muon[i] else "adamw"
+            base = lr if muon_lr is None or kind == "adamw" else muon_lr
+            key = (kind, e.lr_mult, e.wd_mult)
+            if key not in index:
+                index[key] = len(self.param_groups)
+                self.param_groups.append({
+                    "params": [], "lr": base * e.lr_mult, "base_lr": base * e.lr_mult,
+                    "weight_decay": weight_decay * e.wd_mult, "lr_mult": e.lr_mult,
+                    "wd_mult": e.wd_mult, "kind": kind})
+            group_of[i] = index[key]
+            self.param_groups[index[key]]["params"].append(e.param)
+
+        expert = [bool(is_expert and is_expert(e.name)) for e in self.table]
+        self.domains: list[_Domain] = []
+        for dname, group, want in (("dense", dp_group, False), ("expert", expert_dp_group, True)):
+            picked = [i for i in range(len(self.table)) if expert[i] == want]
+            if not picked:
+                continue
+            world, rank = _group_info(group)
+            muon = [i for i in picked if use_muon[i]]
+            owners = plan_muon_owners([self.table[i].param.numel() for i in muon], world)
+            d = _Domain(dname, group, world, rank,
+                        [(self.table[i], group_of[i], o) for i, o in zip(muon, owners)])
+            for e, _ in d.owned_muon():
+                d.momentum[e.name] = torch.zeros_like(e.param)
+            adamw = [i for i in picked if not use_muon[i]]
+            for dtype in dict.fromkeys(self.table[i].param.dtype for i in adamw):
+                d.buckets.append(self._bucket([i for i in adamw if self.table[i].param.dtype == dtype],
+                                              group_of, world, rank))
+            self.domains.append(d)
+
+    def _bucket(self, idx: list[int], group_of: list[int], world: int, rank: int) -> _Bucket:
+        params = [self.table[i].param for i in idx]
+        shard = -(-sum(p.numel() for p in params) // world)  # ceil: the last shard holds padding
+        lo, hi, off, segments = rank * shard, (rank + 1) * shard, 0, []
+        for i, p in zip(idx, params):
+            a, b = max(off, lo), min(off + p.numel(), hi)
+            if a < b:
+                segments.append(_Segment(p, group_of[i], a - lo, b - lo, a - off))
+            off += p.numel()
+        zeros = torch.zeros(shard, dtype=torch.float32, device=params[0].device)
+        return _Bucket(params, shard, segments, zeros, zeros.clone())
+
+    # ---- gradients -------------------------------------------------------------------------
+    def _reduce_grads(self) -> None:
+        """Average gradients over DP into the owned parts (idempotent until the next step)."""
+        if self._reduced:
+            return
+        works, keep = [], []
+        for d in self.domains:
+            for b in d.buckets:
+                p0 = b.params[0]
+                flat = torch.zeros(b.shard * d.world, dtype=p0.dtype, device=p0.device)
+                off = 0
+                for p in b.params:  # a missing grad counts as zero (see the docs' caveats)
+                    if p.grad is not None:
+                        flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
+                    off += p.numel()
+                if d.world == 1:
+                    b.grad = flat
+                    continue
+                b.grad = torch.empty(b.shard, dtype=flat.dtype, device=flat.device)
+                keep.append(flat)  # must outlive the async collective
+                works.append(_reduce_scatter(b.grad, flat, group=d.group, async_op=True))
+            for e, _, owner in d.muon:
+                if e.param.grad is None:
+                    e.param.grad = torch.zeros_like(e.param)
+                if d.world > 1:
+                    # In place: only the owner's p.grad is meaningful afterwards.
+                    works.append(dist.reduce(e.param.grad, group_dst=owner, group=d.group,
+                                             async_op=True))
+        for w in works:
+            w.wait()
+        for d in self.domains:
+            if d.world > 1:
+                for b in d.buckets:
+                    b.grad.div_(d.world)
+                for e, _ in d.owned_muon():
+                    e.param.grad.div_(d.world)
+        self._reduced = True
+
+    def _owned_grads(self) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+        """(averaged gradient view, its parameter) for every part this rank owns."""
+        for d in self.domains:
+            for b in d.buckets:
+                for s in b.segments:
+                    yield b.grad[s.lo:s.hi], s.param
+            for e, _ in d.owned_muon():
+                yield e.param.grad, e.param
+
+    def grad_norm_sq_local(self) -> torch.Tensor:
+        """Squared L2 norm (0-dim fp32) of the averaged gradient over the parts this rank owns.
+        Reduces the gradients first. Summed over the DP group it gives the stage's squared norm."""
+        self._reduce_grads()
+        zero = torch.zeros((), dtype=torch.float32, device=self.table[0].param.device)
+        return sum((g.float().pow(2).sum() for g, _ in self._owned_grads()), zero)
+
+    def global_grad_norm(self) -> torch.Tensor:
+        """L2 norm (0-dim fp32) of the DP-averaged gradient of the whole model: owned squares
+        summed over DP, TP shards over ``tp_group``, then over each of ``norm_groups``."""
+        self._reduce_grads()
+        # [tp-sharded, replicated]: both summed over DP, only the first over TP.
+        sq = torch.zeros(2, dtype=torch.float32, device=self.table[0].param.device)
+        for g, p in self._owned_grads():
+            sq[0 if _is_tp_sharded(p) else 1] += g.float().pow(2).sum()
+        dense = self.domains[0]
+        if dense.world > 1:
+            dist.all_reduce(sq, group=dense.group)
+        sharded = sq[:1].clone()
+        if self.tp_group is not None and _group_info(self.tp_group)[0] > 1:
+            dist.all_reduce(sharded, group=self.tp_group)
+        total = sharded + sq[1:]
+        for g in self.norm_groups:
+            if _group_info(g)[0] > 1:
+                dist.all_reduce(total, group=g)
+        return total[0].sqrt()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Reduce gradients, compute the global norm and scale the owned gradients by
+        ``min(1, max_norm / (norm + 1e-6))`` (as ``torch.nn.utils.clip_grad_norm_``), with no
+        host sync. Returns the norm before clipping. The next ``step()`` does not clip again."""
+        if self._norm is None:
+            self._norm = self.global_grad_norm()
+            if max_norm is not None and max_norm > 0:
+                scale = torch.clamp(max_norm / (self._norm + 1e-6), max=1.0)
+                for g, _ in self._owned_grads():
+                    g.mul_(scale.to(g.dtype))
+        return self._norm
+
+    # ---- update ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, max_grad_norm: float | None = None) -> torch.Tensor:
+        """Reduce, (clip,) update the owned parts, share them. Returns the global grad norm
+        (0-dim fp32, before clipping)."""
+        norm = self.clip_grad_norm_(max_grad_norm)
+        self._step += 1
+        beta1, beta2 = self.betas
+        bc1, bc2_sqrt = 1 - beta1 ** self._step, (1 - beta2 ** self._step) ** 0.5
+        for d in self.domains:
+            for b in d.buckets:
+                for s in b.segments:  # torch.optim.AdamW's update, in fp32, on this shard
+                    lr, wd = self.param_groups[s.group]["lr"], self.param_groups[s.group]["weight_decay"]
+                    view = s.param.detach().view(-1)[s.plo:s.plo + s.hi - s.lo]
+                    p = view.float()  # the view itself when fp32
+                    g, m, v = b.grad[s.lo:s.hi].float(), b.exp_avg[s.lo:s.hi], b.exp_avg_sq[s.lo:s.hi]
+                    p.mul_(1 - lr * wd)
+                    m.lerp_(g, 1 - beta1)
+                    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                    p.addcdiv_(m, (v.sqrt() / bc2_sqrt).add_(self.eps), value=-lr / bc1)
+                    if p.data_ptr() != view.data_ptr():
+                        view.copy_(p)
+            for e, gi in d.owned_muon():
+                lr, wd = self.param_groups[gi]["lr"], self.param_groups[gi]["weight_decay"]
+                update = muon_update(e.param.grad, d.momentum[e.name], momentum=self.muon_momentum,
+                                     nesterov=True, heads=e.heads, ns_steps=self.ns_steps)
+                if wd != 0:
+                    e.param.mul_(1.0 - lr * wd)
+                e.param.add_(update.to(e.param.dtype), alpha=-lr)
+        self._share_params()
+        for d in self.domains:
+            for b in d.buckets:
+                b.grad = None
+        self._reduced, self._norm = False, None
+        return norm
+
+    def _share_params(self) -> None:
+        """All-gather the AdamW shards and broadcast each Muon matrix from its owner."""
+        works, gathered = [], []
+        for d in self.domains:
+            if d.world == 1:
+                continue
+            for b in d.buckets:
+                p0 = b.params[0]
+                local = torch.zeros(b.shard, dtype=p0.dtype, device=p0.device)
+                for s in b.segments:
+                    local[s.lo:s.hi].copy_(s.param.detach().view(-1)[s.plo:s.plo + s.hi - s.lo])
+                full = torch.empty(b.shard * d.world, dtype=p0.dtype, device=p0.device)
+                works.append(_all_gather(full, local, group=d.group, async_op=True))
+                gathered.append((b, full, local))
+            for e, _, owner in d.muon:
+                works.append(dist.broadcast(e.param.detach(), group_src=owner, group=d.group,
+                                            async_op=True))
+        for w in works:
+            w.wait()
+        for b, full, _ in gathered:
+            off = 0
+            for p in b.params:
+                p.detach().view(-1).copy_(full[off:off + p.numel()])
+                off += p.numel()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for e in self.table:
+            if set_to_none:
+                e.param.grad = None
+            elif e.param.grad is not None:
+                e.param.grad.zero_()
+        for d in self.domains:
+            for b in d.buckets:
+                b.grad = None
+        self._reduced, self._norm = False, None
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held by this rank (AdamW moments of its shards, Muon
+        momenta of its matrices): about 1/W of the unsharded optimizer's."""
+        tensors = [t for d in self.domains for b in d.buckets for t in (b.exp_avg, b.exp_avg_sq)]
+        tensors += [t for d in self.domains for t in d.momentum.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    def _layout(self) -> dict[str, Any]:
+        return {
+            "dp_size": {d.name: d.world for d in self.domains},
+            "dp_rank": {d.name: d.rank for d in self.domains},
+            "table": [(e.name, e.shape, str(e.param.dtype)) for e in self.table],
+            "muon_owners": {d.name: [(e.name, o) for e, _, o in d.muon] for d in self.domains},
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state: its shards' moments, its Muon momenta, the step, the groups'
+        hyper-parameters and the layout (DP sizes, ranks, table fingerprint, ownership)."""
+        return {
+            "format": STATE_FORMAT, "optimizer": self.name, "step": self._step,
+            "layout": self._layout(),
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+            "adamw": {d.name: [{"exp_avg": b.exp_avg.clone(), "exp_avg_sq": b.exp_avg_sq.clone()}
+                               for b in d.buckets] for d in self.domains},
+            "muon": {n: t.clone() for d in self.domains for n, t in d.momentum.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a ``state_dict`` saved by the same rank of the same layout; raise naming the
+        first mismatch otherwise (resharding to another DP size is not supported)."""
+        if state.get("format") != STATE_FORMAT or state.get("optimizer") != self.name:
+            raise ValueError(f"optimizer state is {state.get('format')}/{state.get('optimizer')}, "
+                             f"this optimizer is {STATE_FORMAT}/{self.name}")
+        saved, mine = state["layout"], self._layout()
+        for d in self.domains:
+            size = saved["dp_size"].get(d.name)
+            if size != d.world:
+                raise ValueError(f"DP size mismatch for {d.name} parameters: the state was saved "
+                                 f"with dp_size={size}, this optimizer has dp_size={d.world}")
+        if saved["dp_size"] != mine["dp_size"] or saved["dp_rank"] != mine["dp_rank"]:
+            raise ValueError(f"DP layout mismatch: state saved by ranks {saved['dp_rank']} of "
+                             f"{saved['dp_size']}, this is {mine['dp_rank']} of {mine['dp_size']}")
+        a, b = ([(n, tuple(shape), dt) for n, shape, dt in t] for t in (saved["table"], mine["table"]))
+        bad = next((i for i in range(max(len(a), len(b))) if a[i:i + 1] != b[i:i + 1]), None)
+        if bad is not None:
+            raise ValueError(f"parameter table mismatch at entry {bad}: saved {a[bad:bad + 1]}, "
+                             f"here {b[bad:bad + 1]}")
+        if saved["muon_owners"] != mine["muon_owners"]:
+            raise ValueError("Muon ownership plan mismatch (different optimizer name or rules)")
+        if len(state["param_groups"]) != len(self.param_groups):
+            raise ValueError(f"state has {len(state['param_groups'])} param groups, "
+                             f"this optimizer has {len(self.param_groups)}")
+        for d in self.domains:
+            for bucket, sd in zip(d.buckets, state["adamw"][d.name]):
+                bucket.exp_avg.copy_(sd["exp_avg"])
+                bucket.exp_avg_sq.copy_(sd["exp_avg_sq"])
+            for n, t in d.momentum.items():
+                t.copy_(state["muon"][n])
+        for group, saved_group in zip(self.param_groups, state["param_groups"]):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
+        self._step = state["step"]
+
+    def __repr__(self) -> str:
+        return "ShardedOptimizer({}; {})".format(self.name, ", ".join(
+            f"{d.name}: W={d.world}, {len(d.muon)} Muon" for d in self.domains))

@@ -1,0 +1,226 @@
+"""ShardedOptimizer (ZeRO-1): DP-sharded steps equal the unsharded step on the averaged gradient.
+
+Tolerance: parameters and norms agree within ``atol=1e-5, rtol=1e-5`` (fp32). Bit-exactness
+is not expected in general: the collectives sum the ranks' gradients and norm squares in
+their own order. Resume from a state_dict is compared bitwise (same ops, same order).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from optim import ParamRule, build_optimizer, build_param_table
+from optim.sharded import ShardedOptimizer, plan_muon_owners
+from tests.multiproc import run_multiprocess
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+HP = dict(lr=0.02, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+RULES = [ParamRule(r"^embed\.", "adamw", wd_mult=0.0), ParamRule(r"^head\.", "adamw", lr_mult=0.5),
+         ParamRule(r"q_proj", "muon", heads=4), ParamRule(r"(bias|A_log)$", "adamw", wd_mult=0.0)]
+# Odd AdamW total (88 + 8 + 24 + 3 + 88 = 211 elements) so every DP size pads its last shard.
+SHAPES = {"embed.weight": (11, 8), "attn.q_proj.weight": (16, 8), "attn.A_log": (3,),
+          "mlp.up.weight": (24, 8), "mlp.up.bias": (24,), "mlp.down.weight": (8, 24),
+          "norm.weight": (8,), "head.weight": (11, 8)}
+EXPERT_SHAPES = {"experts.w_in": (2, 8, 6), "experts.w_out": (12, 8)}
+
+
+def is_expert(name: str) -> bool:
+    return name.startswith("experts.")
+
+
+def make_table(seed: int, shapes=SHAPES):
+    """Fresh parameters (values from ``seed``) and their table."""
+    gen = torch.Generator().manual_seed(seed)
+    named = [(n, torch.nn.Parameter(torch.randn(s, generator=gen))) for n, s in shapes.items()]
+    return build_param_table(named, RULES)
+
+
+def grads_for(table, rank: int, step: int, salt: int = 0) -> list[torch.Tensor]:
+    """The gradient rank ``rank`` computes at ``step``: different on every rank."""
+    gen = torch.Generator().manual_seed(1000 * step + 10 * rank + salt)
+    return [torch.randn(e.shape, generator=gen) for e in table]
+
+
+def set_grads(table, grads) -> None:
+    for e, g in zip(table, grads):
+        e.param.grad = g.clone()
+
+
+def averaged(table, ranks, step: int, salt: int = 0) -> list[torch.Tensor]:
+    per_rank = [grads_for(table, r, step, salt) for r in ranks]
+    return [sum(gs) / len(ranks) for gs in zip(*per_rank)]
+
+
+def clip_reference(grads: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
+    norm = torch.stack([g.pow(2).sum() for g in grads]).sum().sqrt()
+    if max_norm:
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(scale)
+    return norm
+
+
+def assert_params_close(table, ref_table, **tol) -> None:
+    for e, r in zip(table, ref_table):
+        torch.testing.assert_close(e.param.detach(), r.param.detach(), msg=e.name, **(tol or TOL))
+
+
+# ---- single process -------------------------------------------------------------------------
+def test_plan_balanced_and_deterministic():
+    rng = random.Random(0)
+    for world in (1, 2, 3, 8):
+        numels = [rng.randint(1, 5000) for _ in range(37)]
+        owners = plan_muon_owners(numels, world)
+        assert owners == plan_muon_owners(list(numels), world)
+        load = [sum(n for n, o in zip(numels, owners) if o == r) for r in range(world)]
+        assert max(load) <= min(load) + max(numels), (world, load)
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_single_rank_matches_torch_adamw_and_combined(name):
+    """Without torch.distributed the optimizer is one rank owning everything: its AdamW must
+    equal torch.optim.AdamW and the whole step must equal build_optimizer's."""
+    table, ref = make_table(0), make_table(0)
+    opt = ShardedOptimizer(table, name, **HP)
+    ref_opt = build_optimizer(ref, name, **HP)
+    assert any(isinstance(o, torch.optim.AdamW) for o in ref_opt.optimizers)
+    for step in range(3):
+        grads = grads_for(table, 0, step)
+        set_grads(table, grads)
+        set_grads(ref, grads)
+        norm = opt.step(max_grad_norm=5.0)
+        ref_norm = clip_reference([e.param.grad for e in ref], 5.0)
+        ref_opt.step()
+        torch.testing.assert_close(norm, ref_norm, **TOL)
+        assert_params_close(table, ref, atol=1e-6, rtol=1e-6)
+    assert opt.reduces_gradients
+    assert [g["base_lr"] for g in opt.param_groups] == [g["base_lr"] for g in ref_opt.param_groups]
+
+
+# ---- DP=2 --------------------------------------------------------------------------------
+def _dp2_body(rank: int, world: int) -> None:
+    dp = dist.group.WORLD
+    for name in ("adamw", "muon"):
+        for max_norm in (None, 3.0):  # 3.0 is below the averaged norm (~7): clipping is active
+            table, ref = make_table(0), make_table(0)
+            opt = ShardedOptimizer(table, name, dp, **HP)
+            ref_opt = build_optimizer(ref, name, **HP)
+            for step in range(3):
+                set_grads(table, grads_for(table, rank, step))
+                set_grads(ref, averaged(ref, range(world), step))
+                norm = opt.step(max_grad_norm=max_norm)
+                ref_norm = clip_reference([e.param.grad for e in ref], max_norm)
+                assert max_norm is None or ref_norm > max_norm
+                ref_opt.step()
+                opt.zero_grad()
+                torch.testing.assert_close(norm, ref_norm, **TOL)
+                assert_params_close(table, ref)
+            # Memory: this rank holds about half of the unsharded state.
+            ref_bytes = sum(t.numel() * t.element_size() for o in ref_opt.optimizers
+                            for s in o.state.values() for t in s.values() if t.ndim > 0)
+            all_bytes = [None] * world
+            dist.all_gather_object(all_bytes, opt.state_bytes())
+            assert ref_bytes <= sum(all_bytes) <= ref_bytes + 4 * 2 * world  # + fp32 padding
+            assert max(all_bytes) < 0.75 * ref_bytes, (all_bytes, ref_bytes)
+
+    # The ownership plan: identical on all ranks, balanced, covering every Muon matrix.
+    table = make_table(0)
+    opt = ShardedOptimizer(table, "muon", dp, **HP)
+    plan = opt.state_dict()["layout"]["muon_owners"]["dense"]
+    plans = [None] * world
+    dist.all_gather_object(plans, plan)
+    assert plans == [plan] * world and {o for _, o in plan} == {0, 1}
+    sizes = {e.name: e.param.numel() for e in table}
+    load = [sum(sizes[n] for n, o in plan if o == r) for r in range(world)]
+    assert max(load) <= min(load) + max(sizes[n] for n, _ in plan)
+
+    # Resume: 2 steps, save, fresh parameters + optimizer load it, step 3 equals uninterrupted.
+    for name in ("adamw", "muon"):
+        table, ref = make_table(0), make_table(0)
+        opt, ref_opt = ShardedOptimizer(table, name, dp, **HP), ShardedOptimizer(ref, name, dp, **HP)
+        for step in range(3):
+            for t, o in ((table, opt), (ref, ref_opt)):
+                if step < 2 or o is ref_opt:
+                    set_grads(t, grads_for(t, rank, step))
+                    o.step(max_grad_norm=3.0)
+            if step == 1:
+                saved, saved_params = opt.state_dict(), [e.param.detach().clone() for e in table]
+                table = make_table(7)  # other values: everything must come from the checkpoint
+                with torch.no_grad():
+                    for e, p in zip(table, saved_params):
+                        e.param.copy_(p)
+                opt = ShardedOptimizer(table, name, dp, **HP)
+                opt.load_state_dict(saved)
+        set_grads(table, grads_for(table, rank, 2))
+        opt.step(max_grad_norm=3.0)
+        for e, r in zip(table, ref):
+            assert torch.equal(e.param, r.param), e.name
+
+    # A different layout is refused, naming what differs.
+    solo = [dist.new_group([r]) for r in range(world)]  # every rank must create every group
+    one = ShardedOptimizer(make_table(0), "muon", solo[rank], **HP)
+    with pytest.raises(ValueError, match="DP size mismatch.*dp_size=2.*dp_size=1"):
+        one.load_state_dict(saved)
+    other = ShardedOptimizer(make_table(0, {**SHAPES, "norm.weight": (9,)}), "muon", dp, **HP)
+    with pytest.raises(ValueError, match="entry .*norm.weight"):
+        other.load_state_dict(saved)
+
+
+def test_dp2_matches_single_process():
+    run_multiprocess(_dp2_body, 2)
+
+
+# ---- PP=2 x DP=2, and experts over an expert-DP group -------------------------------------
+def _pp_dp_body(rank: int, world: int) -> None:
+    # Ranks 0,1 are stage 0 and 2,3 stage 1; DP groups {0,1},{2,3}; pipeline groups {0,2},{1,3}.
+    dp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    stage, dp_ranks = rank // 2, [[0, 1], [2, 3]]
+    for name in ("adamw", "muon"):
+        table = make_table(stage)  # the two stages hold different parameters
+        opt = ShardedOptimizer(table, name, dp_groups[stage], norm_groups=[pp_groups[rank % 2]], **HP)
+        refs = [make_table(s) for s in range(2)]  # the whole model in one process
+        ref_opts = [build_optimizer(r, name, **HP) for r in refs]
+        for step in range(3):
+            set_grads(table, grads_for(table, rank, step))
+            for s in range(2):
+                set_grads(refs[s], averaged(refs[s], dp_ranks[s], step))
+            norm = opt.step(max_grad_norm=4.0)
+            ref_norm = clip_reference([e.param.grad for r in refs for e in r], 4.0)
+            assert ref_norm > 4.0
+            for o in ref_opts:
+                o.step()
+            opt.zero_grad()
+            torch.testing.assert_close(norm, ref_norm, **TOL)
+            assert_params_close(table, refs[stage])
+
+    # Experts: dense parameters over DP=4, experts over expert-DP groups {0,2},{1,3} (EP=2, so
+    # ranks 0,2 hold expert shard 0 and ranks 1,3 shard 1). The norm covers every expert once.
+    edp_groups, edp_ranks = pp_groups, [[0, 2], [1, 3]]
+    ep = rank % 2
+    dense, experts = make_table(0), make_table(10 + ep, EXPERT_SHAPES)
+    opt = ShardedOptimizer(dense + experts, "muon", dist.group.WORLD, expert_dp_group=edp_groups[ep],
+                           is_expert=is_expert, **HP)
+    assert [d.world for d in opt.domains] == [4, 2]
+    ref_dense = make_table(0)
+    ref_experts = [make_table(10 + s, EXPERT_SHAPES) for s in range(2)]
+    ref_opt = build_optimizer(ref_dense + ref_experts[0] + ref_experts[1], "muon", **HP)
+    for step in range(2):
+        set_grads(dense, grads_for(dense, rank, step))
+        set_grads(experts, grads_for(experts, rank, step, salt=5))
+        set_grads(ref_dense, averaged(ref_dense, range(4), step))
+        for s in range(2):
+            set_grads(ref_experts[s], averaged(ref_experts[s], edp_ranks[s], step, salt=5))
+        norm = opt.step(max_grad_norm=4.0)
+        ref_norm = clip_reference([e.param.grad for t in (ref_dense, *ref_experts) for e in t], 4.0)
+        ref_opt.step()
+        opt.zero_grad()
+        torch.testing.assert_close(norm, ref_norm, **TOL)
+        assert_params_close(dense + experts, ref_dense + ref_experts[ep])
+
+
+def test_pp2_dp2_and_expert_groups_match_single_process():
+    run_multiprocess(_pp_dp_body, 4)
