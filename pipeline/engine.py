@@ -1,0 +1,299 @@
+"""Pipeline-parallel engine: runs the interleaved 1F1B schedule over StageIO hops with the
+AttnRes block cache, and reproduces the single-process loss and gradients."""
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+
+from pipeline.accounting import CommRecorder
+from pipeline.layout import chunks_of_rank
+from pipeline.p2p import MsgKey, PipeComm
+from pipeline.schedule import Op, all_schedules
+from pipeline.stage_io import StageIO
+from pipeline.transport import build_plan
+
+
+class _SavedStorages:
+    """Records the storages autograd saves during a chunk's forward: a sent output whose
+    storage is saved (e.g. tanh saves its result) must keep its data for the backward."""
+
+    def __init__(self):
+        self.ptrs: set[int] = set()
+
+    def pack(self, t):
+        self.ptrs.add(t.untyped_storage().data_ptr())
+        return t
+
+    def ctx(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+
+class PipelineEngine:
+    """Runs ``train_step`` / ``eval_step`` for this rank's chunks of a C = P*V chunk model.
+
+    local_chunks: global chunk index -> module, exactly the chunks ``c % P == pp_rank``.
+        Chunk 0: ``forward(inputs [B, T]) -> StageIO``; middle: ``forward(StageIO) -> StageIO``;
+        last: ``forward(StageIO, targets [B, T]) -> loss`` (scalar, mean over the microbatch).
+    produced_blocks[c]: global AttnRes block ids chunk c completes (chunk 0: block 0 first).
+    pp_group: pipeline process group (ranks ordered by pipeline rank); None means P = 1.
+    transport: "cached" (blocks the receiver holds never travel) or "naive" (all blocks travel).
+    dp_group: if given, gradients (and the reported loss) are averaged over it after the step.
+    recorder: CommRecorder filled with every p2p op and compute span.
+    group_size: Megatron's microbatch_group_size_per_vp_stage (default P).
+    deallocate_outputs: drop the data of sent outputs the backward does not need (Megatron's
+        deallocate_output_tensor); the backward then runs through their grad_fn alone.
+    directional_groups: (up, down), two extra process groups with pp_group's ranks, needed on
+        NCCL (pipeline/p2p.py says why). Built here when NCCL's pp_group spans the whole world;
+        otherwise the caller creates them (every rank must call dist.new_group for each).
+    """
+
+    def __init__(self, local_chunks: dict[int, nn.Module], num_chunks: int, produced_blocks: list[list[int]],
+                 pp_group=None, transport: str = "cached", dp_group=None, recorder: CommRecorder | None = None,
+                 group_size: int | None = None, deallocate_outputs: bool = True, directional_groups=None):
+        self.P = dist.get_world_size(pp_group) if pp_group is not None else 1
+        self.rank = dist.get_rank(pp_group) if pp_group is not None else 0
+        if num_chunks % self.P:
+            raise ValueError(f"num_chunks={num_chunks} is not a multiple of the pipeline size {self.P}")
+        self.C, self.V = num_chunks, num_chunks // self.P
+        expected = chunks_of_rank(self.rank, self.P, self.V)
+        if sorted(local_chunks) != expected:
+            raise ValueError(f"pipeline rank {self.rank} must hold chunks {expected}, got {sorted(local_chunks)}")
+        if len(produced_blocks) != num_chunks:
+            raise ValueError(f"produced_blocks has {len(produced_blocks)} entries for {num_chunks} chunks")
+        self.chunks = local_chunks
+        self.plan = build_plan(produced_blocks, self.P, transport)
+        self.pp_group, self.dp_group, self.group_size = pp_group, dp_group, group_size
+        self.recorder = recorder
+        if recorder is not None:
+            recorder.rank = self.rank
+        self.deallocate_outputs = deallocate_outputs
+        params = [p for ch in local_chunks.values() for p in ch.parameters()]
+        self.device = params[0].device if params else torch.device("cpu")
+        if (directional_groups is None and pp_group is not None and self.P > 1
+                and dist.get_backend(pp_group) == "nccl"):
+            if self.P != dist.get_world_size():
+                raise ValueError("on NCCL pass directional_groups=(up, down): copies of pp_group")
+            ranks = dist.get_process_group_ranks(pp_group)
+            directional_groups = (dist.new_group(ranks), dist.new_group(ranks))
+        self.comm = PipeComm(pp_group, self.P, self.rank, self.C, self.plan.hops, recorder, self.device,
+                             directional_groups)
+        self.peak_cache_bytes = 0
+        self.deallocated_outputs = 0          # sent outputs whose data was dropped (cumulative)
+        self._reset_state()
+
+    # ---- per-step state ---------------------------------------------------------------------
+    def _reset_state(self):
+        self._cache: dict[int, dict[int, torch.Tensor]] = {}       # mb -> block id -> leaf
+        self._cache_bytes = 0
+        self._inputs: dict[tuple[int, int], tuple] = {}             # (c, mb) -> (hidden leaf, hop leaves)
+        self._outputs: dict[tuple[int, int], object] = {}           # (c, mb) -> sent tensors / loss
+        self._produced: dict[tuple[int, int], dict] = {}            # (c, mb) -> block -> (out, leaf)
+        self._losses: dict[int, torch.Tensor] = {}
+
+    def _cache_put(self, mb: int, b: int, t: torch.Tensor):
+        self._cache.setdefault(mb, {})[b] = t
+        self._cache_bytes += t.numel() * t.element_size()
+        self.peak_cache_bytes = max(self.peak_cache_bytes, self._cache_bytes)
+
+    def _cache_drop(self, mb: int, blocks):
+        entry = self._cache.get(mb, {})
+        for b in blocks:
+            t = entry.pop(b, None)
+            if t is not None:
+                self._cache_bytes -= t.numel() * t.element_size()
+        if not entry:
+            self._cache.pop(mb, None)
+
+    # ---- public API -------------------------------------------------------------------------
+    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Forward and backward of all microbatches; returns the mean loss (same on every rank).
+
+        Parameter ``.grad`` is accumulated as ``d(mean_mb loss_mb)/d param``, as in the
+        single-process run; zero the grads before calling.
+        """
+        m = len(microbatches)
+        schedules = all_schedules(self.P, self.V, m, self.group_size)
+        self._run(schedules[self.rank], schedules, microbatches, training=True)
+        loss = self._finish_loss(m)
+        if self.dp_group is not None:
+            self._average_grads_over_dp()
+        return loss
+
+    @torch.no_grad()
+    def eval_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Forward only (no autograd graph); returns the mean loss (same on every rank)."""
+        m = len(microbatches)
+        schedules = all_schedules(self.P, self.V, m, self.group_size, forward_only=True)
+        self._run(schedules[self.rank], schedules, microbatches, training=False)
+        return self._finish_loss(m)
+
+    # ---- the step -----------------------------------------------------------------------------
+    def _needs(self, op: Op) -> MsgKey | None:
+        if op.kind == "F":
+            return MsgKey("fwd", op.chunk - 1, op.microbatch) if op.chunk > 0 else None
+        return MsgKey("bwd", op.chunk, op.microbatch) if op.chunk < self.C - 1 else None
+
+    def _run(self, ops: list[Op], schedules, microbatches, training: bool):
+        self._reset_state()
+        if self.recorder is not None:
+            self.recorder.new_step()
+        self.comm.begin_step(schedules, len(microbatches))
+        for i, op in enumerate(ops):
+            # Post the receives of this op and the next one now, so their transfer overlaps
+            # with this op's compute; the wait happens inside recv() when the data is needed.
+            for nxt in ops[i:i + 2]:
+                key = self._needs(nxt)
+                if key is not None:
+                    self.comm.post_until(key, block=False)
+            start = time.perf_counter()
+            if op.kind == "F":
+                self._forward(op, microbatches[op.microbatch], training)
+            else:
+                self._backward(op, len(microbatches))
+            if self.recorder is not None:
+                self.recorder.add_compute(op.kind, op.chunk, op.microbatch, start, time.perf_counter())
+        self.comm.finish_sends()
+        self._cache.clear()
+        self._record_info(len(microbatches))
+
+    def _forward(self, op: Op, batch, training: bool):
+        c, mb = op.chunk, op.microbatch
+        inputs, targets = batch
+        chunk = self.chunks[c]
+        saved = _SavedStorages()
+        with saved.ctx() if training and self.deallocate_outputs else nullcontext():
+            if c == 0:
+                out = chunk(inputs)
+            else:
+                tensors = self.comm.recv(MsgKey("fwd", c - 1, mb), c)
+                has_hidden = self.comm.has_hidden[c - 1]
+                if training:
+                    for t in tensors:
+                        t.requires_grad_()
+                hidden = tensors[0] if has_hidden else None
+                hop_blocks = dict(zip(self.plan.hops[c - 1], tensors[int(has_hidden):]))
+                cached = {b: self._cache[mb][b] for b in self.plan.from_cache[c]}
+                blocks = dict(sorted({**cached, **hop_blocks}.items()))
+                # Received blocks a later chunk on this rank reads go into the cache as the very
+                # same leaf: the later chunks' backward accumulates into its .grad, which this
+                # chunk's backward then sends back (the "first received" owner rule).
+                for b in self.plan.cache_after[c]:
+                    if b in hop_blocks:
+                        self._cache_put(mb, b, hop_blocks[b])
+                if training:
+                    self._inputs[(c, mb)] = (hidden, hop_blocks)
+                io = StageIO(hidden, blocks)
+                out = chunk(io, targets) if c == self.C - 1 else chunk(io)
+        if c == self.C - 1:
+            self._losses[mb] = out.detach()
+            if training:
+                self._outputs[(c, mb)] = out
+        else:
+            self._after_forward(c, mb, out, training, saved)
+        if not training and c + self.P >= self.C:      # last local chunk: the cache is done
+            self._cache_drop(mb, list(self._cache.get(mb, {})))
+
+    def _after_forward(self, c: int, mb: int, out: StageIO, training: bool, saved: _SavedStorages):
+        if not isinstance(out, StageIO):
+            raise TypeError(f"chunk {c} returned {type(out).__name__}, expected StageIO")
+        missing = set(self.plan.available[c]) - set(out.blocks)
+        if missing:
+            raise KeyError(f"chunk {c} output lacks blocks {sorted(missing)}; its blocks must hold "
+                           f"every block produced so far {list(self.plan.available[c])}")
+        produced = {}
+        for b in self.plan.cache_after[c]:
+            if b in self.plan.produced[c]:
+                # Later local chunks get a detached leaf; their backward deposits into its .grad
+                # and this chunk's backward adds the deposit to the block's output gradient.
+                leaf = out.blocks[b].detach().requires_grad_(training)
+                self._cache_put(mb, b, leaf)
+                produced[b] = (out.blocks[b], leaf)
+        has_hidden = out.hidden is not None
+        tensors = ([out.hidden] if has_hidden else []) + [out.blocks[b] for b in self.plan.hops[c]]
+        self.comm.send(MsgKey("fwd", c, mb), tensors, c, has_hidden)
+        if not training:
+            return
+        self._outputs[(c, mb)] = tensors
+        self._produced[(c, mb)] = produced
+        if self.deallocate_outputs:
+            ids = [id(t) for t in tensors]
+            for t in tensors:
+                # The send owns its own reference to the data; the graph only needs grad_fn.
+                if (t.grad_fn is not None and ids.count(id(t)) == 1
+                        and t.untyped_storage().data_ptr() not in saved.ptrs):
+                    t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
+                    self.deallocated_outputs += 1
+
+    def _backward(self, op: Op, num_microbatches: int):
+        c, mb = op.chunk, op.microbatch
+        if c == self.C - 1:
+            loss = self._outputs.pop((c, mb))
+            # d(mean over microbatches)/d loss_mb: the single-process reference averages losses.
+            roots, grads = [loss], [torch.full_like(loss, 1.0 / num_microbatches)]
+        else:
+            roots = self._outputs.pop((c, mb))
+            has_hidden = self.comm.has_hidden[c]
+            grads = self.comm.recv(MsgKey("bwd", c, mb), c)
+            roots, grads = list(roots), list(grads)
+            for b, (out_b, leaf) in self._produced.pop((c, mb), {}).items():
+                if leaf.grad is None:
+                    continue
+                if b in self.plan.hops[c]:
+                    i = int(has_hidden) + self.plan.hops[c].index(b)
+                    grads[i] = grads[i] + leaf.grad
+                else:
+                    roots.append(out_b)
+                    grads.append(leaf.grad)
+        pairs = [(r, g) for r, g in zip(roots, grads) if r.requires_grad]
+        if pairs:
+            # The engine call skips autograd's shape check, which deallocated outputs would fail;
+            # grad_fn still knows the true shapes (as Megatron's custom_backward).
+            Variable._execution_engine.run_backward(
+                tuple(r for r, _ in pairs), tuple(g for _, g in pairs), keep_graph=False,
+                create_graph=False, inputs=(), allow_unreachable=True, accumulate_grad=True)
+        if c > 0:
+            hidden, hop_blocks = self._inputs.pop((c, mb))
+            ins = ([hidden] if hidden is not None else []) + [hop_blocks[b] for b in self.plan.hops[c - 1]]
+            gin = [t.grad if t.grad is not None else torch.zeros_like(t) for t in ins]
+            self.comm.send(MsgKey("bwd", c - 1, mb), gin, c)
+        # This chunk owns the cache entries it received or produced: their last use was above.
+        self._cache_drop(mb, self.plan.cache_after[c])
+
+    # ---- end of step ------------------------------------------------------------------------
+    def _finish_loss(self, m: int) -> torch.Tensor:
+        if self.rank == self.P - 1:
+            loss = torch.stack([self._losses[i] for i in range(m)]).mean().float()
+        else:
+            loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.pp_group is not None:
+            dist.broadcast(loss, self.comm.global_ranks[self.P - 1], group=self.pp_group)
+        if self.dp_group is not None:
+            dist.all_reduce(loss, group=self.dp_group)
+            loss /= dist.get_world_size(self.dp_group)
+        self._losses.clear()
+        return loss
+
+    def _average_grads_over_dp(self):
+        n = dist.get_world_size(self.dp_group)
+        for c in sorted(self.chunks):
+            for p in self.chunks[c].parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=self.dp_group)
+                    p.grad /= n
+
+    def _record_info(self, m: int):
+        if self.recorder is None:
+            return
+        specs = self.comm.specs
+        block_bytes = next((s[0].nbytes for s in specs.values() if s), 0)
+        self.recorder.info = {
+            "plan": self.plan, "pp_size": self.P, "vpp_size": self.V, "num_microbatches": m,
+            "block_bytes": block_bytes,
+            "has_hidden": {c: h for c, h in self.comm.has_hidden.items()},
+            "peak_cache_bytes": {self.rank: self.peak_cache_bytes},
+        }
