@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from k3train.trainer import faults
+
 
 class CheckpointError(RuntimeError):
     pass
@@ -79,6 +81,7 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, state: dict[str, Any
         f.flush()
         os.fsync(f.fileno())
     _barrier()
+    faults.maybe_slow_save(step)
     if rank == 0:
         files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in sorted(tmp.glob("rank_*.pt"))}
         if len(files) != world:

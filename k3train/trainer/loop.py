@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from k3train.config import RunConfig, dump_config, save_config
 from k3train.distributed import init_distributed
+from k3train.trainer import faults
 from k3train.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from k3train.trainer.data import build_data
 from k3train.trainer.metrics import MetricsLogger
@@ -116,8 +117,12 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, stop_at: in
             lr = cfg.optim.lr * lr_factor(step - 1, cfg.train.steps, warmup,
                                           cfg.optim.schedule, cfg.optim.min_lr_ratio)
             apply_lr(state.optimizer, lr / cfg.optim.lr)
-            out = state.train_step(next(data.train))
+            faults.maybe_crash(step)
+            out = state.train_step(next(data.train), poison=faults.active("nan", step))
             skips = 0 if out["finite"] else skips + 1
+            if not out["finite"] and main:
+                print(f"\n[k3train] step {step}: non-finite loss or gradient, update skipped "
+                      f"({skips} in a row, limit {cfg.train.max_consecutive_skips})")
             if skips >= cfg.train.max_consecutive_skips:
                 raise TrainingStopped(
                     f"{skips} consecutive steps had a non-finite loss or gradient (last at step {step}); "

@@ -43,8 +43,9 @@ class TrainState:
         return (f"{counts['total'] / 1e6:.2f}M parameters on this rank "
                 f"({counts['activated'] / 1e6:.2f}M activated per token), optimizer {self.cfg.optim.name}")
 
-    def train_step(self, batch: torch.Tensor) -> dict:
-        """batch: LongTensor [micro_batch_size * microbatches, seq_len + 1] for this DP rank."""
+    def train_step(self, batch: torch.Tensor, poison: bool = False) -> dict:
+        """batch: LongTensor [micro_batch_size * microbatches, seq_len + 1] for this DP rank.
+        poison: make the loss NaN (fault-injection tests of the skip logic)."""
         m = self.cfg.train.microbatches
         batch = batch.to(self.device, non_blocking=True)
         AuxLossAttach.grad_scale = 1.0 / m
@@ -53,6 +54,8 @@ class TrainState:
         for mb in batch.chunk(m):
             with self.autocast:
                 loss = self.model(mb[:, :-1], mb[:, 1:])
+            if poison:
+                loss = loss * float("nan")
             (loss / m).backward()
             total += loss.detach() / m
         allreduce_mean([p.grad for p in self.params if p.grad is not None], self.dp_group, self.info.dp)

@@ -1,0 +1,87 @@
+"""KDA layer forward+backward on one GPU against its floor and against fla's own layer.
+
+Floor = fla's ``chunk_kda`` kernel alone (fwd+bwd, same shape) + the layer's five d x d
+projections (q, k, v, output gate, output) at the bf16 matmul rate measured in the same run.
+
+    python scripts/bench/bench_kda_layer.py [--batch 4 --seq 4096 --hidden 2048 --heads 16 --head-dim 128]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from common import matmul_tflops, timeit  # noqa: E402
+
+warnings.filterwarnings("ignore")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    from fla.ops.kda import chunk_kda
+
+    from k3train.distributed import init_distributed
+    from k3train.model.kda_layer import KimiDeltaAttention
+
+    init_distributed(device="cuda")
+    B, T, D, H, K = args.batch, args.seq, args.hidden, args.heads, args.head_dim
+    dev, bf16 = "cuda", torch.bfloat16
+    peak = matmul_tflops()
+
+    q, k = (torch.nn.functional.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).to(bf16).requires_grad_()
+            for _ in range(2))
+    v = torch.randn(B, T, H, K, device=dev, dtype=bf16, requires_grad=True)
+    g = (-5 * torch.sigmoid(torch.randn(B, T, H, K, device=dev))).float().requires_grad_()
+    beta = torch.sigmoid(torch.randn(B, T, H, device=dev)).to(bf16).requires_grad_()
+    do = torch.randn(B, T, H, K, device=dev, dtype=bf16)
+
+    def kernel():
+        o, _ = chunk_kda(q, k, v, g, beta)
+        o.backward(do)
+
+    kernel_ms = timeit(kernel, warmup=3, iters=10)
+    proj_flops = 5 * 2 * B * T * D * (H * K) * 3  # 5 projections, fwd + 2 bwd GEMMs
+    floor_ms = kernel_ms + proj_flops / (peak * 1e12) * 1e3
+
+    x = torch.randn(B, T, D, device=dev, dtype=bf16, requires_grad=True)
+    dy = torch.randn(B, T, D, device=dev, dtype=bf16)
+    ours = KimiDeltaAttention(D, H, K).to(dev, bf16)
+
+    def run_ours():
+        ours(x).backward(dy)
+
+    ours_ms = timeit(run_ours, warmup=3, iters=10)
+    result = {"shape": f"B{B} T{T} D{D} H{H} K{K}", "bf16_matmul_tflops": peak, "kernel_ms": kernel_ms,
+              "floor_ms": floor_ms, "ours_ms": ours_ms, "ours_over_floor": ours_ms / floor_ms}
+    try:
+        from fla.layers import KimiDeltaAttention as FlaKDA
+
+        peer = FlaKDA(hidden_size=D, num_heads=H, head_dim=K, mode="chunk").to(dev, bf16)
+
+        def run_peer():
+            peer(x)[0].backward(dy)
+
+        result["fla_layer_ms"] = timeit(run_peer, warmup=3, iters=10)
+        result["fla_over_floor"] = result["fla_layer_ms"] / floor_ms
+        result["ours_vs_fla"] = ours_ms / result["fla_layer_ms"]
+    except Exception as exc:  # noqa: BLE001 - report a peer that cannot be built, keep our figures
+        result["fla_layer_error"] = repr(exc)
+    print(json.dumps(result, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""Timing helpers shared by the benchmarks: CUDA events on GPU, perf_counter on CPU, medians."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def timeit(fn, warmup: int = 3, iters: int = 10, device: str = "cuda") -> float:
+    """Median milliseconds of ``fn()`` after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def matmul_tflops(n: int = 8192, dtype=torch.bfloat16) -> float:
+    """Measured dense matmul rate (TFLOP/s) of this GPU, the peak the MFU figures use."""
+    a = torch.randn(n, n, device="cuda", dtype=dtype)
+    b = torch.randn(n, n, device="cuda", dtype=dtype)
+    ms = timeit(lambda: a @ b, warmup=3, iters=10)
+    return 2 * n**3 / (ms * 1e-3) / 1e12
