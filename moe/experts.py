@@ -15,6 +15,8 @@ needs the counts on the host (a device sync on GPU).
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -59,12 +61,24 @@ class GroupedExperts(nn.Module):
     Weights: ``w_gate [E, in, ffn]``, ``w_up [E, in, ffn]``, ``w_down [E, ffn, in]``.
     Init is normal(0, init_std); ``down_std`` (default ``init_std``) lets a model scale the
     output projection, e.g. by 1/sqrt(2 * num_layers).
+
+    Optional quantisation hooks (e.g. MX fake-quant for QAT), given at build time; both default
+    to None (full precision). This library does not know any number format: the caller owns it.
+      * ``weight_quant(w [E, K, N]) -> [E, K, N]``: applied to each stacked weight as it is
+        used, ``x_e @ w[e]``; K (dim 1) is the reduction dim, so block formats block along K
+        (``in`` for w_gate/w_up, ``ffn`` for w_down).
+      * ``act_quant(x [M, K]) -> [M, K]``: applied to the input of each grouped GEMM (the
+        expert input and the SiTU-GLU output); blocks run along the last (reduction) dim.
+    Both must be differentiable (e.g. straight-through) when training.
     """
 
     def __init__(self, num_experts: int, in_size: int, ffn_size: int, *,
                  init_std: float = 0.02, down_std: float | None = None,
-                 beta: float = DEFAULT_BETA, beta_lin: float = DEFAULT_BETA_LIN):
+                 beta: float = DEFAULT_BETA, beta_lin: float = DEFAULT_BETA_LIN,
+                 weight_quant: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 act_quant: Callable[[torch.Tensor], torch.Tensor] | None = None):
         super().__init__()
+        self.weight_quant, self.act_quant = weight_quant, act_quant
         self.num_experts, self.in_size, self.ffn_size = num_experts, in_size, ffn_size
         self.init_std = init_std
         self.down_std = init_std if down_std is None else down_std
@@ -80,28 +94,43 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.w_up, std=self.init_std)
         nn.init.normal_(self.w_down, std=self.down_std)
 
+    def _weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w_gate, w_up, w_down) as the GEMMs use them: through ``weight_quant`` if set."""
+        if self.weight_quant is None:
+            return self.w_gate, self.w_up, self.w_down
+        # A quantiser that blocks along dim 1 may return a transposed view; _grouped_mm needs
+        # unit stride in the last dim, so make it contiguous (a copy only when needed).
+        return tuple(self.weight_quant(w).contiguous() for w in (self.w_gate, self.w_up, self.w_down))
+
+    def _act(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.act_quant is None else self.act_quant(x)
+
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x_sorted: ``[M, in]`` rows grouped by expert (expert 0 first);
         tokens_per_expert: ``[E]`` integer counts summing to M. Returns ``[M, in]``."""
         if not (grouped_mm_supported(x_sorted, self.w_gate)
                 and grouped_mm_supported(x_sorted, self.w_down)):
             return self.forward_loop(x_sorted, tokens_per_expert)
+        w_gate, w_up, w_down = self._weights()
+        x = self._act(x_sorted)
         # Offsets stay on the device: no host sync on the grouped path.
         offs = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
-        gate = torch._grouped_mm(x_sorted, self.w_gate, offs=offs)
-        up = torch._grouped_mm(x_sorted, self.w_up, offs=offs)
-        h = situ_glu(gate, up, self.beta, self.beta_lin)
-        return _ContiguousGrad.apply(torch._grouped_mm(h, self.w_down, offs=offs))
+        gate = torch._grouped_mm(x, w_gate, offs=offs)
+        up = torch._grouped_mm(x, w_up, offs=offs)
+        h = self._act(situ_glu(gate, up, self.beta, self.beta_lin))
+        return _ContiguousGrad.apply(torch._grouped_mm(h, w_down, offs=offs))
 
     def forward_loop(self, x_sorted: torch.Tensor,
                      tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Per-expert loop with the same contract as ``forward``; the reference path and the
         fallback for operands ``torch._grouped_mm`` rejects. Reads the counts on the host."""
-        chunks = torch.split(x_sorted, tokens_per_expert.tolist(), dim=0)
+        w_gate, w_up, w_down = self._weights()
+        # Activation blocks are per row, so quantising before the split equals quantising per expert.
+        chunks = torch.split(self._act(x_sorted), tokens_per_expert.tolist(), dim=0)
         outs = []
         for e, xe in enumerate(chunks):
-            h = situ_glu(xe @ self.w_gate[e], xe @ self.w_up[e], self.beta, self.beta_lin)
-            outs.append(h @ self.w_down[e])
+            h = situ_glu(xe @ w_gate[e], xe @ w_up[e], self.beta, self.beta_lin)
+            outs.append(self._act(h) @ w_down[e])
         return torch.cat(outs, dim=0)
 
     def extra_repr(self) -> str:

@@ -4,10 +4,16 @@ Projections are megatron-core ``ColumnParallelLinear`` / ``RowParallelLinear`` s
 ``parallel.tp > 1`` shards heads and FFN width. They are built with CPU initialisation: the full
 master weight is drawn from the global RNG on every rank and each rank keeps its slice, so a
 TP=2 model holds exactly the weights of the TP=1 model with the same seed.
+
+``ColumnLinear`` / ``RowLinear`` take an optional ``quant`` function ``(x [..., in],
+weight [out, in]) -> [..., out]`` that replaces the matmul (MX fake-quant QAT, chosen by
+``precision.scope`` at build time; see ``k3train.quant.recipes``). It computes the unsharded
+product, so it is only valid at ``parallel.tp == 1``; the recipe code refuses it otherwise.
 """
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -61,6 +67,9 @@ def _mp_config(tp: int) -> ModelParallelConfig:
     )
 
 
+LinearFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def _normal(std: float):
     return functools.partial(nn.init.normal_, mean=0.0, std=std)
 
@@ -68,8 +77,10 @@ def _normal(std: float):
 class ColumnLinear(nn.Module):
     """``y[..., out/tp] = x[..., in] @ W^T``: output features sharded over tensor-parallel ranks."""
 
-    def __init__(self, in_features: int, out_features: int, std: float):
+    def __init__(self, in_features: int, out_features: int, std: float,
+                 quant: LinearFn | None = None):
         super().__init__()
+        self.quant = quant
         self.inner = ColumnParallelLinear(
             in_features, out_features, config=_mp_config(tp_size()), init_method=_normal(std),
             bias=False, gather_output=False,
@@ -80,14 +91,18 @@ class ColumnLinear(nn.Module):
         return self.inner.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant(x, self.inner.weight)
         return self.inner(x)[0]
 
 
 class RowLinear(nn.Module):
     """``y[..., out] = sum over tp of x[..., in/tp] @ W_shard^T``: input features sharded."""
 
-    def __init__(self, in_features: int, out_features: int, std: float):
+    def __init__(self, in_features: int, out_features: int, std: float,
+                 quant: LinearFn | None = None):
         super().__init__()
+        self.quant = quant
         self.inner = RowParallelLinear(
             in_features, out_features, config=_mp_config(tp_size()), init_method=_normal(std),
             bias=False, input_is_parallel=True, skip_bias_add=False,
@@ -98,6 +113,8 @@ class RowLinear(nn.Module):
         return self.inner.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant(x, self.inner.weight)
         return self.inner(x)[0]
 
 

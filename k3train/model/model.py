@@ -22,6 +22,7 @@ from k3train.model.kda_layer import KimiDeltaAttention
 from k3train.model.layer import K3Layer
 from k3train.model.layout import expand_layer_pattern
 from k3train.model.mla import GatedMLA
+from k3train.quant.recipes import apply_precision, resolve_device
 from moe import LatentMoE
 from pipeline.stage_io import StageIO
 
@@ -105,6 +106,10 @@ class K3Chunk(nn.Module):
                 if not first:
                     raise ValueError("model.tie_embeddings needs the embedding and head in one chunk (pp=1)")
                 self.head.weight = self.embed.weight
+        # The precision recipe is part of what the layers are: configured here, at build time.
+        # A pipeline chunk may legitimately hold none of a scope pattern's modules.
+        self.quantized = apply_precision(self, cfg.precision, resolve_device(cfg.train.device),
+                                         layer_offset=start, require_match=first and last)
 
     def embed_tokens(self, tokens: torch.Tensor) -> StageIO:
         h = self.embed(tokens)

@@ -1,0 +1,182 @@
+"""Precision recipes (DESIGN.md section 7): which modules a recipe quantises, and how.
+
+``apply_precision`` runs at model build time (``K3Chunk.__init__``), so a layer is quantised
+from its first forward and the trainer needs no extra call. It hands each in-scope layer its
+quantisation hook, the configuration its constructor also accepts:
+  * ``GroupedExperts``: ``weight_quant`` / ``act_quant`` (``QuantSpec`` methods);
+  * ``nn.Linear``: replaced by ``MXLinear`` sharing the same Parameters;
+  * ``ColumnLinear`` / ``RowLinear`` (megatron-core TP linears): ``quant = spec.linear``, valid at
+    ``parallel.tp == 1`` only (the fake-quantised product is the unsharded one); tp > 1 is refused.
+fp8 converts in-scope ``nn.Linear`` modules with torchao's ``convert_to_float8_training``.
+
+Scope names use global layer indices (``layers.<i>.``) even inside a pipeline chunk, so a
+pattern means the same layers whatever the pipeline split.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn as nn
+
+from k3train.config.schema import PrecisionConfig
+from k3train.model.common import ColumnLinear, RowLinear, tp_size
+from k3train.quant.spec import MX_SPECS, MXLinear, QuantSpec
+from moe import GroupedExperts
+
+DEFAULT_SCOPES = {
+    "mxfp4_qat": [r"\.ffn\.experts$"],  # K3 quantises the routed experts only
+    "mxfp8": [r"\.ffn\.experts$"],
+    # torchao float8 swaps nn.Linear only: the latent projections and the shared experts.
+    "fp8": [r"\.ffn\.(down|up)$", r"\.ffn\.shared$"],
+}
+_LEAVES = (GroupedExperts, nn.Linear, ColumnLinear, RowLinear)
+_FP8_INSTALL = ('precision.recipe=fp8 needs a CUDA GPU with compute capability >= 8.9 (Ada/Hopper) '
+                'and torchao (pip install -e ".[gpu]")')
+
+
+def resolve_device(choice: str | torch.device) -> torch.device:
+    """``train.device`` ("auto" | "cpu" | "cuda") or a device -> torch.device."""
+    if isinstance(choice, torch.device):
+        return choice
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(choice)
+
+
+def scope_patterns(precision: PrecisionConfig) -> list[str]:
+    return list(precision.scope) if precision.scope is not None else list(DEFAULT_SCOPES.get(precision.recipe, []))
+
+
+def _fp8_backend() -> str | None:
+    """"torchao" | "te" | None, importing lazily (neither is installed on CPU machines)."""
+    for module, name in (("torchao.float8", "torchao"), ("transformer_engine.pytorch", "te")):
+        try:
+            __import__(module)
+            return name
+        except ImportError:
+            continue
+    return None
+
+
+def validate_precision(precision: PrecisionConfig, device: str | torch.device) -> None:
+    """Raise ValueError with a one-line message if the recipe cannot run on ``device``."""
+    if precision.recipe != "fp8":
+        return
+    dev = resolve_device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"{_FP8_INSTALL}; this run is on {dev.type}. On CPU use precision.recipe="
+                         f"bf16, mxfp8 or mxfp4_qat (MX is emulated exactly)")
+    cap = torch.cuda.get_device_capability(dev)
+    if cap < (8, 9):
+        raise ValueError(f"{_FP8_INSTALL}; this GPU has compute capability {cap[0]}.{cap[1]}")
+    backend = _fp8_backend()
+    if backend is None:
+        raise ValueError(f"{_FP8_INSTALL}; torchao is not importable "
+                         f'(Transformer Engine, pip install -e ".[te]", is not used: k3train layers are not TE layers)')
+    if backend == "te":
+        raise ValueError(f"{_FP8_INSTALL}; only Transformer Engine is importable, and k3train's layers "
+                         f"are not TE layers")
+    if precision.fp8_recipe != "current":
+        raise ValueError(f"precision.fp8_recipe={precision.fp8_recipe} needs Transformer Engine layers, "
+                         f"which k3train does not build; torchao implements fp8_recipe=current")
+
+
+def _global_name(name: str, layer_offset: int) -> str:
+    """Chunk-local ``layers.<i>...`` -> ``layers.<i + layer_offset>...``."""
+    if not layer_offset:
+        return name
+    return re.sub(r"^layers\.(\d+)", lambda m: f"layers.{int(m.group(1)) + layer_offset}", name)
+
+
+def select_scope(model: nn.Module, patterns: list[str], layer_offset: int = 0,
+                 require_match: bool = True) -> dict[str, str]:
+    """Quantisable modules the patterns select: {global name: local name}, in model order.
+
+    A pattern matching a quantisable module selects it; matching a container selects the
+    quantisable modules inside it. Routers are never selected (they are not linears). Raises
+    ValueError naming a pattern that selects nothing, when ``require_match``.
+    """
+    local_of = {_global_name(n, layer_offset): n for n, _ in model.named_modules()}
+    modules = dict(model.named_modules())
+    leaves = [g for g, n in local_of.items() if isinstance(modules[n], _LEAVES)]
+    chosen: set[str] = set()
+    for pattern in patterns:
+        rx = re.compile(pattern)
+        hits = [g for g in local_of if g and rx.search(g)]
+        picked = {leaf for leaf in leaves for h in hits if leaf == h or leaf.startswith(h + ".")}
+        if require_match and not picked:
+            shown = f"it matches only {hits[:3]}, which hold no linear or expert weights" if hits else \
+                "no module name matches it"
+            raise ValueError(f"precision.scope pattern {pattern!r} selects nothing: {shown} "
+                             f"(names look like 'layers.1.ffn.experts'; see docs/quantization.md)")
+        chosen |= picked
+    # Leaves never nest (a TP linear's inner megatron module is not an nn.Linear).
+    return {g: local_of[g] for g in local_of if g in chosen}
+
+
+def _set_child(model: nn.Module, local: str, new: nn.Module) -> None:
+    parent, _, attr = local.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, new)
+
+
+def _check_blocks(name: str, dims: dict[str, int], block: int) -> None:
+    for what, size in dims.items():
+        if size % block:
+            raise ValueError(f"cannot MX-quantise {name}: its {what} ({size}) is not a multiple of the "
+                             f"block size {block}; change the width or drop it from precision.scope")
+
+
+def _apply_mx(model: nn.Module, name: str, local: str, spec: QuantSpec) -> None:
+    mod = model.get_submodule(local)
+    bs = spec.block_size
+    if isinstance(mod, GroupedExperts):
+        _check_blocks(name, {"in size": mod.in_size, "ffn size": mod.ffn_size}, bs)
+        mod.weight_quant, mod.act_quant = spec.grouped_weight, spec.activation
+    elif isinstance(mod, (ColumnLinear, RowLinear)):
+        if tp_size() > 1:
+            raise ValueError(f"precision.scope selects {name}, a tensor-parallel linear; MX recipes support "
+                             f"those at parallel.tp=1 only (tp is {tp_size()})")
+        _check_blocks(name, {"input features": mod.weight.shape[1]}, bs)
+        mod.quant = spec.linear
+    else:
+        _check_blocks(name, {"input features": mod.in_features}, bs)
+        _set_child(model, local, MXLinear.from_linear(mod, spec))
+
+
+def _apply_fp8(model: nn.Module, targets: dict[str, str]) -> None:
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    for name, local in targets.items():
+        mod = model.get_submodule(local)
+        if type(mod).__name__ == "Float8Linear":
+            continue
+        if type(mod) is not nn.Linear:
+            raise ValueError(f"precision.recipe=fp8 converts plain nn.Linear modules only; precision.scope "
+                             f"selects {name}, a {type(mod).__name__}")
+        if mod.in_features % 16 or mod.out_features % 16:
+            raise ValueError(f"fp8 GEMMs need both dims of {name} to be multiples of 16; "
+                             f"got {mod.in_features}x{mod.out_features}")
+    wanted = set(targets.values())
+    convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn in wanted,
+                               config=Float8LinearConfig.from_recipe_name("tensorwise"))
+
+
+def apply_precision(model: nn.Module, precision: PrecisionConfig, device: str | torch.device = "cpu", *,
+                    layer_offset: int = 0, require_match: bool = True) -> list[str]:
+    """Configure ``model``'s in-scope layers for ``precision.recipe``; returns their global names.
+
+    Idempotent (applying twice changes nothing). ``layer_offset``: global index of the chunk's
+    first layer. ``require_match=False`` lets a pipeline chunk hold none of a pattern's modules.
+    """
+    validate_precision(precision, device)
+    if precision.recipe == "bf16":
+        return []
+    targets = select_scope(model, scope_patterns(precision), layer_offset, require_match)
+    if precision.recipe == "fp8":
+        _apply_fp8(model, targets)
+    else:
+        spec = MX_SPECS[precision.recipe]
+        for name, local in targets.items():
+            _apply_mx(model, name, local, spec)
+    return list(targets)

@@ -1,0 +1,121 @@
+"""Training-step time and loss of precision recipes: bf16 vs fp8 (torchao) vs mxfp4_qat emulation.
+
+    python scripts/bench/bench_fp8.py --out runs/bench_fp8                  # one H200
+    python scripts/bench/bench_fp8.py --device cpu --small --out /tmp/b     # CPU smoke (no fp8)
+
+Each recipe builds the same model from the same seed (``TrainState``, exactly what ``k3train
+train`` runs: bf16 autocast on CUDA, the recipe applied at build time with its default
+``precision.scope`` unless ``--scope`` is given), trains ``--steps`` steps on the same data
+stream, and records every step's loss and wall time (a step ends with the trainer's own host
+sync on the loss). The step time is the median over the steps after ``--warmup``; the table
+gives each recipe's ratio to bf16 measured in this same run. Results: ``OUT/bench_fp8.json``.
+
+The default GPU model is k3_mini-like but wide and FFN-heavy (hidden 2048, latent 2048, a
+8192-wide shared expert) so that the modules fp8 converts (latent projections and shared
+experts, plain ``nn.Linear``) carry most of the FLOPs. mxfp4_qat is emulated (fake-quant in
+fp32 then a bf16 GEMM): on Hopper it costs time, it does not save any; it is here to measure
+that overhead. fp8 is skipped with its one-line reason when it cannot run (CPU, no torchao,
+compute capability < 8.9).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from k3train.config import load_config
+from k3train.distributed import init_distributed
+from k3train.quant.recipes import validate_precision
+from k3train.trainer.data import build_data
+from k3train.trainer.state import TrainState
+
+WIDE = ["model.hidden_size=2048", "model.num_layers=4", "model.dense_layers=1", "model.ffn.intermediate_size=8192",
+        "model.kda.num_heads=16", "model.kda.head_dim=128", "model.mla.num_heads=16",
+        "moe.num_experts=16", "moe.topk=2", "moe.latent_size=2048", "moe.expert_ffn_size=1024",
+        "moe.num_shared_experts=1", "moe.shared_ffn_size=8192",
+        "train.seq_len=2048", "train.micro_batch_size=4", "optim.name=adamw"]
+SMALL = ["model.hidden_size=64", "model.num_layers=4", "model.kda.num_heads=2", "model.kda.head_dim=32",
+         "model.mla.num_heads=2", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=32",
+         "model.mla.qk_nope_head_dim=16", "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=16",
+         "model.ffn.intermediate_size=128", "moe.num_experts=4", "moe.topk=2", "moe.latent_size=32",
+         "moe.expert_ffn_size=32", "moe.shared_ffn_size=64", "train.seq_len=32", "train.micro_batch_size=4"]
+
+
+def run_recipe(recipe: str, args, device: torch.device) -> dict:
+    overrides = [*(SMALL if args.small else WIDE), f"train.device={device.type}", f"train.steps={args.steps}",
+                 f"precision.recipe={recipe}", "logging.wandb.mode=disabled", "logging.progress_bar=false",
+                 *args.overrides]
+    if args.scope:
+        overrides.append("precision.scope=" + json.dumps(args.scope))
+    cfg = load_config(args.config, overrides)
+    try:
+        validate_precision(cfg.precision, device)
+    except ValueError as exc:
+        return {"skipped": str(exc)}
+    info = init_distributed(device=device.type)
+    torch.manual_seed(cfg.train.seed)
+    state = TrainState(cfg, info, device)
+    data = build_data(cfg, 0, 1)
+    losses, times = [], []
+    for _ in range(args.steps):
+        batch = next(data.train)
+        t0 = time.perf_counter()
+        out = state.train_step(batch)  # ends with .item(): the step is finished on the device
+        times.append(time.perf_counter() - t0)
+        losses.append(out["loss"])
+    timed = times[args.warmup:] or times
+    result = {"quantized": state.model.quantized, "losses": losses, "step_s": times,
+              "median_step_s": statistics.median(timed),
+              "tokens_per_step": cfg.train.micro_batch_size * cfg.train.seq_len}
+    del state
+    if device.type == "cuda":
+        result["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--small", action="store_true", help="tiny model (CPU smoke test)")
+    p.add_argument("--config", default="configs/k3_mini.yaml")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of the median")
+    p.add_argument("--recipes", nargs="+", default=["bf16", "fp8", "mxfp4_qat"])
+    p.add_argument("--scope", nargs="+", help="precision.scope patterns for every recipe (default: each recipe's)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but no CUDA device is visible; use --device cpu --small")
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+
+    results = {r: run_recipe(r, args, device) for r in args.recipes}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "steps": args.steps, "warmup": args.warmup, "small": args.small}
+    (out / "bench_fp8.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+
+    base = results.get("bf16", {}).get("median_step_s")
+    print(f"{'recipe':<10} {'step ms':>9} {'vs bf16':>8} {'tok/s':>10} {'final loss':>10}  quantised modules")
+    for name, r in results.items():
+        if "skipped" in r:
+            print(f"{name:<10} skipped: {r['skipped']}")
+            continue
+        ms = r["median_step_s"] * 1e3
+        ratio = f"{r['median_step_s'] / base:.2f}x" if base else "n/a"
+        print(f"{name:<10} {ms:>9.1f} {ratio:>8} {r['tokens_per_step'] / r['median_step_s']:>10.0f} "
+              f"{r['losses'][-1]:>10.4f}  {len(r['quantized'])}")
+    print(f"wrote {out / 'bench_fp8.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
