@@ -38,6 +38,17 @@ class MetricsLogger:
 
             self._wandb.log({key: wandb.Image(str(path))}, step=step)
 
+    def log_images(self, paths: dict[str, str | Path], step: int) -> None:
+        """Log PNGs (e.g. from ``k3train.plots``) under their keys in one wandb step; files
+        that do not exist are skipped, so a plot that could not be drawn never stops a run."""
+        if self._wandb is None:
+            return
+        import wandb
+
+        images = {k: wandb.Image(str(p)) for k, p in paths.items() if Path(p).is_file()}
+        if images:
+            self._wandb.log(images, step=step)
+
     def close(self) -> None:
         if self._wandb is not None:
             self._wandb.finish()

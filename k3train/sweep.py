@@ -1,0 +1,236 @@
+"""Ablation sweeps: ``k3train sweep configs/ablations/NAME.yaml [--out DIR] [--dry-run]``.
+
+An ablation file::
+
+    name: attnres                  # optional; default the file name
+    base: configs/k3_tiny.yaml     # run config every variant starts from
+    overrides: [train.steps=60]    # applied to every variant
+    grid:                          # either a cartesian product of values ...
+      model.attnres.enabled: [true, false]
+      optim.name: [adamw, muon]
+    variants:                      # ... or named override lists (instead of grid)
+      - {name: off, overrides: [model.attnres.enabled=false]}
+
+Variants run one after another in this process (``k3train.trainer.loop.train``), each in
+``OUT/<variant>/``. A variant whose directory holds ``DONE`` is skipped; one with a checkpoint
+but no ``DONE`` (an interrupted sweep) resumes from it. Results go to ``OUT/results.md``,
+``OUT/results.csv`` and ``OUT/loss_curves.png``.
+"""
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from k3train.config import ConfigError, RunConfig, load_config
+from k3train.plots import plot_loss_curves, read_metrics
+
+__all__ = ["Sweep", "Variant", "load_sweep", "run_sweep", "collect_result", "write_results"]
+
+_NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
+COLUMNS = ("variant", "steps", "final_train_loss", "final_val_loss", "best_val_loss", "tokens_per_s",
+           "maxvio_running", "recall_acc")
+
+
+@dataclass
+class Variant:
+    name: str
+    overrides: list[str]
+
+
+@dataclass
+class Sweep:
+    name: str
+    base: Path
+    overrides: list[str]
+    variants: list[Variant] = field(default_factory=list)
+
+
+def _value_text(value) -> str:
+    """A grid value as an override right-hand side (YAML, so `true`, `1e-3`, `[1, 2]` round-trip)."""
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+def _grid_variants(grid: dict) -> list[Variant]:
+    for key, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"sweep grid entry '{key}' must be a non-empty list of values")
+    keys = list(grid)
+    out = []
+    for combo in itertools.product(*(grid[k] for k in keys)):
+        texts = [_value_text(v) for v in combo]
+        name = "_".join(f"{k.split('.')[-1]}-{re.sub(r'[^A-Za-z0-9_.+-]', '', t)}" for k, t in zip(keys, texts))
+        out.append(Variant(name, [f"{k}={t}" for k, t in zip(keys, texts)]))
+    return out
+
+
+def _named_variants(items) -> list[Variant]:
+    if not isinstance(items, list) or not items:
+        raise ConfigError("sweep 'variants' must be a non-empty list of {name, overrides}")
+    out = []
+    for item in items:
+        if not isinstance(item, dict) or "name" not in item:
+            raise ConfigError(f"sweep variant {item!r} needs a 'name' (and an 'overrides' list)")
+        if not isinstance(item["name"], str):  # YAML reads a bare off/yes/1 as a bool or number
+            raise ConfigError(f"sweep variant name {item['name']!r} is not a string; quote it in the file")
+        overrides = item.get("overrides") or []
+        if not isinstance(overrides, list):
+            raise ConfigError(f"sweep variant '{item['name']}': 'overrides' must be a list of key=value")
+        out.append(Variant(str(item["name"]), [str(o) for o in overrides]))
+    return out
+
+
+def load_sweep(path: str | Path) -> Sweep:
+    """Parse and check an ablation file (the module docstring gives the format)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"ablation file '{path}' does not exist (configs/ablations/ lists the shipped ones)")
+    spec = yaml.safe_load(path.read_text()) or {}
+    unknown = set(spec) - {"name", "base", "overrides", "grid", "variants"}
+    if unknown:
+        raise ConfigError(f"{path}: unknown keys {sorted(unknown)}; allowed: name, base, overrides, grid, variants")
+    if "base" not in spec:
+        raise ConfigError(f"{path}: 'base' (a run config such as configs/k3_tiny.yaml) is required")
+    base = Path(spec["base"])
+    if not base.is_file() and (path.parent / base).is_file():
+        base = path.parent / base
+    grid, variants = spec.get("grid"), spec.get("variants")
+    if isinstance(grid, dict) and set(grid) == {"variants"}:  # `grid: {variants: [...]}` reads the same
+        grid, variants = None, grid["variants"]
+    if (grid is None) == (variants is None):
+        raise ConfigError(f"{path}: give exactly one of 'grid' (key -> list of values) or 'variants'")
+    if grid is not None and not isinstance(grid, dict):
+        raise ConfigError(f"{path}: 'grid' must map config keys to lists of values")
+    found = _grid_variants(grid) if grid is not None else _named_variants(variants)
+    names = [v.name for v in found]
+    bad = [n for n in names if not _NAME.match(n)]
+    if bad:
+        raise ConfigError(f"{path}: variant names {bad} must use only letters, digits and _.+-")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{path}: variant names repeat: {names}")
+    overrides = spec.get("overrides") or []
+    if not isinstance(overrides, list):
+        raise ConfigError(f"{path}: 'overrides' must be a list of key=value")
+    return Sweep(str(spec.get("name", path.stem)), base, [str(o) for o in overrides], found)
+
+
+def variant_config(sweep: Sweep, variant: Variant, extra: list[str] = ()) -> RunConfig:
+    """base file <- sweep overrides <- wandb group/name <- variant overrides <- command-line extras."""
+    # JSON-quoted so that a name like "off" or "1" stays a string when the override is parsed as YAML.
+    wandb = [f"logging.wandb.group={json.dumps(sweep.name)}", f"logging.wandb.name={json.dumps(variant.name)}"]
+    try:
+        return load_config(sweep.base, [*sweep.overrides, *wandb, *variant.overrides, *extra])
+    except ConfigError as exc:
+        raise ConfigError(f"sweep variant '{variant.name}': {exc}") from None
+
+
+def _final_recall_accuracy(cfg: RunConfig, run_dir: Path) -> float | None:
+    """MQAR recall accuracy of the run's final checkpoint on its validation batches (one-process
+    layouts only: the single rank file then holds the whole model)."""
+    import torch
+
+    from k3train.data.mqar import mqar_val_batches, recall_accuracy
+    from k3train.distributed import init_distributed
+    from k3train.model.model import build_model
+    from k3train.trainer.checkpoint import latest_checkpoint, load_checkpoint
+
+    p = cfg.parallel
+    if (p.tp, p.pp, p.ep) != (1, 1, 1):
+        return None
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    if ckpt is None:
+        return None
+    init_distributed(p.tp, p.pp, p.vpp, p.ep)
+    model = build_model(cfg)
+    _, state = load_checkpoint(ckpt)
+    model.load_state_dict(state["model"])
+    t = cfg.train
+    return recall_accuracy(model, mqar_val_batches(cfg.data.mqar, t.seq_len, t.micro_batch_size, t.eval_batches),
+                           cfg.data.mqar, device=torch.device("cpu"))
+
+
+def collect_result(name: str, cfg: RunConfig, run_dir: Path) -> tuple[dict, list[dict]]:
+    """One results row for ``run_dir`` (metrics.jsonl and, for MQAR, the final checkpoint) and
+    its metrics records."""
+    metrics = run_dir / "metrics.jsonl"
+    records = read_metrics(metrics) if metrics.is_file() else []
+    val = [r["val_loss"] for r in records if r.get("val_loss") is not None]
+    speed = [r["tokens_per_s"] for r in records if r.get("tokens_per_s") is not None]
+    maxvio = [r["moe/maxvio_running"] for r in records if r.get("moe/maxvio_running") is not None]
+    row = {
+        "variant": name,
+        "steps": records[-1]["step"] if records else None,
+        "final_train_loss": records[-1].get("loss") if records else None,
+        "final_val_loss": val[-1] if val else None,
+        "best_val_loss": min(val) if val else None,
+        "tokens_per_s": sum(speed) / len(speed) if speed else None,
+        "maxvio_running": maxvio[-1] if maxvio else None,
+        "recall_acc": _final_recall_accuracy(cfg, run_dir) if cfg.data.source == "mqar" else None,
+    }
+    return row, records
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.1f}" if abs(value) >= 100 else f"{value:.4f}"
+    return str(value)
+
+
+def write_results(rows: list[dict], out: Path, title: str) -> tuple[Path, Path]:
+    """``out/results.csv`` (full precision, empty cells for n/a) and ``out/results.md``."""
+    cols = [c for c in COLUMNS if c in ("variant", "steps") or any(r.get(c) is not None for r in rows)]
+    csv_path, md_path = out / "results.csv", out / "results.md"
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows({c: ("" if r.get(c) is None else r[c]) for c in cols} for r in rows)
+    lines = [f"# Sweep {title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    lines += ["", "tokens_per_s: mean over logged steps; maxvio_running: last logged value (MoE runs); "
+                  "recall_acc: MQAR validation recall of the final checkpoint.", ""]
+    md_path.write_text("\n".join(lines))
+    return md_path, csv_path
+
+
+def run_sweep(path: str | Path, out: str | Path | None = None, extra: list[str] = (),
+              dry_run: bool = False) -> list[dict]:
+    """Run (or, with ``dry_run``, only resolve and list) every variant; returns the result rows."""
+    from k3train.trainer import loop  # attribute lookup at call time keeps ``loop.train`` patchable
+
+    sweep = load_sweep(path)
+    out = Path(out) if out is not None else Path("runs") / "sweeps" / sweep.name
+    configs = [(v, variant_config(sweep, v, list(extra))) for v in sweep.variants]  # fail before any training
+    if dry_run:
+        for v, cfg in configs:
+            state = "done" if (out / v.name / "DONE").is_file() else "to run"
+            print(f"{v.name:<28} {state:<7} {out / v.name}  {' '.join(v.overrides)}")
+        return []
+    rows, curves = [], {}
+    for v, cfg in configs:
+        run_dir = out / v.name
+        if (run_dir / "DONE").is_file():
+            print(f"[sweep] {v.name}: done already, skipping")
+        else:
+            resume = (run_dir / "checkpoints" / "latest").is_file()
+            print(f"[sweep] {v.name}: {'resuming' if resume else 'training'} in {run_dir}")
+            summary = loop.train(cfg, run_dir, resume=resume)
+            if summary.get("steps", 0) < cfg.train.steps:  # stopped by a signal: leave it resumable
+                print(f"[sweep] {v.name} stopped at step {summary.get('steps')}; rerun the sweep to resume")
+                break
+            (run_dir / "DONE").write_text(f"{summary.get('steps')}\n")
+        row, records = collect_result(v.name, cfg, run_dir)
+        rows.append(row)
+        curves[v.name] = records
+    if rows:
+        out.mkdir(parents=True, exist_ok=True)
+        md, _ = write_results(rows, out, sweep.name)
+        plot_loss_curves(curves, out / "loss_curves.png")
+        print(f"[sweep] results: {md}, {out / 'results.csv'}, {out / 'loss_curves.png'}")
+    return rows

@@ -1,0 +1,80 @@
+"""``k3train sweep``: a two-variant grid runs, tabulates and plots; a rerun skips finished
+variants; an unfinished variant resumes; the shipped ablation files resolve."""
+import csv
+from pathlib import Path
+
+import pytest
+import yaml
+
+import k3train.trainer.loop as loop
+from k3train.cli import main as cli_main
+from k3train.config import ConfigError
+from k3train.sweep import load_sweep, run_sweep, variant_config
+from tests.k3train.test_train import SMALL
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _ablation(tmp_path, **spec):
+    path = tmp_path / "ablation.yaml"
+    path.write_text(yaml.safe_dump({"name": "unit", "base": str(Path("configs/k3_tiny.yaml").resolve()), **spec}))
+    return path
+
+
+def test_sweep_runs_tabulates_and_skips_finished_variants(tmp_path, monkeypatch):
+    overrides = [*SMALL, "train.steps=6", "train.log_interval=2", "train.eval_interval=3"]
+    path = _ablation(tmp_path, overrides=overrides, grid={"data.source": ["embedded", "mqar"]})
+    out = tmp_path / "out"
+    rows = run_sweep(path, out)
+    assert [r["variant"] for r in rows] == ["source-embedded", "source-mqar"]
+    for r in rows:
+        assert r["steps"] == 6 and (out / r["variant"] / "DONE").is_file()
+        assert r["final_train_loss"] > 0 and r["best_val_loss"] <= r["final_val_loss"]
+        assert r["tokens_per_s"] > 0 and r["maxvio_running"] is not None
+    assert rows[0]["recall_acc"] is None and 0.0 <= rows[1]["recall_acc"] <= 1.0
+    table = list(csv.DictReader(open(out / "results.csv")))
+    assert [t["variant"] for t in table] == ["source-embedded", "source-mqar"] and "recall_acc" in table[0]
+    md = (out / "results.md").read_text()
+    assert "| source-mqar | 6 |" in md and "best_val_loss" in md
+    png = (out / "loss_curves.png").read_bytes()
+    assert png[:8] == PNG and len(png) > 1000
+    cfg = yaml.safe_load((out / "source-mqar" / "config.yaml").read_text())
+    assert cfg["logging"]["wandb"]["group"] == "unit" and cfg["logging"]["wandb"]["name"] == "source-mqar"
+
+    def must_not_train(*args, **kwargs):
+        raise AssertionError("a finished variant was trained again")
+
+    monkeypatch.setattr(loop, "train", must_not_train)
+    (out / "results.md").unlink()
+    assert run_sweep(path, out) == rows  # same rows, recomputed from the run directories
+    assert (out / "results.md").is_file()
+
+    calls = []
+    monkeypatch.setattr(loop, "train", lambda cfg, run_dir, resume=False: calls.append(resume) or {"steps": 6})
+    (out / "source-mqar" / "DONE").unlink()  # as if the sweep had been killed during this variant
+    run_sweep(path, out)
+    assert calls == [True]
+
+
+def test_named_variants_dry_run_and_errors(tmp_path, capsys):
+    path = _ablation(tmp_path, overrides=["train.steps=2"],
+                     variants=[{"name": "off", "overrides": ["model.attnres.enabled=false"]},
+                               {"name": "b4", "overrides": ["model.attnres.block_size=4"]}])
+    assert cli_main(["sweep", str(path), "--out", str(tmp_path / "o"), "--dry-run", "train.seed=3"]) == 0
+    assert "off" in capsys.readouterr().out and not (tmp_path / "o").exists()
+    sweep = load_sweep(path)
+    cfg = variant_config(sweep, sweep.variants[0], ["train.seed=3"])
+    assert (cfg.model.attnres.enabled, cfg.train.seed, cfg.logging.wandb.name) == (False, 3, "off")
+    with pytest.raises(ConfigError, match="exactly one of"):
+        load_sweep(_ablation(tmp_path, grid={"optim.name": ["adamw"]}, variants=[{"name": "x"}]))
+    with pytest.raises(ConfigError, match="(?s)sweep variant 'x'.*unknown config key"):
+        s = load_sweep(_ablation(tmp_path, variants=[{"name": "x", "overrides": ["train.stepz=1"]}]))
+        variant_config(s, s.variants[0])
+
+
+@pytest.mark.parametrize("name", ["attnres", "kda_ratio", "balancing", "optimizer", "precision", "mqar_recall"])
+def test_shipped_ablation_files_resolve(name):
+    sweep = load_sweep(f"configs/ablations/{name}.yaml")
+    assert len(sweep.variants) >= 2
+    for v in sweep.variants:
+        variant_config(sweep, v)
