@@ -54,6 +54,22 @@ def _cmd_prepare_data(args) -> int:
     return 0
 
 
+def _cmd_sweep(args) -> int:
+    from k3train.sweep import run_sweep
+
+    run_sweep(args.ablation, args.out, args.overrides, dry_run=args.dry_run)
+    return 0
+
+
+def _cmd_export(args) -> int:
+    from k3train.quant.export import export_mxfp4
+
+    out = export_mxfp4(args.checkpoint, args.out, args.config)
+    print(f"wrote {out}/model.safetensors and export.json ({args.format}, "
+          f"{(out / 'model.safetensors').stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="k3train", description="Train Kimi-K3-style hybrid MoE models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -75,11 +91,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default="byte", help="tokenizer name (default: byte)")
     p.add_argument("--text-key", default="text", help="field holding the text in .jsonl/.parquet")
     p.set_defaults(fn=_cmd_prepare_data)
+
+    p = sub.add_parser("sweep", help="run an ablation file's variants one after another; tabulate and plot")
+    p.add_argument("ablation", help="ablation file, e.g. configs/ablations/attnres.yaml")
+    p.add_argument("--out", help="output directory (default runs/sweeps/<sweep name>)")
+    p.add_argument("--dry-run", action="store_true", help="resolve and list the variants without training")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value",
+                   help="overrides applied to every variant, after the file's own")
+    p.set_defaults(fn=_cmd_sweep)
+
+    p = sub.add_parser("export", help="write a checkpoint as packed MXFP4 safetensors (+ export.json)")
+    p.add_argument("--checkpoint", required=True,
+                   help="a step_XXXXXXXX directory, or a run's checkpoints/ directory (uses 'latest')")
+    p.add_argument("--format", required=True, choices=["mxfp4-packed"], help="output format")
+    p.add_argument("--out", required=True, help="output directory (written atomically)")
+    p.add_argument("--config", help="run config (default: config.yaml of the checkpoint's run directory)")
+    p.set_defaults(fn=_cmd_export)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may also follow options such as --run-dir; argparse leaves those over.
+    if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     os.environ.setdefault("WANDB_SILENT", "true")
     from k3train.config import ConfigError
 

@@ -53,7 +53,8 @@ class LatentMoE(nn.Module):
         init_std: std of all weight inits.
 
     State written by forward (read by balancers and metrics, outside autograd):
-        last_routing: ``RouterOutput`` of the last forward, detached.
+        last_routing: ``RouterOutput`` of the last forward, detached; training forwards are also
+            collected until ``clear_step_routing`` (read with ``step_routing``).
         tokens_per_expert: ``[E_local]`` counts of the last forward (local experts).
         aux_loss: scalar tensor or None.
         dropped_tokens: the dispatcher's ``dropped_tokens`` after the last forward (0-dim
@@ -84,9 +85,19 @@ class LatentMoE(nn.Module):
         nn.init.normal_(self.down.weight, std=init_std)
         nn.init.normal_(self.up.weight, std=init_std)
         self.last_routing: RouterOutput | None = None
+        self._step_routing: list[RouterOutput] = []
         self.tokens_per_expert: torch.Tensor | None = None
         self.aux_loss: torch.Tensor | None = None
         self.dropped_tokens: torch.Tensor | None = None
+
+    def step_routing(self) -> RouterOutput | None:
+        """Routing of every training forward since ``clear_step_routing`` (all microbatches of
+        the step, so balancing sees the same tokens whatever the microbatch split), else the
+        last forward's."""
+        return RouterOutput.cat(self._step_routing) if self._step_routing else self.last_routing
+
+    def clear_step_routing(self) -> None:
+        self._step_routing = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ``[B, T, d]`` or ``[N, d]`` -> same shape and dtype."""
@@ -102,6 +113,8 @@ class LatentMoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(x2)
         self.last_routing = routing.detach()
+        if self.training and torch.is_grad_enabled():
+            self._step_routing.append(self.last_routing)
         self.tokens_per_expert = tokens_per_expert.detach()
         self.dropped_tokens = getattr(self.dispatcher, "dropped_tokens", None)
         self.aux_loss = (self.aux_loss_coef * switch_aux_loss(

@@ -27,6 +27,14 @@ class RouterOutput:
         return RouterOutput(self.scores.detach(), self.indices.detach(),
                             self.weights.detach(), self.logits.detach())
 
+    @staticmethod
+    def cat(outputs: list["RouterOutput"]) -> "RouterOutput":
+        """Concatenate the decisions for several token sets along N."""
+        if len(outputs) == 1:
+            return outputs[0]
+        return RouterOutput(*(torch.cat([getattr(o, f) for o in outputs])
+                              for f in ("scores", "indices", "weights", "logits")))
+
 
 class SigmoidTopKRouter(nn.Module):
     """Linear ``d -> E`` (no bias) + sigmoid + top-k on ``scores + bias``.

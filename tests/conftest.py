@@ -15,6 +15,11 @@ def world1():
 
 
 @pytest.fixture(autouse=True)
-def _seed_and_threads():
+def _seed_and_clean_process_group():
+    """Each test starts with seed 0 and without a process group left by an earlier test
+    (in-process training initialises a one-rank group; some tests need none)."""
     torch.manual_seed(0)
     yield
+    from k3train.distributed import shutdown_distributed
+
+    shutdown_distributed()

@@ -99,12 +99,56 @@ class MoEConfig(_Strict):
         return self
 
 
+class MQARConfig(_Strict):
+    """Multi-query associative recall (``data.source: mqar``), see ``k3train/data/mqar.py``.
+
+    A sequence is ``num_pairs`` key-value pairs, then a query region where ``num_queries`` keys
+    reappear, each followed by its value; only those values are targets. Token ranges are
+    half-open ``[lo, hi)`` ids of the model vocabulary (checked against ``model.vocab_size``
+    when the data is built).
+    """
+
+    num_pairs: int = Field(8, ge=1)
+    num_queries: int | None = Field(None, ge=1)
+    """Keys queried per sequence (each at most once); None queries all ``num_pairs``."""
+    key_range: tuple[int, int] = (1, 129)
+    value_range: tuple[int, int] = (129, 257)
+    filler_id: int = Field(0, ge=0)
+    """Token filling the query region between queries."""
+    val_seed: int = 0
+    """Seed of the validation stream (the train stream uses ``train.seed``; the two streams
+    also differ by a salt, so equal seeds still give different sequences)."""
+
+    @model_validator(mode="after")
+    def _ranges(self) -> "MQARConfig":
+        (klo, khi), (vlo, vhi) = self.key_range, self.value_range
+        if not (0 <= klo < khi and 0 <= vlo < vhi):
+            raise ValueError(f"data.mqar ranges must be non-empty [lo, hi) with lo >= 0, "
+                             f"got key_range {self.key_range}, value_range {self.value_range}")
+        if klo < vhi and vlo < khi:
+            raise ValueError(f"data.mqar.key_range {self.key_range} and value_range "
+                             f"{self.value_range} overlap; recall targets must be unambiguous")
+        if klo <= self.filler_id < khi or vlo <= self.filler_id < vhi:
+            raise ValueError(f"data.mqar.filler_id ({self.filler_id}) lies in the key or value range")
+        if khi - klo < self.num_pairs:
+            raise ValueError(f"data.mqar.key_range holds {khi - klo} keys, fewer than "
+                             f"num_pairs ({self.num_pairs}); keys in a sequence are distinct")
+        if self.num_queries is not None and self.num_queries > self.num_pairs:
+            raise ValueError(f"data.mqar.num_queries ({self.num_queries}) exceeds num_pairs ({self.num_pairs})")
+        return self
+
+    @property
+    def queries(self) -> int:
+        return self.num_pairs if self.num_queries is None else self.num_queries
+
+
 class DataConfig(_Strict):
     source: str = "embedded"
-    """"embedded" (Python's documentation text, no download) or the prefix of a dataset
-    written by ``k3train prepare-data``."""
+    """"embedded" (Python's documentation text, no download), "mqar" (synthetic associative
+    recall, ``data.mqar``) or the prefix of a dataset written by ``k3train prepare-data``."""
     tokenizer: Literal["byte"] = "byte"
     val_fraction: float = Field(0.05, gt=0, lt=1)
+    mqar: MQARConfig = MQARConfig()
 
 
 class TrainConfig(_Strict):
@@ -153,8 +197,35 @@ class PipelineConfig(_Strict):
 
 
 class PrecisionConfig(_Strict):
+    """Low-precision recipe and the modules it applies to (docs/quantization.md)."""
+
     recipe: Literal["bf16", "fp8", "mxfp8", "mxfp4_qat"] = "bf16"
-    """bf16: bf16 autocast on CUDA, fp32 on CPU."""
+    """bf16: bf16 autocast on CUDA, fp32 on CPU. mxfp4_qat: MXFP4 (E2M1) weights + MXFP8 (E4M3)
+    activations, fake-quantised with straight-through gradients (K3). mxfp8: E4M3 weights and
+    activations, same mechanism. fp8: torchao float8 training on CUDA (compute capability >= 8.9)."""
+    scope: list[str] | None = None
+    """Regexes searched (``re.search``) in module names with global layer indices, e.g.
+    ``layers.3.ffn.experts``. A matched container quantises every quantisable module inside it
+    (grouped experts, nn.Linear, tensor-parallel linears; never the router). None: the recipe's
+    default, routed experts (``\\.ffn\\.experts$``) for mxfp4_qat/mxfp8, the latent projections
+    and shared experts for fp8. Other names: ``\\.ffn\\.shared$`` shared experts,
+    ``\\.ffn\\.(down|up)$`` latent projections, ``\\.ffn\\.(gate|up|down)_proj$`` dense FFN,
+    ``\\.mixer\\.`` attention projections. A pattern that selects nothing is an error."""
+    fp8_recipe: Literal["delayed", "current", "block"] = "current"
+    """Scaling for recipe fp8, named after Transformer Engine's DelayedScaling,
+    Float8CurrentScaling, Float8BlockScaling. The torchao backend implements ``current``
+    (dynamic tensorwise scaling)."""
+
+    @model_validator(mode="after")
+    def _scope_compiles(self) -> "PrecisionConfig":
+        import re
+
+        for pattern in self.scope or []:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"precision.scope pattern {pattern!r} is not a valid regex ({exc})") from None
+        return self
 
 
 class CheckpointConfig(_Strict):

@@ -8,26 +8,27 @@ from megatron.core import parallel_state
 
 from k3train.config import RunConfig
 from k3train.distributed import ParallelInfo
-from k3train.model.layer import AuxLossAttach
-from k3train.model.model import build_model
 from k3train.model.info import count_parameters
+from k3train.model.layer import AuxLossAttach
 from k3train.trainer.grads import allreduce_mean, clip_, grad_norm
 from k3train.trainer.optimizer import build_k3_optimizer
+from k3train.trainer.parts import build_parts
 from moe import Balancer, LoadTracker, expert_load
+from pipeline import CommRecorder
 
 
 class TrainState:
-    """The model, optimizer and per-step logic of one rank (single stage; DP and TP aware)."""
+    """The model part, optimizer and per-step logic of one rank (TP, PP and DP aware)."""
 
-    def __init__(self, cfg: RunConfig, info: ParallelInfo, device: torch.device):
-        if info.pp > 1:
-            raise ValueError("parallel.pp > 1 runs through the pipeline engine, which this build "
-                             "does not wire into train yet; use parallel.pp=1")
+    def __init__(self, cfg: RunConfig, info: ParallelInfo, device: torch.device,
+                 recorder: CommRecorder | None = None):
         if info.ep > 1:
-            raise ValueError("parallel.ep > 1 needs the expert-parallel dispatcher, not available yet; "
-                             "use parallel.ep=1")
+            raise ValueError("parallel.ep > 1 needs the expert-parallel dispatcher in the trainer, "
+                             "not wired yet; use parallel.ep=1")
         self.cfg, self.info, self.device = cfg, info, device
-        self.model = build_model(cfg).to(device)
+        # pp=1: the whole model; otherwise this rank's chunks, driven by the pipeline engine.
+        self.model, self.engine = build_parts(cfg, device, recorder)
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group() if info.pp > 1 else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.param_table = build_k3_optimizer(self.model, cfg.optim)
         self.balancer = Balancer(cfg.moe.balancing, cfg.moe.aux_free_rate)
@@ -39,7 +40,9 @@ class TrainState:
                          else contextlib.nullcontext())
 
     def describe(self) -> str:
-        counts = count_parameters(self.model, self.cfg.moe.topk, self.cfg.moe.num_experts)
+        chunks = list(self.model.values()) if self.engine is not None else [self.model]
+        per_chunk = [count_parameters(c, self.cfg.moe.topk, self.cfg.moe.num_experts) for c in chunks]
+        counts = {k: sum(c[k] for c in per_chunk) for k in ("total", "activated")}
         return (f"{counts['total'] / 1e6:.2f}M parameters on this rank "
                 f"({counts['activated'] / 1e6:.2f}M activated per token), optimizer {self.cfg.optim.name}")
 
@@ -50,33 +53,41 @@ class TrainState:
         batch = batch.to(self.device, non_blocking=True)
         AuxLossAttach.grad_scale = 1.0 / m
         self.model.train()
-        total = torch.zeros((), device=self.device)
-        for mb in batch.chunk(m):
+        if self.engine is not None:
             with self.autocast:
-                loss = self.model(mb[:, :-1], mb[:, 1:])
-            if poison:
-                loss = loss * float("nan")
-            (loss / m).backward()
-            total += loss.detach() / m
-        allreduce_mean([p.grad for p in self.params if p.grad is not None], self.dp_group, self.info.dp)
-        allreduce_mean([total], self.dp_group, self.info.dp)
-        norm = grad_norm(self.params, self.tp_group)
+                # The engine averages gradients and the loss over the data-parallel group.
+                total = self.engine.train_step([(mb[:, :-1], mb[:, 1:]) for mb in batch.chunk(m)])
+            total = total * float("nan") if poison else total
+        else:
+            total = torch.zeros((), device=self.device)
+            for mb in batch.chunk(m):
+                with self.autocast:
+                    loss = self.model(mb[:, :-1], mb[:, 1:])
+                if poison:
+                    loss = loss * float("nan")
+                (loss / m).backward()
+                total += loss.detach() / m
+            allreduce_mean([p.grad for p in self.params if p.grad is not None], self.dp_group, self.info.dp)
+            allreduce_mean([total], self.dp_group, self.info.dp)
+        norm = grad_norm(self.params, self.tp_group, self.pp_group)
         # One host sync per step: the skip decision must be known before the update.
         finite = bool(torch.isfinite(norm) & torch.isfinite(total))
         if finite:
             clip_(self.params, norm, self.cfg.train.grad_clip)
             self.optimizer.step()
             self._balance()
+        for layer in self.moe_layers:
+            layer.clear_step_routing()
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": total.item(), "grad_norm": norm.item(), "finite": finite}
 
     @torch.no_grad()
     def _balance(self) -> None:
-        """Update router biases from this step's routing (last microbatch), agreeing over DP."""
+        """Update router biases from this step's routing (all microbatches), agreeing over DP."""
         group = self.dp_group if self.info.dp > 1 else None
         for i, layer in enumerate(self.moe_layers):
             self.balancer.update(layer, group)
-            load = expert_load(layer.last_routing.indices, layer.num_experts).float()
+            load = expert_load(layer.step_routing().indices, layer.num_experts).float()
             allreduce_mean([load], self.dp_group, self.info.dp)
             self.loads.record(i, load * self.info.dp)
 
@@ -86,6 +97,10 @@ class TrainState:
     @torch.no_grad()
     def evaluate(self, batches: list[torch.Tensor]) -> float:
         self.model.eval()
+        if self.engine is not None:
+            with self.autocast:
+                mbs = [(b[:, :-1].to(self.device), b[:, 1:].to(self.device)) for b in batches]
+                return float(self.engine.eval_step(mbs))
         losses = []
         for b in batches:
             b = b.to(self.device)

@@ -1,0 +1,57 @@
+"""Which part of the model a rank holds: the whole model (pp=1) or its pipeline chunks."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from megatron.core import parallel_state
+
+from k3train.config import RunConfig
+from k3train.model.model import K3Chunk, build_model, produced_blocks
+from pipeline import CommRecorder, PipelineEngine, PipelineLayout
+
+
+class LocalChunks(nn.ModuleDict):
+    """This rank's chunks keyed by global chunk index (as strings, ModuleDict keys)."""
+
+    def moe_layers(self) -> list[nn.Module]:
+        return [m for chunk in self.values() for m in chunk.moe_layers()]
+
+
+def _directional_pp_groups(backend: str):
+    """NCCL runs sends and receives of one group on one stream, so opposite directions can wait
+    on each other; the engine takes two copies of the pipeline group (up, down). Every rank must
+    create every group in the same order, so all pipeline groups are gathered first."""
+    if backend != "nccl":
+        return None
+    mine = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    result = None
+    for ranks in sorted({tuple(r) for r in everyone}):
+        up, down = dist.new_group(list(ranks)), dist.new_group(list(ranks))
+        if dist.get_rank() in ranks:
+            result = (up, down)
+    return result
+
+
+def build_parts(cfg: RunConfig, device: torch.device, recorder: CommRecorder | None = None):
+    """Returns (module holding this rank's parameters, engine or None)."""
+    p = cfg.parallel
+    if p.pp == 1 and p.vpp == 1:
+        return build_model(cfg).to(device), None
+    layout = PipelineLayout(cfg.model.num_layers, p.pp, p.vpp)
+    ranges = [(r.start, r.stop) for r in map(layout.layer_range, range(layout.num_chunks))]
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    last = layout.num_chunks - 1
+    chunks = LocalChunks({str(c): K3Chunk(cfg, *ranges[c], first=c == 0, last=c == last)
+                          for c in layout.chunks_of_rank(rank)}).to(device)
+    dp = parallel_state.get_data_parallel_world_size()
+    engine = PipelineEngine(
+        {int(c): m for c, m in chunks.items()}, layout.num_chunks, produced_blocks(cfg, ranges),
+        pp_group=parallel_state.get_pipeline_model_parallel_group(),
+        transport=cfg.pipeline.attnres_transport,
+        dp_group=parallel_state.get_data_parallel_group() if dp > 1 else None,
+        recorder=recorder, directional_groups=_directional_pp_groups(dist.get_backend()),
+    )
+    return chunks, engine
