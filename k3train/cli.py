@@ -70,6 +70,14 @@ def _cmd_export(args) -> int:
     return 0
 
 
+def _cmd_profile_pipeline(args) -> int:
+    from k3train.config import load_config
+    from k3train.profile_pipeline import profile_pipeline
+
+    profile_pipeline(load_config(args.config, args.overrides), args.json, steps=args.steps)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="k3train", description="Train Kimi-K3-style hybrid MoE models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -91,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default="byte", help="tokenizer name (default: byte)")
     p.add_argument("--text-key", default="text", help="field holding the text in .jsonl/.parquet")
     p.set_defaults(fn=_cmd_prepare_data)
+
+    p = sub.add_parser("profile-pipeline", help="pipeline p2p bytes (naive vs cached), bubble, timelines "
+                                                 "(run under torchrun with parallel.pp >= 2)")
+    _add_config_args(p)
+    p.add_argument("--json", required=True, help="report path; the trace and Gantt PNG go beside it")
+    p.add_argument("--steps", type=int, default=3, help="steps per transport (the last one is reported)")
+    p.set_defaults(fn=_cmd_profile_pipeline)
 
     p = sub.add_parser("sweep", help="run an ablation file's variants one after another; tabulate and plot")
     p.add_argument("ablation", help="ablation file, e.g. configs/ablations/attnres.yaml")

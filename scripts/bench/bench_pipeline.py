@@ -1,0 +1,98 @@
+"""PP=2 step time: AttnRes + cached transport vs AttnRes + naive vs the standard residual, V in {1,2,4}.
+
+    torchrun --nproc-per-node 2 scripts/bench/bench_pipeline.py [--json OUT] [--small --device cpu]
+
+Same model, batch and schedule for every variant; prints the step time of each, the overhead of
+AttnRes+cached over the standard residual, bytes per step and the measured bubble next to
+(P-1)/(V*m).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import warnings
+
+import torch
+
+warnings.filterwarnings("ignore")
+
+BASE = ["model.num_layers=16", "model.layer_pattern=KKKM", "model.dense_layers=16", "model.hidden_size=1024",
+        "model.kda.num_heads=8", "model.kda.head_dim=128", "model.mla.num_heads=8",
+        "model.mla.qk_nope_head_dim=128", "model.mla.qk_rope_head_dim=64", "model.mla.v_head_dim=128",
+        "model.mla.q_lora_rank=384", "model.mla.kv_lora_rank=256", "model.ffn.intermediate_size=4096",
+        "model.attnres.block_size=2", "train.seq_len=2048", "train.micro_batch_size=1",
+        "train.microbatches=8", "logging.wandb.mode=disabled", "logging.progress_bar=false"]
+SMALL = ["model.num_layers=8", "model.dense_layers=8", "model.hidden_size=64", "model.kda.num_heads=2",
+         "model.kda.head_dim=32", "model.mla.num_heads=2", "model.mla.qk_nope_head_dim=16",
+         "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=16", "model.mla.q_lora_rank=32",
+         "model.mla.kv_lora_rank=32", "model.ffn.intermediate_size=128", "train.seq_len=64",
+         "train.microbatches=8"]
+VARIANTS = {"attnres_cached": ["model.attnres.enabled=true", "pipeline.attnres_transport=cached"],
+            "attnres_naive": ["model.attnres.enabled=true", "pipeline.attnres_transport=naive"],
+            "standard": ["model.attnres.enabled=false"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--vpp", default="1,2,4")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    from megatron.core import parallel_state
+
+    from k3train.config import load_config
+    from k3train.distributed import init_distributed
+    from k3train.trainer.data import build_data
+    from k3train.trainer.state import TrainState
+    from pipeline import CommRecorder
+
+    results = []
+    for vpp in map(int, args.vpp.split(",")):
+        for name, extra in VARIANTS.items():
+            overrides = [*BASE, *(SMALL if args.small else []), *extra, "parallel.pp=2", f"parallel.vpp={vpp}",
+                         f"train.device={args.device}"]
+            cfg = load_config("configs/k3_tiny.yaml", overrides)
+            info = init_distributed(1, 2, vpp, 1, args.device)
+            dev = torch.device(args.device, info.local_rank) if args.device == "cuda" else torch.device("cpu")
+            recorder = CommRecorder()
+            state = TrainState(cfg, info, dev, recorder=recorder)
+            data = build_data(cfg, parallel_state.get_data_parallel_rank(), info.dp)
+            times = []
+            for step in range(args.steps + 2):
+                batch = next(data.train)
+                if args.device == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                state.train_step(batch)
+                if args.device == "cuda":
+                    torch.cuda.synchronize()
+                if step >= 2:  # the first steps agree shapes and (on GPU) autotune kernels
+                    times.append(time.perf_counter() - t0)
+            recorder.gather(parallel_state.get_pipeline_model_parallel_group())
+            if info.is_main:
+                table, bubble = recorder.bytes_table(), recorder.bubble_fraction()
+                results.append({"variant": name, "vpp": vpp, "step_ms": statistics.median(times) * 1e3,
+                                "fwd_bytes": table["measured_fwd"], "bubble": bubble["measured"],
+                                "bubble_theory": bubble["theory"]})
+                print(json.dumps(results[-1]), flush=True)
+            del state
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+    if results:
+        std = {r["vpp"]: r["step_ms"] for r in results if r["variant"] == "standard"}
+        print(f"\n{'variant':<16}{'V':>3}{'step ms':>10}{'vs standard':>13}{'fwd MB':>9}{'bubble':>8}{'(P-1)/(Vm)':>11}")
+        for r in results:
+            r["overhead_vs_standard"] = r["step_ms"] / std[r["vpp"]] - 1
+            print(f"{r['variant']:<16}{r['vpp']:>3}{r['step_ms']:>10.1f}{r['overhead_vs_standard']:>+12.1%}"
+                  f"{r['fwd_bytes'] / 2**20:>9.1f}{r['bubble']:>8.3f}{r['bubble_theory']:>11.3f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
