@@ -69,9 +69,9 @@ class KimiDeltaAttention(nn.Module):
         """x: [B, T, D] -> [B, T, D]."""
         B, T, _ = x.shape
         ct = torch.promote_types(x.dtype, torch.float32)  # fp32 at least; fp64 stays fp64 (tests)
-        q = F.normalize(self._qkv(self.q_proj, self.q_conv, x).to(ct), dim=-1).to(x.dtype)
-        k = F.normalize(self._qkv(self.k_proj, self.k_conv, x).to(ct), dim=-1).to(x.dtype)
-        v = self._qkv(self.v_proj, self.v_conv, x)
+        v = self._qkv(self.v_proj, self.v_conv, x)  # the compute dtype (bf16 under autocast)
+        q = F.normalize(self._qkv(self.q_proj, self.q_conv, x).to(ct), dim=-1).to(v.dtype)
+        k = F.normalize(self._qkv(self.k_proj, self.k_conv, x).to(ct), dim=-1).to(v.dtype)
         beta = torch.sigmoid(self.b_proj(x).to(ct))
         o, _ = kda(q, k, v, self.gate(x), beta)
         o = rms_norm(o, self.o_norm_weight, self.eps)

@@ -56,10 +56,16 @@ class MetricsLogger:
 
 
 def _start_wandb(run_dir: Path, cfg: WandbConfig, config: dict):
-    import wandb
-
     # An explicit WANDB_MODE in the environment wins (e.g. a user who exported it for a cluster).
     mode = os.environ.get("WANDB_MODE", cfg.mode)
+    if mode == "disabled":
+        return None
+    try:
+        import wandb
+    except ImportError:
+        print("[k3train] wandb is not installed: logging to metrics.jsonl only "
+              "(pip install wandb, or set logging.wandb.mode=disabled to silence this)")
+        return None
     return wandb.init(
         project=cfg.project, group=cfg.group, name=cfg.name or run_dir.name, dir=str(run_dir),
         mode=mode, config=config, settings=wandb.Settings(silent=True, console="off"),

@@ -72,12 +72,15 @@ def kda(
         # in-kernel l2norm / gate / beta-sigmoid flags are pinned off. fla asserts an fp32 state.
         if initial_state is not None:
             initial_state = initial_state.float()
+        # fla's Triton dots need q, k, v, beta in one dtype (under autocast the projections
+        # come out bf16 while normalised q, k may be fp32); the log-decay g stays fp32.
+        dt = v.dtype
         return _fla_chunk_kda()(
-            q,
-            k,
+            q.to(dt),
+            k.to(dt),
             v,
-            g,
-            beta,
+            g.float(),
+            beta.to(dt),
             scale=scale,
             initial_state=initial_state,
             output_final_state=output_final_state,
