@@ -76,8 +76,13 @@ class GroupedExperts(nn.Module):
                  init_std: float = 0.02, down_std: float | None = None,
                  beta: float = DEFAULT_BETA, beta_lin: float = DEFAULT_BETA_LIN,
                  weight_quant: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 act_quant: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 act_quant: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 expert_offset: int = 0, total_experts: int | None = None):
         super().__init__()
+        # Expert parallelism: this module holds experts [offset, offset + num_experts) of
+        # ``total_experts``; init draws all of them so any EP size gives the same model.
+        self.expert_offset = expert_offset
+        self.total_experts = num_experts if total_experts is None else total_experts
         self.weight_quant, self.act_quant = weight_quant, act_quant
         self.num_experts, self.in_size, self.ffn_size = num_experts, in_size, ffn_size
         self.init_std = init_std
@@ -89,10 +94,14 @@ class GroupedExperts(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        # Fixed order so that a given torch.manual_seed always gives the same experts.
-        nn.init.normal_(self.w_gate, std=self.init_std)
-        nn.init.normal_(self.w_up, std=self.init_std)
-        nn.init.normal_(self.w_down, std=self.down_std)
+        # Fixed order so that a given torch.manual_seed always gives the same experts; the full
+        # [total_experts, ...] tensors are drawn (O(total) memory at init only) and sliced.
+        lo, hi = self.expert_offset, self.expert_offset + self.num_experts
+        with torch.no_grad():
+            for w, std in ((self.w_gate, self.init_std), (self.w_up, self.init_std),
+                           (self.w_down, self.down_std)):
+                full = torch.empty((self.total_experts, *w.shape[1:]), dtype=w.dtype, device=w.device)
+                w.copy_(nn.init.normal_(full, std=std)[lo:hi])
 
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w_gate, w_up, w_down) as the GEMMs use them: through ``weight_quant`` if set."""

@@ -75,8 +75,10 @@ class LatentMoE(nn.Module):
                              f"layer has {num_experts}")
         self.router = SigmoidTopKRouter(hidden_size, num_experts, topk, init_std=init_std)
         self.down = nn.Linear(hidden_size, latent_size, bias=False)
-        self.experts = GroupedExperts(self.dispatcher.num_local_experts, latent_size,
-                                      expert_ffn_size, init_std=init_std)
+        local = self.dispatcher.num_local_experts
+        self.experts = GroupedExperts(local, latent_size, expert_ffn_size, init_std=init_std,
+                                      expert_offset=getattr(self.dispatcher, "ep_rank", 0) * local,
+                                      total_experts=num_experts)
         self.norm = RMSNorm(latent_size, eps=1e-6)
         self.up = nn.Linear(latent_size, hidden_size, bias=False)
         self.shared = (SiTUGLUMLP(hidden_size, num_shared_experts * shared_ffn_size,

@@ -90,7 +90,13 @@ class MoEConfig(_Strict):
     aux_free_rate: float = Field(1e-3, gt=0)
     aux_loss_coef: float = Field(1e-2, ge=0)
     """Weight of the switch-style balance loss; used only with ``balancing: aux_loss``."""
-    dispatcher: Literal["local"] = "local"
+    dispatcher: Literal["auto", "local", "grouped_a2a"] = "auto"
+    """auto: local when parallel.ep == 1, else grouped_a2a (one all-to-all of counts and one of
+    tokens per direction over the expert-parallel group)."""
+    capacity_factor: float | None = Field(None, gt=0)
+    """None: dynamic split sizes, exact, no token dropped, one host sync per layer on GPU (the
+    default, so results never depend on the EP size). A number: fixed per-(rank, expert)
+    capacity ceil(c*N*k/E), no host sync, overflow dropped and counted in moe/dropped_tokens."""
 
     @model_validator(mode="after")
     def _topk_fits(self) -> "MoEConfig":
@@ -180,6 +186,9 @@ class OptimConfig(_Strict):
     eps: float = Field(1e-8, gt=0)
     warmup_steps: int = Field(20, ge=0)
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    zero1: bool = False
+    """Shard optimizer state over data-parallel ranks (ZeRO-1): each rank owns whole Muon
+    matrices and a slice of the AdamW parameters; see docs/optim_sharding.md."""
     muon_per_head: bool = True
     """Orthogonalise q/k/v projection updates head by head (K3) rather than whole."""
 

@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from megatron.core import parallel_state
 
 from k3train.config.schema import RunConfig
 from k3train.model.attnres import DepthAttention
@@ -23,7 +24,7 @@ from k3train.model.layer import K3Layer
 from k3train.model.layout import expand_layer_pattern
 from k3train.model.mla import GatedMLA
 from k3train.quant.recipes import apply_precision, resolve_device
-from moe import LatentMoE
+from moe import GroupedAllToAllDispatcher, LatentMoE, LocalDispatcher
 from pipeline.stage_io import StageIO
 
 _EMBED_SALT, _HEAD_SALT = 0, 1_000_003
@@ -35,6 +36,20 @@ def seeded(seed: int, salt: int):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed * 7919 + salt)
         yield
+
+
+def build_dispatcher(cfg: RunConfig):
+    """The token dispatcher of every MoE layer: local, or grouped all-to-all over megatron-core's
+    expert-parallel group (which must exist when ``parallel.ep > 1``)."""
+    kind = cfg.moe.dispatcher
+    if kind == "auto":
+        kind = "grouped_a2a" if cfg.parallel.ep > 1 else "local"
+    if kind == "local":
+        if cfg.parallel.ep > 1:
+            raise ValueError("moe.dispatcher=local cannot run with parallel.ep > 1; use grouped_a2a or auto")
+        return LocalDispatcher(cfg.moe.num_experts)
+    group = parallel_state.get_expert_model_parallel_group() if cfg.parallel.ep > 1 else None
+    return GroupedAllToAllDispatcher(cfg.moe.num_experts, ep_group=group, capacity_factor=cfg.moe.capacity_factor)
 
 
 def build_layer(cfg: RunConfig, index: int) -> K3Layer:
@@ -56,7 +71,7 @@ def build_layer(cfg: RunConfig, index: int) -> K3Layer:
                           std, out_std)
         else:
             ffn = LatentMoE(m.hidden_size, moe.latent_size, moe.num_experts, moe.topk, moe.expert_ffn_size,
-                            moe.num_shared_experts, moe.shared_ffn_size,
+                            moe.num_shared_experts, moe.shared_ffn_size, dispatcher=build_dispatcher(cfg),
                             aux_loss_coef=moe.aux_loss_coef if moe.balancing == "aux_loss" else 0.0,
                             init_std=std)
         block = m.attnres.block_size if m.attnres.enabled else None

@@ -21,29 +21,49 @@ def allreduce_mean(tensors: list[torch.Tensor], group, world: int) -> None:
             t.copy_(synced)
 
 
+def allreduce_sum_then_scale(tensors: list[torch.Tensor], group, scale: float) -> None:
+    """Sum ``tensors`` over ``group`` and multiply by ``scale`` (expert gradients: summed over
+    the expert-data-parallel replicas, divided by the full data-parallel size)."""
+    if not tensors:
+        return
+    flat = _flatten_dense_tensors(tensors)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(flat, group=group)
+    flat.mul_(scale)
+    for t, synced in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+        t.copy_(synced)
+
+
 def is_tp_sharded(p: torch.Tensor) -> bool:
     """megatron-core marks sharded weights with ``tensor_model_parallel``; we mark our own too."""
     return bool(getattr(p, "tensor_model_parallel", False))
 
 
-def grad_norm(params: list[torch.nn.Parameter], tp_group=None, pp_group=None) -> torch.Tensor:
-    """Global L2 norm of all gradients: TP shards summed over TP, replicas counted once,
-    pipeline stages summed over PP. Returns a 0-dim fp32 tensor (NaN/Inf if any grad is)."""
+def grad_norm(params: list[torch.nn.Parameter], tp_group=None, pp_group=None,
+              expert_ids: set[int] = frozenset(), ep_group=None) -> torch.Tensor:
+    """Global L2 norm of all gradients: TP shards summed over TP, expert shards over EP,
+    replicas counted once, pipeline stages summed over PP. Returns a 0-dim fp32 tensor
+    (NaN/Inf if any grad is)."""
     grads = [p.grad for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
     sharded = torch.zeros((), device=device, dtype=torch.float32)
+    experts = torch.zeros((), device=device, dtype=torch.float32)
     replicated = torch.zeros((), device=device, dtype=torch.float32)
     for p in params:
         if p.grad is None:
             continue
         sq = p.grad.detach().float().pow(2).sum()
-        if is_tp_sharded(p):
+        if id(p) in expert_ids:
+            experts += sq
+        elif is_tp_sharded(p):
             sharded += sq
         else:
             replicated += sq
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         dist.all_reduce(sharded, group=tp_group)
-    total = sharded + replicated
+    if ep_group is not None and dist.get_world_size(ep_group) > 1:
+        dist.all_reduce(experts, group=ep_group)
+    total = sharded + experts + replicated
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(total, group=pp_group)
     return total.sqrt()

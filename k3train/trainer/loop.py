@@ -18,7 +18,9 @@ from k3train.distributed import init_distributed
 from k3train.trainer import faults
 from k3train.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from k3train.trainer.data import build_data
+from k3train.flops import flops_per_token
 from k3train.trainer.metrics import MetricsLogger
+from k3train.trainer.report import measure_peak_flops, write_end_of_run_plots
 from k3train.trainer.state import TrainState
 from optim import apply_lr, lr_factor
 
@@ -84,7 +86,9 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, stop_at: in
         save_config(cfg, run_dir / "config.yaml")
 
     data = build_data(cfg, parallel_state.get_data_parallel_rank(), info.dp)
-    state = TrainState(cfg, info, dev)
+    state = TrainState(cfg, info, dev, targets=data.targets)
+    peak_flops = measure_peak_flops(dev)
+    flops_token = flops_per_token(cfg)
     ckpt_dir = run_dir / "checkpoints"
     start_step = 0
     if resume:
@@ -134,9 +138,12 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, stop_at: in
             bar.update(1)
             if step % cfg.train.log_interval == 0 or step == last_step:
                 elapsed = time.perf_counter() - window_start
+                tok_s = window_tokens / max(elapsed, 1e-9)
                 record = {"step": step, "loss": loss, "lr": lr, "grad_norm": out["grad_norm"],
-                          "tokens_per_s": window_tokens / max(elapsed, 1e-9), "skipped": int(not out["finite"]),
-                          **state.moe_metrics()}
+                          "tokens_per_s": tok_s, "mfu": tok_s * flops_token / (peak_flops * info.world_size),
+                          "skipped": int(not out["finite"]), **state.moe_metrics()}
+                if dev.type == "cuda":
+                    record["memory_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
                 if step % cfg.train.eval_interval == 0 or step == last_step:
                     record["val_loss"] = summary["val_loss"] = state.evaluate(data.val)
                 logger.log(record)
@@ -152,6 +159,9 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, stop_at: in
                     print(f"\n[k3train] signal received: saved step {step} to {ckpt_dir}; exiting")
                 break
     bar.close()
+    if main and summary["steps"] > start_step:
+        paths = write_end_of_run_plots(run_dir, state, data.val[0], data.targets)
+        logger.log_images({k: str(v) for k, v in paths.items()}, step=summary["steps"])
     logger.close()
     if main and summary["last_loss"] is not None:
         val = "n/a" if summary["val_loss"] is None else f"{summary['val_loss']:.4f}"

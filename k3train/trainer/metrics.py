@@ -32,12 +32,6 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 
-    def log_image(self, key: str, path: Path, step: int) -> None:
-        if self._wandb is not None:
-            import wandb
-
-            self._wandb.log({key: wandb.Image(str(path))}, step=step)
-
     def log_images(self, paths: dict[str, str | Path], step: int) -> None:
         """Log PNGs (e.g. from ``k3train.plots``) under their keys in one wandb step; files
         that do not exist are skipped, so a plot that could not be drawn never stops a run."""

@@ -46,12 +46,11 @@ def build_parts(cfg: RunConfig, device: torch.device, recorder: CommRecorder | N
     last = layout.num_chunks - 1
     chunks = LocalChunks({str(c): K3Chunk(cfg, *ranges[c], first=c == 0, last=c == last)
                           for c in layout.chunks_of_rank(rank)}).to(device)
-    dp = parallel_state.get_data_parallel_world_size()
+    # dp_group stays None: the trainer reduces gradients itself (expert weights need their own group).
     engine = PipelineEngine(
         {int(c): m for c, m in chunks.items()}, layout.num_chunks, produced_blocks(cfg, ranges),
         pp_group=parallel_state.get_pipeline_model_parallel_group(),
         transport=cfg.pipeline.attnres_transport,
-        dp_group=parallel_state.get_data_parallel_group() if dp > 1 else None,
         recorder=recorder, directional_groups=_directional_pp_groups(dist.get_backend()),
     )
     return chunks, engine

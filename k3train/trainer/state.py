@@ -10,7 +10,7 @@ from k3train.config import RunConfig
 from k3train.distributed import ParallelInfo
 from k3train.model.info import count_parameters
 from k3train.model.layer import AuxLossAttach
-from k3train.trainer.grads import allreduce_mean, clip_, grad_norm
+from k3train.trainer.grads import allreduce_mean, allreduce_sum_then_scale, clip_, grad_norm
 from k3train.trainer.optimizer import build_k3_optimizer
 from k3train.trainer.parts import build_parts
 from moe import Balancer, LoadTracker, expert_load
@@ -21,21 +21,34 @@ class TrainState:
     """The model part, optimizer and per-step logic of one rank (TP, PP and DP aware)."""
 
     def __init__(self, cfg: RunConfig, info: ParallelInfo, device: torch.device,
-                 recorder: CommRecorder | None = None):
-        if info.ep > 1:
-            raise ValueError("parallel.ep > 1 needs the expert-parallel dispatcher in the trainer, "
-                             "not wired yet; use parallel.ep=1")
+                 recorder: CommRecorder | None = None, targets=None):
+        """targets: windows [B, T+1] -> loss targets [B, T] (default: every next token; MQAR
+        masks all but the recalled values with -100)."""
+        if info.ep > 1 and info.tp > 1:
+            raise ValueError("parallel.ep > 1 together with parallel.tp > 1 is not supported yet "
+                             "(experts would need expert-tensor-parallel groups); use tp=1 with ep")
         self.cfg, self.info, self.device = cfg, info, device
+        self.targets = targets if targets is not None else (lambda w: w[:, 1:])
         # pp=1: the whole model; otherwise this rank's chunks, driven by the pipeline engine.
         self.model, self.engine = build_parts(cfg, device, recorder)
         self.pp_group = parallel_state.get_pipeline_model_parallel_group() if info.pp > 1 else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer, self.param_table = build_k3_optimizer(self.model, cfg.optim)
         self.balancer = Balancer(cfg.moe.balancing, cfg.moe.aux_free_rate)
         self.moe_layers = self.model.moe_layers()
         self.loads = LoadTracker(len(self.moe_layers), cfg.moe.num_experts) if self.moe_layers else None
         self.dp_group = parallel_state.get_data_parallel_group()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        # Expert weights are sharded over EP: reduced over the expert-data-parallel replicas only.
+        self.expert_ids = {id(p) for layer in self.moe_layers for p in layer.experts.parameters()}
+        self.ep_group = parallel_state.get_expert_model_parallel_group() if info.ep > 1 else None
+        self.edp_group = parallel_state.get_expert_data_parallel_group()
+        sharding = None
+        if cfg.optim.zero1:
+            sharding = {"dp_group": self.dp_group, "expert_dp_group": self.edp_group,
+                        "expert_ids": self.expert_ids, "tp_group": self.tp_group,
+                        "norm_groups": [self.pp_group] if self.pp_group is not None else []}
+        self.optimizer, self.param_table = build_k3_optimizer(self.model, cfg.optim, sharding)
+        self.sharded = sharding is not None
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
                          else contextlib.nullcontext())
 
@@ -55,31 +68,46 @@ class TrainState:
         self.model.train()
         if self.engine is not None:
             with self.autocast:
-                # The engine averages gradients and the loss over the data-parallel group.
-                total = self.engine.train_step([(mb[:, :-1], mb[:, 1:]) for mb in batch.chunk(m)])
+                total = self.engine.train_step([(mb[:, :-1], self.targets(mb)) for mb in batch.chunk(m)])
             total = total * float("nan") if poison else total
         else:
             total = torch.zeros((), device=self.device)
             for mb in batch.chunk(m):
                 with self.autocast:
-                    loss = self.model(mb[:, :-1], mb[:, 1:])
+                    loss = self.model(mb[:, :-1], self.targets(mb))
                 if poison:
                     loss = loss * float("nan")
                 (loss / m).backward()
                 total += loss.detach() / m
-            allreduce_mean([p.grad for p in self.params if p.grad is not None], self.dp_group, self.info.dp)
-            allreduce_mean([total], self.dp_group, self.info.dp)
-        norm = grad_norm(self.params, self.tp_group, self.pp_group)
+        allreduce_mean([total], self.dp_group, self.info.dp)
+        if self.sharded:
+            # ZeRO-1 reduces (averages) gradients itself: the expert ones over their replicas only,
+            # so pre-scale them to the sum-over-dp convention of _reduce_grads.
+            for p in self.params:
+                if p.grad is not None and id(p) in self.expert_ids and self.info.ep > 1:
+                    p.grad.div_(self.info.ep)
+            norm = self.optimizer.clip_grad_norm_(self.cfg.train.grad_clip)
+        else:
+            self._reduce_grads()
+            norm = grad_norm(self.params, self.tp_group, self.pp_group, self.expert_ids, self.ep_group)
         # One host sync per step: the skip decision must be known before the update.
         finite = bool(torch.isfinite(norm) & torch.isfinite(total))
         if finite:
-            clip_(self.params, norm, self.cfg.train.grad_clip)
+            if not self.sharded:
+                clip_(self.params, norm, self.cfg.train.grad_clip)
             self.optimizer.step()
             self._balance()
         for layer in self.moe_layers:
             layer.clear_step_routing()
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": total.item(), "grad_norm": norm.item(), "finite": finite}
+
+    def _reduce_grads(self) -> None:
+        """Average over data parallel; expert grads sum over their replicas then divide by dp
+        (each expert shard already received the gradients of every EP rank's tokens)."""
+        grads = [(p.grad, id(p) in self.expert_ids) for p in self.params if p.grad is not None]
+        allreduce_mean([g for g, expert in grads if not expert], self.dp_group, self.info.dp)
+        allreduce_sum_then_scale([g for g, expert in grads if expert], self.edp_group, 1.0 / self.info.dp)
 
     @torch.no_grad()
     def _balance(self) -> None:
@@ -99,13 +127,13 @@ class TrainState:
         self.model.eval()
         if self.engine is not None:
             with self.autocast:
-                mbs = [(b[:, :-1].to(self.device), b[:, 1:].to(self.device)) for b in batches]
+                mbs = [(b[:, :-1].to(self.device), self.targets(b).to(self.device)) for b in batches]
                 return float(self.engine.eval_step(mbs))
         losses = []
         for b in batches:
             b = b.to(self.device)
             with self.autocast:
-                losses.append(self.model(b[:, :-1], b[:, 1:]).float())
+                losses.append(self.model(b[:, :-1], self.targets(b)).float())
         return torch.stack(losses).mean().item()
 
     def state_dict(self, step: int) -> dict:
