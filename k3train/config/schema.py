@@ -277,4 +277,12 @@ class RunConfig(_Strict):
         expand_layer_pattern(m.layer_pattern, m.num_layers)  # raises with a precise message
         if m.dense_layers > m.num_layers:
             raise ValueError(f"model.dense_layers ({m.dense_layers}) exceeds model.num_layers ({m.num_layers})")
+        pr = self.precision
+        # scope None is the recipe default, which for the MX recipes is the routed experts.
+        if pr.recipe in ("mxfp4_qat", "mxfp8") and any("experts" in pat for pat in pr.scope or ["experts"]):
+            bad = {k: v for k, v in (("moe.latent_size", self.moe.latent_size),
+                                     ("moe.expert_ffn_size", self.moe.expert_ffn_size)) if v % 32}
+            if bad:
+                raise ValueError(f"precision.recipe={pr.recipe} quantises expert GEMMs in MX blocks of 32 "
+                                 f"along their reduction dims: {bad} must be multiples of 32")
         return self

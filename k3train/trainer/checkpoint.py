@@ -64,8 +64,10 @@ def _barrier() -> None:
 
 
 def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, state: dict[str, Any], layout: dict,
-                    keep_last: int = 2) -> Path:
-    """Collective: every rank passes its own ``state``; returns the final directory."""
+                    keep_last: int = 2, coords: dict | None = None) -> Path:
+    """Collective: every rank passes its own ``state`` (and its parallel ``coords``, recorded
+    in the manifest so a run with another data-parallel size can find its source rank);
+    returns the final directory."""
     ckpt_dir = Path(ckpt_dir)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -80,13 +82,18 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, state: dict[str, Any
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
+    all_coords: list = [coords]
+    if world > 1:
+        all_coords = [None] * world
+        dist.all_gather_object(all_coords, coords)
     _barrier()
     faults.maybe_slow_save(step)
     if rank == 0:
         files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in sorted(tmp.glob("rank_*.pt"))}
         if len(files) != world:
             raise CheckpointError(f"expected {world} rank files in {tmp}, found {len(files)}")
-        manifest = {"step": step, "world_size": world, "layout": layout, "files": files}
+        manifest = {"step": step, "world_size": world, "layout": layout, "files": files,
+                    "coords": {str(r): c for r, c in enumerate(all_coords) if c is not None}}
         _write_atomic_text(tmp / "manifest.json", json.dumps(manifest, indent=1))
         _fsync_dir(tmp)
         if final.exists():  # an earlier save of the same step (e.g. after a resume) is replaced whole
@@ -116,8 +123,24 @@ def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
     return target
 
 
-def verify_checkpoint(path: Path, world_size: int) -> dict:
-    """Check the manifest and every checksum; return the manifest or raise naming the bad file."""
+_LAYOUT_KEYS = ("tp", "pp", "vpp", "ep", "dp", "zero1")
+# Model and optimizer states are replicated over data-parallel ranks unless ZeRO-1 shards the
+# optimizer, so a checkpoint survives a change of dp alone: each rank reads a file of a rank
+# with the same (pp, tp, ep) coordinates.
+_DP_RESIZABLE = ("tp", "pp", "vpp", "ep", "zero1")
+
+
+def _source_rank(manifest: dict, coords: dict | None) -> int | None:
+    for rank, theirs in sorted(manifest.get("coords", {}).items(), key=lambda kv: int(kv[0])):
+        if coords is not None and all(theirs[k] == coords[k] for k in ("pp", "tp", "ep")):
+            return int(rank)
+    return None
+
+
+def verify_checkpoint(path: Path, world_size: int, layout: dict | None = None) -> dict:
+    """Check the manifest (world size and, if given, the parallel layout) and every checksum;
+    return the manifest or raise naming the bad file or the mismatch. A layout that differs in
+    the data-parallel size alone (ZeRO-1 off) is accepted: see ``load_checkpoint``."""
     manifest_file = path / "manifest.json"
     if not manifest_file.is_file():
         raise CheckpointError(f"checkpoint {path} has no manifest.json: it is incomplete")
@@ -125,11 +148,18 @@ def verify_checkpoint(path: Path, world_size: int) -> dict:
         manifest = json.loads(manifest_file.read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{manifest_file} is not valid JSON ({exc})") from None
-    if manifest["world_size"] != world_size:
-        raise CheckpointError(
-            f"checkpoint {path} was written by {manifest['world_size']} ranks, this run has {world_size}; "
-            f"resume with the same parallel layout"
-        )
+    saved = manifest.get("layout", {})
+    if layout is None:
+        if manifest["world_size"] != world_size:
+            raise CheckpointError(f"checkpoint {path} was written by {manifest['world_size']} ranks, "
+                                  f"this run has {world_size}; resume with the same parallel layout")
+    else:
+        diff = [f"{k}={saved.get(k)} (now {layout.get(k)})" for k in _LAYOUT_KEYS if saved.get(k) != layout.get(k)]
+        dp_only = all(saved.get(k) == layout.get(k) for k in _DP_RESIZABLE) and not layout.get("zero1")
+        if diff and not dp_only:
+            raise CheckpointError(f"checkpoint {path} was written with a different parallel layout: "
+                                  f"{', '.join(diff)}; resume with the layout it was saved with (only the "
+                                  f"data-parallel size may change, and only without optim.zero1)")
     for name, meta in manifest["files"].items():
         f = path / name
         if not f.is_file():
@@ -140,10 +170,19 @@ def verify_checkpoint(path: Path, world_size: int) -> dict:
     return manifest
 
 
-def load_checkpoint(path: Path) -> tuple[dict, dict]:
-    """Verify ``path`` and return (manifest, this rank's state)."""
+def load_checkpoint(path: Path, layout: dict | None = None, coords: dict | None = None) -> tuple[dict, dict]:
+    """Verify ``path`` and return (manifest, this rank's state).
+
+    coords: this rank's {"pp", "tp", "ep", "dp"} indices; when the data-parallel size changed,
+    the state comes from the first saved rank with the same (pp, tp, ep) coordinates.
+    """
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    manifest = verify_checkpoint(path, world)
-    state = torch.load(path / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=False)
+    manifest = verify_checkpoint(path, world, layout)
+    source = rank
+    if layout is not None and manifest["layout"].get("dp") != layout.get("dp"):
+        source = _source_rank(manifest, coords)
+        if source is None:
+            raise CheckpointError(f"checkpoint {path} has no rank with coordinates {coords}")
+    state = torch.load(path / f"rank_{source:05d}.pt", map_location="cpu", weights_only=False)
     return manifest, state

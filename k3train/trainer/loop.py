@@ -25,6 +25,13 @@ from k3train.trainer.state import TrainState
 from optim import apply_lr, lr_factor
 
 
+def parallel_coords() -> dict:
+    """This rank's indices in megatron-core's parallel groups (recorded in checkpoints)."""
+    ps = parallel_state
+    return {"pp": ps.get_pipeline_model_parallel_rank(), "tp": ps.get_tensor_model_parallel_rank(),
+            "ep": ps.get_expert_model_parallel_rank(), "dp": ps.get_data_parallel_rank()}
+
+
 class TrainingStopped(RuntimeError):
     """Raised to stop a run with a clear message (e.g. too many non-finite steps)."""
 
@@ -90,6 +97,7 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, stop_at: in
     peak_flops = measure_peak_flops(dev)
     flops_token = flops_per_token(cfg)
     ckpt_dir = run_dir / "checkpoints"
+    layout = {**info.__dict__, "zero1": cfg.optim.zero1}
     start_step = 0
     if resume:
         path = latest_checkpoint(ckpt_dir)
@@ -97,7 +105,7 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, stop_at: in
             if main:
                 print(f"[k3train] --resume: no checkpoint in {ckpt_dir}, starting from step 0")
         else:
-            _, saved = load_checkpoint(path)
+            _, saved = load_checkpoint(path, layout=layout, coords=parallel_coords())
             start_step = state.load_state_dict(saved)
             data.train.load_state_dict(saved["data"])
             if main:
@@ -153,7 +161,7 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, stop_at: in
             stop_now = guard.requested or step == last_step
             if (interval and step % interval == 0) or stop_now:
                 save_checkpoint(ckpt_dir, step, {**state.state_dict(step), "data": data.train.state_dict()},
-                                layout=info.__dict__, keep_last=cfg.checkpoint.keep_last)
+                                layout=layout, keep_last=cfg.checkpoint.keep_last, coords=parallel_coords())
             if guard.requested:
                 if main:
                     print(f"\n[k3train] signal received: saved step {step} to {ckpt_dir}; exiting")

@@ -30,10 +30,11 @@ def test_overrides_parse_yaml_scalars():
     (["model.layer_pattern=KKX"], "term 'KKX' of 'KKX' is not letters K/M"),
     (["model.num_layers=6"], "does not tile model.num_layers=6"),
     (["precision.recipe=fp4"], "precision.recipe: Input should be"),
+    (["precision.recipe=mxfp4_qat", "moe.latent_size=48"], "{'moe.latent_size': 48} must be multiples of 32"),
     (["train.steps"], "is not of the form key.sub=value"),
     (["train.steps.x=1"], "'steps' is a value, not a section"),
 ], ids=["unknown-key", "bad-enum", "range", "cross-field", "pattern-letter", "pattern-length",
-        "recipe", "no-equals", "value-as-section"])
+        "recipe", "mx-block", "no-equals", "value-as-section"])
 def test_bad_input_names_the_field(override, message):
     with pytest.raises(ConfigError) as err:
         load_config("configs/k3_tiny.yaml", override)

@@ -72,6 +72,18 @@ def test_corrupted_checkpoint_is_refused(tmp_path):
         train(_cfg("train.steps=4"), tmp_path, resume=True)
 
 
+def test_resume_refuses_a_different_parallel_layout(tmp_path):
+    from k3train.trainer.checkpoint import CheckpointError
+
+    train(_cfg("train.steps=2"), tmp_path)
+    manifest = latest_checkpoint(tmp_path / "checkpoints") / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["layout"]["pp"] = 2  # as if the run had been launched with parallel.pp=2
+    manifest.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match=r"different parallel layout: pp=2 \(now 1\)"):
+        train(_cfg("train.steps=4"), tmp_path, resume=True)
+
+
 def test_cli_prepare_data_then_train(tmp_path, capsys):
     corpus = tmp_path / "docs.jsonl"
     corpus.write_text("\n".join(json.dumps({"text": f"document {i}: " + "the quick brown fox " * 40})
