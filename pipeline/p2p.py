@@ -105,6 +105,7 @@ class PipeComm:
         self._mailbox: dict[MsgKey, list[torch.Tensor]] = {}
         self._posted: dict[MsgKey, tuple[list, list[torch.Tensor], float]] = {}
         self._sends: list[tuple[list, list[torch.Tensor], dict]] = []
+        self.bytes_sent = 0  # p2p payload bytes sent to other ranks, cumulative (trainer metrics)
         self._queues: dict[int, list[MsgKey]] = {}
         self._qpos: dict[int, int] = {}
         self._num_mb = 1
@@ -172,6 +173,8 @@ class PipeComm:
         peer = self._peer(key, sending=True)
         start = time.perf_counter()
         nbytes = sum(b.numel() * b.element_size() for b in bufs)
+        if key.direction != "meta" and peer != self.rank:
+            self.bytes_sent += nbytes
         if peer == self.rank:
             self._mailbox[key] = bufs
             self._record("send", key, peer, chunk, ids, nbytes, start, time.perf_counter())

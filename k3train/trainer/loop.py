@@ -149,7 +149,7 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, stop_at: in
                 tok_s = window_tokens / max(elapsed, 1e-9)
                 record = {"step": step, "loss": loss, "lr": lr, "grad_norm": out["grad_norm"],
                           "tokens_per_s": tok_s, "mfu": tok_s * flops_token / (peak_flops * info.world_size),
-                          "skipped": int(not out["finite"]), **state.moe_metrics()}
+                          "skipped": int(not out["finite"]), **state.moe_metrics(), **state.pipeline_metrics()}
                 if dev.type == "cuda":
                     record["memory_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
                 if step % cfg.train.eval_interval == 0 or step == last_step:

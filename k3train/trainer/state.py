@@ -122,6 +122,14 @@ class TrainState:
     def moe_metrics(self) -> dict:
         return self.loads.summary() if self.loads is not None else {}
 
+    def pipeline_metrics(self) -> dict:
+        """Bytes this rank sent to pipeline peers since the last call, and its peak AttnRes cache."""
+        if self.engine is None:
+            return {}
+        sent = self.engine.comm.bytes_sent
+        delta, self._bytes_logged = sent - getattr(self, "_bytes_logged", 0), sent
+        return {"pipeline/bytes_sent": delta, "pipeline/peak_cache_bytes": self.engine.peak_cache_bytes}
+
     @torch.no_grad()
     def evaluate(self, batches: list[torch.Tensor]) -> float:
         self.model.eval()

@@ -33,6 +33,8 @@ def test_pipeline_training_matches_single_process(tmp_path, overrides, world):
     assert len(ref) == len(got) == 3
     # fp32; gradients sum in a different order, and three AdamW steps amplify that a little.
     assert got == pytest.approx(ref, rel=1e-4, abs=1e-5)
+    first = json.loads((tmp_path / "pp" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["pipeline/bytes_sent"] > 0 and first["pipeline/peak_cache_bytes"] >= 0
 
 
 def test_checkpoint_survives_a_data_parallel_resize(tmp_path, capsys):
