@@ -49,6 +49,7 @@ class TrainState:
                         "norm_groups": [self.pp_group] if self.pp_group is not None else []}
         self.optimizer, self.param_table = build_k3_optimizer(self.model, cfg.optim, sharding)
         self.sharded = sharding is not None
+        self._bytes_logged = 0
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
                          else contextlib.nullcontext())
 
@@ -127,7 +128,7 @@ class TrainState:
         if self.engine is None:
             return {}
         sent = self.engine.comm.bytes_sent
-        delta, self._bytes_logged = sent - getattr(self, "_bytes_logged", 0), sent
+        delta, self._bytes_logged = sent - self._bytes_logged, sent
         return {"pipeline/bytes_sent": delta, "pipeline/peak_cache_bytes": self.engine.peak_cache_bytes}
 
     @torch.no_grad()
