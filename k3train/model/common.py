@@ -22,6 +22,8 @@ from megatron.core import parallel_state
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
+from moe.layer import RMSNorm  # noqa: F401 - one RMSNorm module for the model and the MoE layer
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMS normalisation over the last dim, computed in fp32 or wider (bf16 sums of squares drift)."""
@@ -30,16 +32,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     if weight is not None:
         y = y * weight.to(xf.dtype)
     return y.to(x.dtype)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
 
 
 def tp_size() -> int:
