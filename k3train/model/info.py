@@ -9,7 +9,8 @@ COMPONENTS = ("embedding", "head", "kda", "mla", "attnres", "norms", "dense_ffn"
               "latent_proj", "routed_experts", "shared_experts")
 
 
-def _component(name: str, layer_kinds: list[str]) -> str:
+def _component(name: str) -> str:
+    """Component of a parameter outside the token mixers (those are classified by module type)."""
     if name.startswith("embed."):
         return "embedding"
     if name.startswith("head."):
@@ -18,9 +19,6 @@ def _component(name: str, layer_kinds: list[str]) -> str:
         return "attnres"
     if name.startswith("final_norm.") or "_norm." in name:
         return "norms"
-    index = int(name.split(".")[1])
-    if ".mixer." in name:
-        return "kda" if layer_kinds[index] == "K" else "mla"
     for part in ("router", "experts", "shared"):
         if f".ffn.{part}." in name:
             return {"router": "router", "experts": "routed_experts", "shared": "shared_experts"}[part]
@@ -29,22 +27,21 @@ def _component(name: str, layer_kinds: list[str]) -> str:
     return "dense_ffn"
 
 
-def count_parameters(model: nn.Module, topk: int, num_experts: int, layer_kinds: list[str] | None = None) -> dict:
+def count_parameters(model: nn.Module, topk: int, num_experts: int) -> dict:
     """Counts by component plus ``total`` and ``activated`` (routed experts count k/E of their
-    parameters; everything else is used by every token). Tied weights are counted once."""
+    parameters; everything else is used by every token). Tied weights are counted once.
+    ``model``: a ``K3Chunk`` (the whole model or one pipeline chunk)."""
+    from k3train.model.kda_layer import KimiDeltaAttention
 
-    kinds = layer_kinds
-    if kinds is None:
-        kinds = ["K"] * 10**6
-        for layer in getattr(model, "layers", []):
-            kinds[layer.index] = "K" if type(layer.mixer).__name__ == "KimiDeltaAttention" else "M"
+    mixer_of = {id(p): "kda" if isinstance(layer.mixer, KimiDeltaAttention) else "mla"
+                for layer in getattr(model, "layers", []) for p in layer.mixer.parameters()}
     counts = dict.fromkeys(COMPONENTS, 0)
     seen = set()
     for name, p in model.named_parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
-        counts[_component(name, kinds)] += p.numel()
+        counts[mixer_of.get(id(p)) or _component(name)] += p.numel()
     total = sum(counts.values())
     routed = counts["routed_experts"]
     counts["total"] = total
@@ -56,13 +53,11 @@ def model_info(cfg: RunConfig) -> tuple[dict, list[str]]:
     """Build the model on the meta device (no memory) and count; returns (counts, assumptions)."""
     import torch
 
-    from k3train.model.layout import expand_layer_pattern
     from k3train.model.model import build_model
 
     with torch.device("meta"):
         model = build_model(cfg)
-    kinds = expand_layer_pattern(cfg.model.layer_pattern, cfg.model.num_layers)
-    counts = count_parameters(model, cfg.moe.topk, cfg.moe.num_experts, kinds)
+    counts = count_parameters(model, cfg.moe.topk, cfg.moe.num_experts)
     counts["activated_excluding_embeddings"] = counts["activated"] - counts["embedding"] - counts["head"]
     assumptions = [
         "activated = every non-routed parameter + topk/num_experts of the routed experts "

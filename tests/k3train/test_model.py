@@ -183,3 +183,15 @@ def test_layer_pattern_places_mixers(world1):
     cfg = _tiny_cfg("model.layer_pattern=KM+MK")
     kinds = [type(layer.mixer).__name__ for layer in build_model(cfg).layers]
     assert kinds == ["KimiDeltaAttention", "GatedMLA", "GatedMLA", "KimiDeltaAttention"]
+
+
+def test_parameter_counts_of_chunks_add_up_to_the_model(world1):
+    from k3train.model.info import count_parameters
+
+    cfg = _tiny_cfg("model.layer_pattern=KM")
+    whole = count_parameters(build_model(cfg), cfg.moe.topk, cfg.moe.num_experts)
+    parts = [count_parameters(K3Chunk(cfg, *r, first=r[0] == 0, last=r[1] == 4), cfg.moe.topk,
+                              cfg.moe.num_experts) for r in ((0, 1), (1, 4))]
+    assert {k: parts[0][k] + parts[1][k] for k in whole} == whole
+    assert whole["kda"] > 0 and whole["mla"] > 0 and whole["total"] == sum(
+        p.numel() for p in build_model(cfg).parameters())
