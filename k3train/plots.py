@@ -68,6 +68,18 @@ def plot_loss_curves(records_by_name: Mapping[str, Sequence[dict]], path: str | 
     return _save(fig, path)
 
 
+def _heatmap(mat, path, title: str, *, cmap: str, vmax: float, label: str, xlabel: str, ylabel: str,
+             size: tuple[float, float]) -> Path:
+    fig, ax = plt.subplots(figsize=size)
+    im = ax.imshow(mat, aspect="auto", cmap=cmap, vmin=0.0, vmax=vmax, interpolation="nearest")
+    fig.colorbar(im, ax=ax, label=label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
 def plot_expert_load_heatmap(load_matrix, path: str | Path, title: str = "expert load") -> Path:
     """``load_matrix`` [L, E] (tokens per expert per MoE layer, e.g. ``LoadTracker.load_matrix()``).
 
@@ -80,14 +92,9 @@ def plot_expert_load_heatmap(load_matrix, path: str | Path, title: str = "expert
     totals = mat.sum(axis=1, keepdims=True)
     rel = np.divide(mat * mat.shape[1], totals, out=np.zeros_like(mat), where=totals > 0)
     top = max(2.0, float(rel.max()) if rel.size else 2.0)
-    fig, ax = plt.subplots(figsize=(max(5, 0.25 * mat.shape[1] + 3), max(3, 0.35 * mat.shape[0] + 1.5)))
-    im = ax.imshow(rel, aspect="auto", cmap="coolwarm", vmin=0.0, vmax=top, interpolation="nearest")
-    fig.colorbar(im, ax=ax, label="load / balanced load")
-    ax.set_xlabel("expert")
-    ax.set_ylabel("MoE layer")
-    ax.set_title(title)
-    fig.tight_layout()
-    return _save(fig, path)
+    return _heatmap(rel, path, title, cmap="coolwarm", vmax=top, label="load / balanced load",
+                    xlabel="expert", ylabel="MoE layer",
+                    size=(max(5, 0.25 * mat.shape[1] + 3), max(3, 0.35 * mat.shape[0] + 1.5)))
 
 
 def plot_attnres_depth_heatmap(weights_by_sublayer: Sequence, path: str | Path,
@@ -106,15 +113,9 @@ def plot_attnres_depth_heatmap(weights_by_sublayer: Sequence, path: str | Path,
     mat = np.full((len(rows), width), np.nan)
     for i, r in enumerate(rows):
         mat[i, : len(r)] = r
-    fig, ax = plt.subplots(figsize=(max(4, 0.4 * width + 3), max(3, 0.25 * len(rows) + 1.5)))
-    im = ax.imshow(np.ma.masked_invalid(mat), aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0,
-                   interpolation="nearest")
-    fig.colorbar(im, ax=ax, label="mean weight")
-    ax.set_xlabel("source (0 = embedding, then completed blocks, then partial)")
-    ax.set_ylabel("sublayer")
-    ax.set_title(title)
-    fig.tight_layout()
-    return _save(fig, path)
+    return _heatmap(np.ma.masked_invalid(mat), path, title, cmap="viridis", vmax=1.0, label="mean weight",
+                    xlabel="source (0 = embedding, then completed blocks, then partial)", ylabel="sublayer",
+                    size=(max(4, 0.4 * width + 3), max(3, 0.25 * len(rows) + 1.5)))
 
 
 def write_run_plots(run_dir: str | Path) -> dict[str, Path]:

@@ -66,48 +66,44 @@ def _normal(std: float):
     return functools.partial(nn.init.normal_, mean=0.0, std=std)
 
 
-class ColumnLinear(nn.Module):
+class _TPLinear(nn.Module):
+    """A megatron-core tensor-parallel linear without bias, returning only the output.
+
+    quant: optional ``(x, weight) -> y`` replacing the matmul (QAT recipes, tp=1 only).
+    """
+
+    def __init__(self, inner: nn.Module, quant: LinearFn | None):
+        super().__init__()
+        self.quant, self.inner = quant, inner
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.inner.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant(x, self.inner.weight)
+        return self.inner(x)[0]
+
+
+class ColumnLinear(_TPLinear):
     """``y[..., out/tp] = x[..., in] @ W^T``: output features sharded over tensor-parallel ranks."""
 
     def __init__(self, in_features: int, out_features: int, std: float,
                  quant: LinearFn | None = None):
-        super().__init__()
-        self.quant = quant
-        self.inner = ColumnParallelLinear(
+        super().__init__(ColumnParallelLinear(
             in_features, out_features, config=_mp_config(tp_size()), init_method=_normal(std),
-            bias=False, gather_output=False,
-        )
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.inner.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant is not None:
-            return self.quant(x, self.inner.weight)
-        return self.inner(x)[0]
+            bias=False, gather_output=False), quant)
 
 
-class RowLinear(nn.Module):
+class RowLinear(_TPLinear):
     """``y[..., out] = sum over tp of x[..., in/tp] @ W_shard^T``: input features sharded."""
 
     def __init__(self, in_features: int, out_features: int, std: float,
                  quant: LinearFn | None = None):
-        super().__init__()
-        self.quant = quant
-        self.inner = RowParallelLinear(
+        super().__init__(RowParallelLinear(
             in_features, out_features, config=_mp_config(tp_size()), init_method=_normal(std),
-            bias=False, input_is_parallel=True, skip_bias_add=False,
-        )
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.inner.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant is not None:
-            return self.quant(x, self.inner.weight)
-        return self.inner(x)[0]
+            bias=False, input_is_parallel=True, skip_bias_add=False), quant)
 
 
 class _SumGradOverTP(torch.autograd.Function):

@@ -1,7 +1,6 @@
 """The training run: set-up, the step loop, evaluation, logging, checkpoints, signals."""
 from __future__ import annotations
 
-import math
 import signal
 import subprocess
 import sys
@@ -9,11 +8,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 from tqdm import tqdm
 
-from k3train.config import RunConfig, dump_config, save_config
+from k3train.config import RunConfig, save_config
 from k3train.distributed import init_distributed
 from k3train.trainer import faults
 from k3train.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from moe import GroupedAllToAllDispatcher, GroupedExperts, grouped_mm_supported
+from moe.host_reads import count_host_reads
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -94,25 +95,6 @@ class Timer:
         med = torch.tensor([statistics.median(times)], dtype=torch.float64, device=self.device)
         dist.all_reduce(med, op=dist.ReduceOp.MAX)
         return float(med.item())
-
-
-@contextlib.contextmanager
-def count_host_reads():
-    """Counts ``Tensor.tolist``/``Tensor.item`` calls made inside the block."""
-    calls = [0]
-    orig = torch.Tensor.tolist, torch.Tensor.item
-
-    def wrap(fn):
-        def inner(self, *a, **kw):
-            calls[0] += 1
-            return fn(self, *a, **kw)
-        return inner
-
-    torch.Tensor.tolist, torch.Tensor.item = wrap(orig[0]), wrap(orig[1])
-    try:
-        yield calls
-    finally:
-        torch.Tensor.tolist, torch.Tensor.item = orig
 
 
 @contextlib.contextmanager

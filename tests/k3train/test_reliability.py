@@ -1,5 +1,4 @@
 """Reliability: non-finite steps, signals, a kill during a save, elastic restart, bad input."""
-import json
 import os
 import signal
 import subprocess

@@ -14,7 +14,6 @@ its own model) and EP=1 (singleton groups, real collectives) to keep the spawn c
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from moe import GroupedAllToAllDispatcher, LatentMoE, LocalDispatcher
+from moe.host_reads import count_host_reads
 from tests.multiproc import run_multiprocess
 
 E, K, HIDDEN, LATENT, FFN = 8, 2, 16, 8, 8
@@ -83,25 +83,6 @@ def _reference(full: LatentMoE, xs: list[torch.Tensor], cap: int | None):
     return outs, drops
 
 
-@contextlib.contextmanager
-def _count_host_reads():
-    """Counts Tensor.tolist/.item calls: the host reads (device syncs on GPU) of a step."""
-    calls = [0]
-    orig = torch.Tensor.tolist, torch.Tensor.item
-
-    def wrap(fn):
-        def inner(self, *a, **kw):
-            calls[0] += 1
-            return fn(self, *a, **kw)
-        return inner
-
-    torch.Tensor.tolist, torch.Tensor.item = wrap(orig[0]), wrap(orig[1])
-    try:
-        yield calls
-    finally:
-        torch.Tensor.tolist, torch.Tensor.item = orig
-
-
 def _check_case(group, ranks: list[int], sizes: list[int], cf: float | None,
                 expect_drops: bool) -> None:
     """One model on the EP group ``group`` (global ``ranks``), rank i feeding sizes[i] tokens."""
@@ -122,7 +103,7 @@ def _check_case(group, ranks: list[int], sizes: list[int], cf: float | None,
     assert (sum(drops) > 0) == expect_drops, drops
 
     x = xs[i].clone().requires_grad_(True)
-    with _count_host_reads() as host_reads:
+    with count_host_reads() as host_reads:
         y = moe(x)
         (y * gs[i]).sum().backward()
     # dynamic: one read of the split sizes per layer; static: none at all.
