@@ -1,26 +1,44 @@
 #!/usr/bin/env bash
-# One GPU session's worth of checks and benchmarks, in priority order:
+# GPU checks and benchmarks, in priority order:
 #   bash scripts/gpu_suite.sh OUTDIR [STAGES]     (STAGES: comma list, default all)
-# Logs and JSON land in OUTDIR. Each stage has its own time limit so one slow stage
-# (e.g. Triton autotuning on a fresh machine) cannot eat the others.
+# Stages: gpu_check train_cuda bench_kda bench_step (one GPU); gpu_parallel bench_pipeline
+# bench_moe_ep2 (two GPUs, skipped on one); bench_fp8 (one GPU).
+# Logs and JSON land in OUTDIR. Each stage has its own time limit so one slow stage cannot eat
+# the others. fla's Triton kernels autotune on first use (minutes on a fresh machine); their
+# compiled kernels and autotune results go to TRITON_CACHE_DIR (default /tmp/k3_triton_cache),
+# which a later machine can reuse: tar it up after a run and unpack it before the next.
 set -u
 OUT=${1:?usage: gpu_suite.sh OUTDIR [STAGES]}
-STAGES=",${2:-gpu_check,train_cuda,bench_pipeline,bench_moe_ep2,bench_kda},"
+STAGES=",${2:-gpu_check,train_cuda,bench_kda,bench_step,gpu_parallel,bench_pipeline,bench_moe_ep2,bench_fp8},"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/k3_triton_cache}
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 { echo "gpus: $NGPU"; nvidia-smi --query-gpu=name,memory.total --format=csv;
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } > "$OUT/env.txt" 2>&1
 
-stage() { local name=$1 limit=$2; shift 2; [[ $STAGES == *",$name,"* ]] || return 0; echo "== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$?" >> "$OUT/$name.log"; tail -3 "$OUT/$name.log"; }
+stage() {
+  local name=$1 limit=$2; shift 2
+  [[ $STAGES == *",$name,"* ]] || return 0
+  local t0=$SECONDS
+  echo "== $name"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "rc=$? seconds=$((SECONDS - t0))" >> "$OUT/$name.log"
+  tail -4 "$OUT/$name.log"
+}
 
-stage gpu_check 90 python3 scripts/gpu_check.py --json "$OUT/gpu_check.json"
-stage train_cuda 80 python3 -m k3train train --config configs/k3_tiny.yaml --run-dir /tmp/run_tiny \
+stage gpu_check 200 python3 scripts/gpu_check.py --json "$OUT/gpu_check.json"
+stage train_cuda 120 python3 -m k3train train --config configs/k3_tiny.yaml --run-dir /tmp/run_tiny \
   train.device=cuda train.steps=150 train.micro_batch_size=32 train.seq_len=256 logging.progress_bar=false
 cp /tmp/run_tiny/metrics.jsonl "$OUT/train_cuda_metrics.jsonl" 2>/dev/null
+stage bench_kda 120 python3 scripts/bench/bench_kda_layer.py --profile --json "$OUT/bench_kda.json"
+stage bench_step 200 python3 scripts/bench/bench_step.py --profile --json "$OUT/bench_step.json"
 if [ "$NGPU" -ge 2 ]; then
-  stage bench_pipeline 110 torchrun --standalone --nproc-per-node 2 scripts/bench/bench_pipeline.py \
-    --vpp 1,2 --steps 5 --json "$OUT/bench_pipeline.json"
+  stage gpu_parallel 240 python3 scripts/gpu_parallel_check.py --out /tmp/gpu_parallel
+  stage bench_pipeline 150 torchrun --standalone --nproc-per-node 2 scripts/bench/bench_pipeline.py \
+    --vpp 1,2,4 --steps 5 --json "$OUT/bench_pipeline.json"
   stage bench_moe_ep2 60 torchrun --standalone --nproc-per-node 2 scripts/bench/bench_moe_dispatch.py
 fi
-stage bench_kda 140 python3 scripts/bench/bench_kda_layer.py --json "$OUT/bench_kda.json"
+stage bench_fp8 150 python3 scripts/bench/bench_fp8.py --steps 30 --out /tmp/bench_fp8
+cp /tmp/bench_fp8/bench_fp8.json "$OUT/" 2>/dev/null
+true

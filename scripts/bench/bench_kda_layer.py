@@ -15,7 +15,7 @@ import warnings
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import matmul_tflops, timeit  # noqa: E402
+from common import matmul_tflops, profile_table, timeit  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -27,6 +27,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--profile", action="store_true", help="print the top operators of our layer")
     ap.add_argument("--json")
     args = ap.parse_args()
     from fla.ops.kda import chunk_kda
@@ -62,6 +63,8 @@ def main() -> None:
         ours(x).backward(dy)
 
     ours_ms = timeit(run_ours, warmup=3, iters=10)
+    if args.profile:
+        print(profile_table(run_ours), flush=True)
     result = {"shape": f"B{B} T{T} D{D} H{H} K{K}", "bf16_matmul_tflops": peak, "kernel_ms": kernel_ms,
               "floor_ms": floor_ms, "ours_ms": ours_ms, "ours_over_floor": ours_ms / floor_ms}
     try:

@@ -33,3 +33,17 @@ def matmul_tflops(n: int = 8192, dtype=torch.bfloat16) -> float:
     b = torch.randn(n, n, device="cuda", dtype=dtype)
     ms = timeit(lambda: a @ b, warmup=3, iters=10)
     return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def profile_table(fn, iters: int = 2, rows: int = 25, device: str = "cuda") -> str:
+    """Top ``rows`` operators of ``iters`` calls of ``fn`` by device time (where a step's time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(iters):
+            fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)

@@ -1,0 +1,194 @@
+"""Single-GPU training step: tokens/s and MFU of k3_mini, and our step against fla's KDA model.
+
+    python scripts/bench/bench_step.py [--json OUT] [--mbs 8 --seq 2048 --steps 8]
+    python scripts/bench/bench_step.py --device cpu --small        # CPU dry run of our side only
+
+Rows, all measured in this one run:
+* ``k3_mini``: the config as shipped (hybrid KDA/MLA, Stable LatentMoE, AttnRes, Muon), stepped by
+  ``TrainState.train_step``, exactly what ``k3train train`` runs. MFU = tokens/s x
+  ``k3train.flops.flops_per_token`` / peak, where the peak is a bf16 8192^3 matmul timed in this
+  run (not the datasheet), so MFU is relative to what this GPU really sustains.
+* The dense peer comparison at k3_mini's width and depth: every layer KDA + a dense SwiGLU-class
+  FFN (fla's model has no MoE, and its softmax-attention layers need flash-attn), AttnRes off and
+  on, AdamW on both sides, fp32 master weights with bf16 autocast on both sides. The peer is
+  ``fla.models.KDAForCausalLM`` (safe gate, lower bound -5, fused norm/SwiGLU/cross-entropy; its
+  ``attnres_block_size`` counts sublayers, so it is twice our layers-per-block). Reported: each
+  step time and fla/ours (> 1 means we are faster).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from common import matmul_tflops, profile_table  # noqa: E402
+
+warnings.filterwarnings("ignore")
+
+SMALL = ["model.hidden_size=64", "model.num_layers=4", "model.kda.num_heads=2", "model.kda.head_dim=32",
+         "model.mla.num_heads=2", "model.mla.qk_nope_head_dim=16", "model.mla.qk_rope_head_dim=8",
+         "model.mla.v_head_dim=16", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=32",
+         "model.ffn.intermediate_size=128", "moe.num_experts=8", "moe.topk=2", "moe.latent_size=32",
+         "moe.expert_ffn_size=32", "moe.shared_ffn_size=64"]
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_steps(step, batches, warmup: int, device: str) -> list[float]:
+    """Wall seconds of each step after ``warmup`` (the first steps compile and autotune)."""
+    times = []
+    for i, batch in enumerate(batches):
+        _sync(device)
+        t0 = time.perf_counter()
+        step(batch)
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def ours(config: str, overrides: list[str], args, peak_tflops: float) -> dict:
+    """Step time, tokens/s and MFU of our trainer on ``config`` + ``overrides``."""
+    from k3train.config import load_config
+    from k3train.distributed import init_distributed
+    from k3train.flops import mfu
+    from k3train.trainer.state import TrainState
+
+    cfg = load_config(config, [*overrides, f"train.device={args.device}", f"train.micro_batch_size={args.mbs}",
+                               f"train.seq_len={args.seq}", "train.microbatches=1",
+                               "logging.wandb.mode=disabled"])
+    info = init_distributed(device=args.device)
+    dev = torch.device(args.device)
+    torch.manual_seed(0)
+    state = TrainState(cfg, info, dev)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, cfg.model.vocab_size, (args.mbs, args.seq + 1), generator=g)
+               for _ in range(args.steps + args.warmup)]
+    losses = []
+    times = time_steps(lambda b: losses.append(state.train_step(b)["loss"]), batches, args.warmup, args.device)
+    step_s = statistics.median(times)
+    tok_s = args.mbs * args.seq / step_s
+    row = {"step_ms": step_s * 1e3, "tokens_per_s": tok_s, "first_loss": losses[0], "last_loss": losses[-1]}
+    if peak_tflops > 0:
+        row["mfu"] = mfu(tok_s, cfg, peak_tflops * 1e12, seq_len=args.seq)
+    if args.device == "cuda":
+        row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
+    if args.profile:
+        print(f"profile of {config} {' '.join(overrides)}:\n"
+              + profile_table(lambda: state.train_step(batches[0]), device=args.device), flush=True)
+    del state
+    return row
+
+
+def fla_peer(cfg_overrides: dict, args, attnres_layers: int | None) -> dict:
+    """fla's KDAForCausalLM stepped like ours: bf16 autocast over fp32 weights, clip 1.0, fused AdamW."""
+    from fla.models import KDAConfig, KDAForCausalLM
+
+    c = cfg_overrides
+    conf = KDAConfig(hidden_size=c["hidden"], num_heads=c["heads"], head_dim=c["head_dim"],
+                     num_hidden_layers=c["layers"], intermediate_size=c["ffn"], vocab_size=c["vocab"],
+                     safe_gate=True, lower_bound=-5.0, conv_size=4, use_cache=False,
+                     attnres_block_size=None if attnres_layers is None else 2 * attnres_layers)
+    torch.manual_seed(0)
+    model = KDAForCausalLM(conf).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, c["vocab"], (args.mbs, args.seq), generator=g)
+               for _ in range(args.steps + args.warmup)]
+    losses = []
+
+    def step(batch):
+        batch = batch.cuda(non_blocking=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())  # the same one host sync per step as our trainer
+
+    times = time_steps(step, batches, args.warmup, "cuda")
+    step_s = statistics.median(times)
+    row = {"step_ms": step_s * 1e3, "tokens_per_s": args.mbs * args.seq / step_s,
+           "first_loss": losses[0], "last_loss": losses[-1],
+           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
+    torch.cuda.reset_peak_memory_stats()
+    del model, opt
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="configs/k3_mini.yaml")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--small", action="store_true", help="tiny widths (CPU dry run)")
+    ap.add_argument("--mbs", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--no-peer", action="store_true", help="skip the fla comparison")
+    ap.add_argument("--rows", default="k3_mini,dense,peer", help="comma list of k3_mini, dense, peer")
+    ap.add_argument("--profile", action="store_true", help="print the top operators of our rows")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    from k3train.config import load_config
+
+    base = SMALL if args.small else []
+    rows_wanted = set(args.rows.split(","))
+    peak = matmul_tflops() if args.device == "cuda" else 0.0
+    result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+              "bf16_matmul_tflops": peak, "mbs": args.mbs, "seq": args.seq, "rows": {}}
+    rows = result["rows"]
+
+    def report(name: str, row: dict) -> None:
+        rows[name] = row
+        print(json.dumps({name: row}), flush=True)
+
+    if "k3_mini" in rows_wanted:
+        report("k3_mini", ours(args.config, base, args, peak))
+    cfg = load_config(args.config, base)
+    m = cfg.model
+    dense = [*base, "model.layer_pattern=K", f"model.dense_layers={m.num_layers}", "optim.name=adamw"]
+    if "dense" in rows_wanted:
+        report("ours_dense", ours(args.config, [*dense, "model.attnres.enabled=false"], args, peak))
+        report("ours_dense_attnres", ours(args.config, [*dense, "model.attnres.enabled=true"], args, peak))
+    if "peer" in rows_wanted and not args.no_peer and args.device == "cuda":
+        shape = {"hidden": m.hidden_size, "heads": m.kda.num_heads, "head_dim": m.kda.head_dim,
+                 "layers": m.num_layers, "ffn": m.ffn.intermediate_size, "vocab": m.vocab_size}
+        for name, block in (("fla_dense", None), ("fla_dense_attnres", m.attnres.block_size)):
+            try:
+                report(name, fla_peer(shape, args, block))
+            except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported, ours still stand
+                report(name, {"error": repr(exc)[:400]})
+        for suffix in ("", "_attnres"):
+            a, b = rows.get(f"ours_dense{suffix}", {}), rows.get(f"fla_dense{suffix}", {})
+            if "step_ms" in a and "step_ms" in b:
+                result[f"fla_over_ours{suffix}"] = b["step_ms"] / a["step_ms"]
+    print(f"\n{'row':<22}{'step ms':>10}{'tok/s':>12}{'MFU':>8}{'loss':>14}")
+    for name, r in rows.items():
+        if "step_ms" in r:
+            mfu_txt = f"{r['mfu']:.1%}" if "mfu" in r else "-"
+            print(f"{name:<22}{r['step_ms']:>10.1f}{r['tokens_per_s']:>12.0f}{mfu_txt:>8}"
+                  f"{r['first_loss']:>7.2f}{r['last_loss']:>7.2f}")
+        else:
+            print(f"{name:<22} failed: {r.get('error')}")
+    for key in ("fla_over_ours", "fla_over_ours_attnres"):
+        if key in result:
+            print(f"{key}: {result[key]:.2f}x (fla step time / ours; > 1 means ours is faster)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
