@@ -27,12 +27,12 @@ stage() {
   tail -4 "$OUT/$name.log"
 }
 
-stage gpu_check 200 python3 scripts/gpu_check.py --json "$OUT/gpu_check.json"
-stage train_cuda 120 python3 -m k3train train --config configs/k3_tiny.yaml --run-dir /tmp/run_tiny \
+stage gpu_check 170 python3 scripts/gpu_check.py --json "$OUT/gpu_check.json"
+stage train_cuda 90 python3 -m k3train train --config configs/k3_tiny.yaml --run-dir /tmp/run_tiny \
   train.device=cuda train.steps=150 train.micro_batch_size=32 train.seq_len=256 logging.progress_bar=false
 cp /tmp/run_tiny/metrics.jsonl "$OUT/train_cuda_metrics.jsonl" 2>/dev/null
-stage bench_kda 120 python3 scripts/bench/bench_kda_layer.py --profile --json "$OUT/bench_kda.json"
-stage bench_step 200 python3 scripts/bench/bench_step.py --profile --json "$OUT/bench_step.json"
+stage bench_kda 110 python3 scripts/bench/bench_kda_layer.py --profile --json "$OUT/bench_kda.json"
+stage bench_step 190 python3 scripts/bench/bench_step.py --profile --json "$OUT/bench_step.json"
 if [ "$NGPU" -ge 2 ]; then
   stage gpu_parallel 240 python3 scripts/gpu_parallel_check.py --out /tmp/gpu_parallel
   stage bench_pipeline 150 torchrun --standalone --nproc-per-node 2 scripts/bench/bench_pipeline.py \
