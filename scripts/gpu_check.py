@@ -53,6 +53,23 @@ def main() -> int:
         got = gpu_layer(x.to(dev))
     out["kda_layer_rel_err"] = rel_err(got, ref)
 
+    # AttnRes depth mixing: the dispatched kernel vs the torch reference, value and gradients,
+    # on mixed-dtype sources as autocast produces them (fp32 blocks, a bf16 partial sum).
+    from k3train.ops.attnres import attnres_backend, depth_mix, depth_mix_torch
+
+    out["attnres_backend"] = attnres_backend(dev)
+    q0 = torch.randn(256)
+    src0 = [torch.randn(2, 512, 256) * (i + 1) for i in range(4)]
+    leaves = [[t.clone().requires_grad_() for t in [q0, *src0]] for _ in range(2)]
+    mixed = [leaves[1][0].to(dev)] + [t.to(dev) for t in leaves[1][1:4]] + [leaves[1][4].to(dev, torch.bfloat16)]
+    ref_mix = depth_mix_torch(leaves[0][0], [*leaves[0][1:4], leaves[0][4].bfloat16().float()], 1e-6)
+    got_mix = depth_mix(mixed[0], mixed[1:], 1e-6)
+    w = torch.randn_like(ref_mix)
+    (ref_mix * w).sum().backward()
+    (got_mix.float() * w.to(dev)).sum().backward()
+    out["attnres_rel_err"] = rel_err(got_mix, ref_mix)
+    out["attnres_worst_grad_cosine"] = min(cosine(a.grad, b.grad) for a, b in zip(leaves[1], leaves[0]))
+
     cfg = load_config("configs/k3_tiny.yaml")
     model = build_model(cfg)
     tokens = torch.randint(0, 257, (4, 257))
@@ -67,7 +84,8 @@ def main() -> int:
     worst = min(((cosine(p.grad, cpu_grads[n].grad), n) for n, p in gpu_model.named_parameters()
                  if p.grad is not None and cpu_grads[n].grad.norm() > 0))
     out["worst_grad_cosine"], out["worst_grad_param"] = worst
-    ok = (out["kda_layer_rel_err"] < 2e-2 and abs(out["model_loss_gpu"] - out["model_loss_cpu"]) < 2e-2
+    ok = (out["kda_layer_rel_err"] < 2e-2 and out["attnres_rel_err"] < 1e-4
+          and out["attnres_worst_grad_cosine"] > 0.9999 and abs(out["model_loss_gpu"] - out["model_loss_cpu"]) < 2e-2
           and out["worst_grad_cosine"] > 0.99)
     out["ok"] = ok
     print(json.dumps(out, indent=1))

@@ -43,7 +43,8 @@ def run(cmd: list[str], log: Path) -> None:
     with open(log, "w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if proc.returncode:
-        raise RuntimeError(f"{' '.join(cmd[:6])} ... failed (rc {proc.returncode}); see {log}")
+        tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
+        raise RuntimeError(f"{' '.join(cmd[:6])} ... failed (rc {proc.returncode}); {log} ends:\n{tail}")
 
 
 def main() -> int:

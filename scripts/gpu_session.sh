@@ -11,7 +11,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site TRITON_CACHE_DIR=/tmp/k3_triton_cache
 [ -f .whl/tcache.tar.xz ] && [ ! -d "$TRITON_CACHE_DIR" ] && tar xJf .whl/tcache.tar.xz -C /tmp
 bash scripts/gpu_suite.sh /tmp/res "$1"
-tar czf "$OUT/res.tgz" -C /tmp res
+tar czf "$OUT/res.tgz" --exclude=checkpoints -C /tmp res
 tar cJf "$OUT/tcache.tar.xz" -C /tmp k3_triton_cache
 if [ "$(stat -c %s "$OUT/tcache.tar.xz")" -gt 15000000 ]; then
   (cd /tmp && find k3_triton_cache -name '*.autotune.json' -o -name '*autotune*' | tar cJf "$OUT/tcache.tar.xz" -T -)

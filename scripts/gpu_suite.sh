@@ -34,7 +34,7 @@ cp /tmp/run_tiny/metrics.jsonl "$OUT/train_cuda_metrics.jsonl" 2>/dev/null
 stage bench_kda 110 python3 scripts/bench/bench_kda_layer.py --profile --json "$OUT/bench_kda.json"
 stage bench_step 190 python3 scripts/bench/bench_step.py --profile --json "$OUT/bench_step.json"
 if [ "$NGPU" -ge 2 ]; then
-  stage gpu_parallel 240 python3 scripts/gpu_parallel_check.py --out "$OUT/gpu_parallel"
+  stage gpu_parallel 240 python3 scripts/gpu_parallel_check.py --out /tmp/gpu_parallel
   stage bench_pipeline 150 torchrun --standalone --nproc-per-node 2 scripts/bench/bench_pipeline.py \
     --vpp 1,2,4 --steps 5 --json "$OUT/bench_pipeline.json"
   stage bench_moe_ep2 60 torchrun --standalone --nproc-per-node 2 scripts/bench/bench_moe_dispatch.py

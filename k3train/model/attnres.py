@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from k3train.model.common import rms_norm
+from k3train.ops.attnres import depth_mix, depth_mix_torch
 
 
 class DepthAttention(nn.Module):
@@ -23,11 +23,9 @@ class DepthAttention(nn.Module):
         self.last_weights: torch.Tensor | None = None  # [S] mean weight per source, when recording
 
     def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
-        """sources: S tensors [B, T, D] -> [B, T, D] in the sources' dtype."""
-        v = torch.stack(sources)
-        v = v.to(torch.promote_types(v.dtype, torch.float32))  # [S, B, T, D]
-        logits = (rms_norm(v, None, self.eps) * self.query.to(v.dtype)).sum(-1)  # [S, B, T]
-        weights = torch.softmax(logits, dim=0)
+        """sources: S tensors [B, T, D] -> [B, T, D] in the first source's dtype."""
         if self.record:
+            out, weights = depth_mix_torch(self.query, sources, self.eps, return_weights=True)
             self.last_weights = weights.detach().mean(dim=(1, 2))
-        return (weights.unsqueeze(-1) * v).sum(0).to(sources[0].dtype)
+            return out
+        return depth_mix(self.query, sources, self.eps)

@@ -17,7 +17,6 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -145,10 +144,3 @@ def sharded_param(full: torch.Tensor, parts: int, rank: int) -> nn.Parameter:
     p = nn.Parameter(full.chunk(parts, dim=0)[rank].clone())
     p.tensor_model_parallel, p.partition_dim = True, 0
     return p
-
-
-def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Causal depthwise 1-D convolution. x: [B, T, C], weight: [C, W] -> [B, T, C]."""
-    width = weight.shape[1]
-    xt = F.pad(x.transpose(1, 2), (width - 1, 0))
-    return F.conv1d(xt, weight.unsqueeze(1).to(x.dtype), groups=weight.shape[0]).transpose(1, 2)

@@ -12,13 +12,13 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from k3train.model.common import (
-    ColumnLinear, RowLinear, causal_depthwise_conv, divide, replicated_linear, rms_norm, sharded_param,
-    tp_rank, tp_size,
+    ColumnLinear, RowLinear, divide, replicated_linear, sharded_param, tp_rank, tp_size,
 )
-from k3train.ops.kda import kda
+from k3train.ops.gated_norm import head_norm_gate
+from k3train.ops.kda import kda_gated
+from k3train.ops.short_conv import short_conv_silu
 
 
 class KimiDeltaAttention(nn.Module):
@@ -54,26 +54,17 @@ class KimiDeltaAttention(nn.Module):
 
     def _qkv(self, proj: ColumnLinear, conv: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        y = F.silu(causal_depthwise_conv(proj(x), conv))
-        return y.view(B, T, self.num_heads, self.head_dim)
-
-    def gate(self, x: torch.Tensor) -> torch.Tensor:
-        """Log-decay g: [B, T, H, K] fp32 in (lower_bound, 0)."""
-        B, T, _ = x.shape
-        ct = torch.promote_types(x.dtype, torch.float32)
-        f = self.f_up(self.f_down(x)).view(B, T, self.num_heads, self.head_dim).to(ct)
-        a = torch.exp(self.A_log.to(ct))[:, None]
-        return self.lower_bound * torch.sigmoid(a * (f + self.dt_bias.to(ct)))
+        return short_conv_silu(proj(x), conv).view(B, T, self.num_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [B, T, D] -> [B, T, D]."""
+        """x: [B, T, D] -> [B, T, D]. Under autocast the projections, KDA and output run in bf16;
+        the gate, the norms and the sigmoids in fp32 (inside the kernels on CUDA)."""
         B, T, _ = x.shape
-        ct = torch.promote_types(x.dtype, torch.float32)  # fp32 at least; fp64 stays fp64 (tests)
-        v = self._qkv(self.v_proj, self.v_conv, x)  # the compute dtype (bf16 under autocast)
-        q = F.normalize(self._qkv(self.q_proj, self.q_conv, x).to(ct), dim=-1).to(v.dtype)
-        k = F.normalize(self._qkv(self.k_proj, self.k_conv, x).to(ct), dim=-1).to(v.dtype)
-        beta = torch.sigmoid(self.b_proj(x).to(ct))
-        o, _ = kda(q, k, v, self.gate(x), beta)
-        o = rms_norm(o, self.o_norm_weight, self.eps)
-        o = o * torch.sigmoid(self.g_proj(x)).view(B, T, self.num_heads, self.head_dim).to(o.dtype)
+        shape = (B, T, self.num_heads, self.head_dim)
+        v = self._qkv(self.v_proj, self.v_conv, x)
+        q = self._qkv(self.q_proj, self.q_conv, x)
+        k = self._qkv(self.k_proj, self.k_conv, x)
+        f = self.f_up(self.f_down(x)).view(shape)
+        o = kda_gated(q, k, v, f, self.b_proj(x), self.A_log, self.dt_bias, self.lower_bound)
+        o = head_norm_gate(o, self.o_norm_weight, self.g_proj(x).view(shape), self.eps)
         return self.o_proj(o.reshape(B, T, -1).to(x.dtype))

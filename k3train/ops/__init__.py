@@ -1,0 +1,19 @@
+"""Kernels with backend dispatch: fla's Triton kernels on CUDA when importable, torch elsewhere.
+
+``K3TRAIN_KERNELS=torch`` forces the pure-torch forms on every device (debugging, comparing
+backends, or a GPU machine where Triton compilation is too slow to wait for); the default
+``auto`` picks fla on CUDA.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def use_fla(device: torch.device | str) -> bool:
+    """Whether the dispatchers may pick fla's kernels for tensors on ``device``."""
+    choice = os.environ.get("K3TRAIN_KERNELS", "auto")
+    if choice not in ("auto", "torch"):
+        raise ValueError(f"K3TRAIN_KERNELS={choice!r}: allowed values are 'auto' (fla on CUDA) and 'torch'")
+    return choice == "auto" and torch.device(device).type == "cuda"

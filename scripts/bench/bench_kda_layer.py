@@ -1,7 +1,9 @@
 """KDA layer forward+backward on one GPU against its floor and against fla's own layer.
 
-Floor = fla's ``chunk_kda`` kernel alone (fwd+bwd, same shape) + the layer's five d x d
-projections (q, k, v, output gate, output) at the bf16 matmul rate measured in the same run.
+Floor = fla's ``chunk_kda`` kernel alone (fwd+bwd, same shape, called as both layers call it:
+in-kernel q/k l2norm, K3 safe gate and beta sigmoid) + the layer's projection GEMMs (q, k, v,
+output gate, output, low-rank forget gate) at the bf16 matmul rate measured in the same run.
+Both layers run with bf16 weights (no autocast), the K3 safe gate (lower bound -5) on both.
 
     python scripts/bench/bench_kda_layer.py [--batch 4 --seq 4096 --hidden 2048 --heads 16 --head-dim 128]
 """
@@ -40,19 +42,25 @@ def main() -> None:
     dev, bf16 = "cuda", torch.bfloat16
     peak = matmul_tflops()
 
-    q, k = (torch.nn.functional.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).to(bf16).requires_grad_()
-            for _ in range(2))
+    q, k = (torch.randn(B, T, H, K, device=dev, dtype=bf16, requires_grad=True) for _ in range(2))
     v = torch.randn(B, T, H, K, device=dev, dtype=bf16, requires_grad=True)
-    g = (-5 * torch.sigmoid(torch.randn(B, T, H, K, device=dev))).float().requires_grad_()
-    beta = torch.sigmoid(torch.randn(B, T, H, device=dev)).to(bf16).requires_grad_()
+    f = torch.randn(B, T, H, K, device=dev, dtype=bf16, requires_grad=True)
+    beta = torch.randn(B, T, H, device=dev, dtype=bf16, requires_grad=True)
+    A_log = torch.zeros(H, device=dev, requires_grad=True)
+    dt_bias = torch.zeros(H * K, device=dev, requires_grad=True)
     do = torch.randn(B, T, H, K, device=dev, dtype=bf16)
 
     def kernel():
-        o, _ = chunk_kda(q, k, v, g, beta)
+        # The call both layers make: l2norm, safe gate and beta sigmoid fused into the kernel.
+        o, _ = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True,
+                         use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
+                         lower_bound=-5.0)
         o.backward(do)
 
     kernel_ms = timeit(kernel, warmup=3, iters=10)
-    proj_flops = 5 * 2 * B * T * D * (H * K) * 3  # 5 projections, fwd + 2 bwd GEMMs
+    # Projections: q, k, v, output gate and output (d x H*K each) plus the low-rank gate (d x K,
+    # K x H*K); forward and the two backward GEMMs each.
+    proj_flops = (5 * D * H * K + D * K + K * H * K) * 2 * B * T * 3
     floor_ms = kernel_ms + proj_flops / (peak * 1e12) * 1e3
 
     x = torch.randn(B, T, D, device=dev, dtype=bf16, requires_grad=True)
@@ -70,7 +78,8 @@ def main() -> None:
     try:
         from fla.layers import KimiDeltaAttention as FlaKDA
 
-        peer = FlaKDA(hidden_size=D, num_heads=H, head_dim=K, mode="chunk").to(dev, bf16)
+        peer = FlaKDA(hidden_size=D, num_heads=H, head_dim=K, mode="chunk", safe_gate=True,
+                      lower_bound=-5.0).to(dev, bf16)
 
         def run_peer():
             peer(x)[0].backward(dy)

@@ -12,10 +12,11 @@ import functools
 
 import torch
 
+from k3train.ops import use_fla
 from k3train.ops.kda.chunk import chunk_kda_torch
 from k3train.ops.kda.naive import naive_recurrent_kda
 
-__all__ = ["chunk_kda_torch", "kda", "kda_backend", "naive_recurrent_kda"]
+__all__ = ["chunk_kda_torch", "kda", "kda_backend", "kda_gated", "naive_recurrent_kda"]
 
 
 @functools.cache
@@ -31,7 +32,7 @@ def _fla_chunk_kda():
 
 def kda_backend(device: torch.device | str) -> str:
     """Which implementation ``kda`` runs for tensors on ``device``: ``"fla"`` or ``"torch"``."""
-    if torch.device(device).type == "cuda" and _fla_chunk_kda() is not None:
+    if use_fla(device) and _fla_chunk_kda() is not None:
         return "fla"
     return "torch"
 
@@ -91,3 +92,48 @@ def kda(
     return chunk_kda_torch(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state
     )
+
+
+def kda_gated(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    f: torch.Tensor,
+    beta_logits: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lower_bound: float,
+) -> torch.Tensor:
+    """KDA from raw projections, with K3's safe gate: the layer's whole recurrence in one call.
+
+    Computes ``kda(l2norm(q), l2norm(k), v, g, sigmoid(beta_logits))`` with the bounded log-decay
+    ``g = lower_bound * sigmoid(exp(A_log)[:, None] * (f + dt_bias))`` in ``(lower_bound, 0)``.
+
+    Args:
+        q, k: ``[B, T, H, K]`` before normalisation; v: ``[B, T, H, V]``.
+        f: gate pre-activation ``[B, T, H, K]``; beta_logits: ``[B, T, H]``.
+        A_log: ``[H]``; dt_bias: ``[H, K]``; lower_bound: a negative float.
+
+    Returns:
+        o ``[B, T, H, V]`` in ``v.dtype``.
+
+    On fla, the normalisation, the gate and the beta sigmoid run inside the kernel, and the
+    bounded gate lets it take its safe-gate path (``safe_gate=True``, 16-row tensor-core tiles),
+    which is what fla's own layer does; elsewhere they run in torch (fp32 at least) first.
+    """
+    if kda_backend(q.device) == "fla":
+        dt = v.dtype
+        o, _ = _fla_chunk_kda()(
+            q.to(dt), k.to(dt), v, f, beta_logits.to(dt),
+            A_log=A_log.float(), dt_bias=dt_bias.reshape(-1).float(),
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+            safe_gate=True, lower_bound=lower_bound,
+        )
+        return o
+    ct = torch.promote_types(v.dtype, torch.float32)  # fp32 at least; fp64 stays fp64 (tests)
+    q = torch.nn.functional.normalize(q.to(ct), dim=-1).to(v.dtype)
+    k = torch.nn.functional.normalize(k.to(ct), dim=-1).to(v.dtype)
+    a = torch.exp(A_log.to(ct))[:, None]
+    g = lower_bound * torch.sigmoid(a * (f.to(ct) + dt_bias.to(ct)))
+    o, _ = kda(q, k, v, g, torch.sigmoid(beta_logits.to(ct)))
+    return o
