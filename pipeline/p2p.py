@@ -109,6 +109,33 @@ class PipeComm:
         self._queues: dict[int, list[MsgKey]] = {}
         self._qpos: dict[int, int] = {}
         self._num_mb = 1
+        if group is not None and self.P > 1:
+            self._connect()
+
+    def _connect(self) -> None:
+        """Open every channel the schedule will use, once, in one global order.
+
+        NCCL creates the communicator of a rank pair lazily, at its first send or receive, and
+        that creation blocks both hosts until the peer joins. Left to the schedule, rank 0 can
+        block opening ``up`` towards rank 1 while rank 1 blocks opening ``down`` towards rank 0.
+        Here every rank walks the same sorted list of (direction, sender, receiver) edges and
+        completes each of its own before the next, so the first unfinished edge can always
+        proceed: no cycle, no deadlock. On gloo this is one tiny message per edge.
+        """
+        edges = set()
+        for c in range(self.C - 1):
+            a, b = c % self.P, (c + 1) % self.P
+            if a != b:
+                edges.update({(a, b), (b, a)})  # forward and backward of hop c
+        token = torch.zeros(1, device=self.device)
+        for src, dst in sorted(edges, key=lambda e: (e[1] < e[0], e)):
+            grp = self.up if dst > src else self.down
+            if self.rank == src:
+                dist.isend(token, self.global_ranks[dst], group=grp, tag=1).wait()
+            elif self.rank == dst:
+                dist.irecv(token, self.global_ranks[src], group=grp, tag=1).wait()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # ---- static channel order -------------------------------------------------------------
     def begin_step(self, schedules, num_microbatches: int) -> None:

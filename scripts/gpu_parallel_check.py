@@ -17,8 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 BASE = ["train.log_interval=1", "logging.wandb.mode=disabled", "logging.progress_bar=false",
@@ -39,18 +41,31 @@ def losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def run(cmd: list[str], log: Path) -> None:
+def run(cmd: list[str], log: Path, limit: float) -> float:
+    """Run ``cmd`` (its own process group) with output to ``log``; return seconds taken.
+    A run past ``limit`` seconds is killed with all its children (a hung NCCL rank would
+    otherwise hold its GPU) and reported with the end of its log."""
+    t0 = time.monotonic()
     with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    if proc.returncode:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            rc = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = f"killed after {limit:.0f} s"
+    if rc != 0:
         tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
-        raise RuntimeError(f"{' '.join(cmd[:6])} ... failed (rc {proc.returncode}); {log} ends:\n{tail}")
+        raise RuntimeError(f"{' '.join(cmd[:6])} ... failed ({rc}); {log} ends:\n{tail}")
+    return time.monotonic() - t0
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--run-limit", type=float, default=150, help="seconds before one run counts as hung")
     ap.add_argument("--device", default="cuda", help="cpu dry-runs the script itself (gloo)")
     ap.add_argument("--only", help="comma list of variants (default all): " + ",".join(VARIANTS))
     args = ap.parse_args()
@@ -66,15 +81,16 @@ def main() -> int:
         try:
             if key not in refs:
                 rdir = out / f"ref_{len(refs)}"
-                run([sys.executable, "-m", "k3train", "train", *common, "--run-dir", str(rdir), *BASE, *steps, *ref],
-                    out / f"ref_{len(refs)}.log")
+                secs = run([sys.executable, "-m", "k3train", "train", *common, "--run-dir", str(rdir), *BASE,
+                            *steps, *ref], out / f"ref_{len(refs)}.log", args.run_limit)
+                print(f"reference {' '.join(ref)}: {secs:.0f} s", flush=True)
                 refs[key] = losses(rdir)
             pdir = out / name
-            run(["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "k3train", "train", *common,
-                 "--run-dir", str(pdir), *BASE, *steps, *par], out / f"{name}.log")
+            secs = run(["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "k3train", "train", *common,
+                        "--run-dir", str(pdir), *BASE, *steps, *par], out / f"{name}.log", args.run_limit)
             got, want = losses(pdir), refs[key]
             diffs = [abs(a - b) for a, b in zip(got, want)]
-            row = {"variant": name, "steps": len(got), "step1_diff": diffs[0], "mean_diff": sum(diffs) / len(diffs),
+            row = {"variant": name, "seconds": round(secs), "steps": len(got), "step1_diff": diffs[0], "mean_diff": sum(diffs) / len(diffs),
                    "first_loss": got[0], "last_loss": got[-1], "ref_last_loss": want[-1]}
             row["ok"] = (len(got) == len(want) == args.steps and row["step1_diff"] < 0.02
                          and row["mean_diff"] < 0.05 and got[-1] < got[0] - 0.5)
