@@ -27,13 +27,13 @@ BASE = ["train.log_interval=1", "logging.wandb.mode=disabled", "logging.progress
         "checkpoint.interval=0"]
 # variant -> (parallel overrides, reference overrides); the global batch is 16 sequences in both.
 VARIANTS = {
+    "ep2_dp2": (["parallel.ep=2", "train.micro_batch_size=8"], ["train.micro_batch_size=16"]),
+    "dp2_zero1_muon": (["optim.zero1=true", "optim.name=muon", "train.micro_batch_size=8"],
+                       ["optim.name=muon", "train.micro_batch_size=16"]),
     "pp2_vpp2_cached": (["parallel.pp=2", "parallel.vpp=2", "train.micro_batch_size=8", "train.microbatches=2"],
                         ["train.micro_batch_size=8", "train.microbatches=2"]),
     "pp2_vpp2_naive": (["parallel.pp=2", "parallel.vpp=2", "train.micro_batch_size=8", "train.microbatches=2",
                         "pipeline.attnres_transport=naive"], ["train.micro_batch_size=8", "train.microbatches=2"]),
-    "ep2_dp2": (["parallel.ep=2", "train.micro_batch_size=8"], ["train.micro_batch_size=16"]),
-    "dp2_zero1_muon": (["optim.zero1=true", "optim.name=muon", "train.micro_batch_size=8"],
-                       ["optim.name=muon", "train.micro_batch_size=16"]),
 }
 
 

@@ -3,6 +3,7 @@
 #   bash scripts/gpu_suite.sh OUTDIR [STAGES]     (STAGES: comma list, default all)
 # Stages: gpu_check train_cuda bench_kda bench_step (one GPU); gpu_parallel bench_pipeline
 # bench_moe_ep2 (two GPUs, skipped on one); bench_fp8 (one GPU).
+# Together the stages need more than one 10-minute device call: pass a subset per call.
 # Logs and JSON land in OUTDIR. Each stage has its own time limit so one slow stage cannot eat
 # the others. fla's Triton kernels autotune on first use (minutes on a fresh machine); their
 # compiled kernels and autotune results go to TRITON_CACHE_DIR (default /tmp/k3_triton_cache),
@@ -34,7 +35,7 @@ cp /tmp/run_tiny/metrics.jsonl "$OUT/train_cuda_metrics.jsonl" 2>/dev/null
 stage bench_kda 110 python3 scripts/bench/bench_kda_layer.py --profile --json "$OUT/bench_kda.json"
 stage bench_step 190 python3 scripts/bench/bench_step.py --profile --json "$OUT/bench_step.json"
 if [ "$NGPU" -ge 2 ]; then
-  stage gpu_parallel 240 python3 scripts/gpu_parallel_check.py --out /tmp/gpu_parallel
+  stage gpu_parallel 420 python3 scripts/gpu_parallel_check.py --out /tmp/gpu_parallel
   stage bench_pipeline 150 torchrun --standalone --nproc-per-node 2 scripts/bench/bench_pipeline.py \
     --vpp 1,2,4 --steps 5 --json "$OUT/bench_pipeline.json"
   stage bench_moe_ep2 60 torchrun --standalone --nproc-per-node 2 scripts/bench/bench_moe_dispatch.py
