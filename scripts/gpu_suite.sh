@@ -28,14 +28,22 @@ stage() {
   tail -4 "$OUT/$name.log"
 }
 
-stage gpu_check 170 python3 scripts/gpu_check.py --json "$OUT/gpu_check.json"
-stage train_cuda 90 python3 -m k3train train --config configs/k3_tiny.yaml --run-dir /tmp/run_tiny \
+# Correctness stages (gpu_check, train_cuda, gpu_parallel) use one fixed config per fla kernel
+# (scripts/fla_fast_configs.py) instead of autotuning: compiling ~500 autotune candidates is what
+# made them time out. Benchmarks autotune. FLA_FAST_START=0 autotunes everywhere.
+FAST=()
+if [ "${FLA_FAST_START:-1}" = 1 ] && python3 scripts/fla_fast_configs.py /tmp/fla_fast > "$OUT/fla_fast.log" 2>&1; then
+  FAST=(env FLA_CONFIG_DIR=/tmp/fla_fast FLA_CACHE_MODE=default)
+fi
+
+stage gpu_check 170 "${FAST[@]}" python3 scripts/gpu_check.py --json "$OUT/gpu_check.json"
+stage train_cuda 90 "${FAST[@]}" python3 -m k3train train --config configs/k3_tiny.yaml --run-dir /tmp/run_tiny \
   train.device=cuda train.steps=150 train.micro_batch_size=32 train.seq_len=256 logging.progress_bar=false
 cp /tmp/run_tiny/metrics.jsonl "$OUT/train_cuda_metrics.jsonl" 2>/dev/null
 stage bench_kda 110 python3 scripts/bench/bench_kda_layer.py --profile --json "$OUT/bench_kda.json"
 stage bench_step 190 python3 scripts/bench/bench_step.py --profile --json "$OUT/bench_step.json"
 if [ "$NGPU" -ge 2 ]; then
-  stage gpu_parallel 420 python3 scripts/gpu_parallel_check.py --out /tmp/gpu_parallel
+  stage gpu_parallel 420 "${FAST[@]}" python3 scripts/gpu_parallel_check.py --out /tmp/gpu_parallel
   stage bench_pipeline 150 torchrun --standalone --nproc-per-node 2 scripts/bench/bench_pipeline.py \
     --vpp 1,2,4 --steps 5 --json "$OUT/bench_pipeline.json"
   stage bench_moe_ep2 60 torchrun --standalone --nproc-per-node 2 scripts/bench/bench_moe_dispatch.py
