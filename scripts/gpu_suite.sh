@@ -18,14 +18,23 @@ NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 { echo "gpus: $NGPU"; nvidia-smi --query-gpu=name,memory.total --format=csv;
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } > "$OUT/env.txt" 2>&1
 
+# SUITE_SECONDS: a budget for the whole suite (e.g. a device call's limit minus packing time);
+# each stage's limit shrinks to what is left. PACK_TO: re-pack OUTDIR there after every stage,
+# so what finished comes back even if the call is cut off.
 stage() {
   local name=$1 limit=$2; shift 2
   [[ $STAGES == *",$name,"* ]] || return 0
+  if [ "${SUITE_SECONDS:-0}" -gt 0 ]; then
+    local left=$((SUITE_SECONDS - SECONDS))
+    if [ "$left" -lt 20 ]; then echo "== $name skipped: suite budget spent"; return 0; fi
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
   local t0=$SECONDS
-  echo "== $name"
+  echo "== $name (limit ${limit}s)"
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "rc=$? seconds=$((SECONDS - t0))" >> "$OUT/$name.log"
   tail -4 "$OUT/$name.log"
+  if [ -n "${PACK_TO:-}" ]; then tar czf "$PACK_TO" --exclude=checkpoints -C "$(dirname "$OUT")" "$(basename "$OUT")"; fi
 }
 
 # Correctness stages (gpu_check, train_cuda, gpu_parallel) use one fixed config per fla kernel
@@ -36,7 +45,7 @@ if [ "${FLA_FAST_START:-1}" = 1 ] && python3 scripts/fla_fast_configs.py /tmp/fl
   FAST=(env FLA_CONFIG_DIR=/tmp/fla_fast FLA_CACHE_MODE=default)
 fi
 
-stage gpu_check 170 "${FAST[@]}" python3 scripts/gpu_check.py --json "$OUT/gpu_check.json"
+stage gpu_check 400 "${FAST[@]}" python3 scripts/gpu_check.py --json "$OUT/gpu_check.json"
 stage train_cuda 90 "${FAST[@]}" python3 -m k3train train --config configs/k3_tiny.yaml --run-dir /tmp/run_tiny \
   train.device=cuda train.steps=150 train.micro_batch_size=32 train.seq_len=256 logging.progress_bar=false
 cp /tmp/run_tiny/metrics.jsonl "$OUT/train_cuda_metrics.jsonl" 2>/dev/null
