@@ -77,7 +77,8 @@ def ours(config: str, overrides: list[str], args, peak_tflops: float) -> dict:
     times = time_steps(lambda b: losses.append(state.train_step(b)["loss"]), batches, args.warmup, args.device)
     step_s = statistics.median(times)
     tok_s = args.mbs * args.seq / step_s
-    row = {"step_ms": step_s * 1e3, "tokens_per_s": tok_s, "first_loss": losses[0], "last_loss": losses[-1]}
+    row = {"step_ms": step_s * 1e3, "tokens_per_s": tok_s, "first_loss": losses[0], "last_loss": losses[-1],
+           "params": sum(p.numel() for p in state.params)}
     if peak_tflops > 0:
         row["mfu"] = mfu(tok_s, cfg, peak_tflops * 1e12, seq_len=args.seq)
     if args.device == "cuda":
@@ -120,7 +121,7 @@ def fla_peer(cfg_overrides: dict, args, attnres_layers: int | None) -> dict:
     times = time_steps(step, batches, args.warmup, "cuda")
     step_s = statistics.median(times)
     row = {"step_ms": step_s * 1e3, "tokens_per_s": args.mbs * args.seq / step_s,
-           "first_loss": losses[0], "last_loss": losses[-1],
+           "first_loss": losses[0], "last_loss": losses[-1], "params": sum(p.numel() for p in model.parameters()),
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
     torch.cuda.reset_peak_memory_stats()
     del model, opt
@@ -174,11 +175,11 @@ def main() -> None:
             a, b = rows.get(f"ours_dense{suffix}", {}), rows.get(f"fla_dense{suffix}", {})
             if "step_ms" in a and "step_ms" in b:
                 result[f"fla_over_ours{suffix}"] = b["step_ms"] / a["step_ms"]
-    print(f"\n{'row':<22}{'step ms':>10}{'tok/s':>12}{'MFU':>8}{'loss':>14}")
+    print(f"\n{'row':<22}{'params':>9}{'step ms':>10}{'tok/s':>12}{'MFU':>8}{'loss':>14}")
     for name, r in rows.items():
         if "step_ms" in r:
             mfu_txt = f"{r['mfu']:.1%}" if "mfu" in r else "-"
-            print(f"{name:<22}{r['step_ms']:>10.1f}{r['tokens_per_s']:>12.0f}{mfu_txt:>8}"
+            print(f"{name:<22}{r['params'] / 1e6:>8.1f}M{r['step_ms']:>10.1f}{r['tokens_per_s']:>12.0f}{mfu_txt:>8}"
                   f"{r['first_loss']:>7.2f}{r['last_loss']:>7.2f}")
         else:
             print(f"{name:<22} failed: {r.get('error')}")
