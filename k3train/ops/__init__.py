@@ -6,6 +6,8 @@ backends, or a GPU machine where Triton compilation is too slow to wait for); th
 """
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 
 import torch
@@ -17,3 +19,17 @@ def use_fla(device: torch.device | str) -> bool:
     if choice not in ("auto", "torch"):
         raise ValueError(f"K3TRAIN_KERNELS={choice!r}: allowed values are 'auto' (fla on CUDA) and 'torch'")
     return choice == "auto" and torch.device(device).type == "cuda"
+
+
+@functools.cache
+def _fla_function(module: str, name: str):
+    # Imported lazily: fla pulls in Triton, which CPU-only installs do not have.
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError:
+        return None
+
+
+def fla_kernel(device: torch.device | str, module: str, name: str):
+    """fla's ``module.name`` when the dispatchers may use fla on ``device`` and it imports, else None."""
+    return _fla_function(module, name) if use_fla(device) else None

@@ -13,26 +13,14 @@ import functools
 import torch
 
 from k3train.model.common import rms_norm
-from k3train.ops import use_fla
+from k3train.ops import fla_kernel
 
 __all__ = ["attnres_backend", "depth_mix", "depth_mix_torch"]
 
 
-@functools.cache
-def _fla_fused_attnres():
-    """fla's ``fused_attnres``, or None when fla (or its Triton stack) cannot be imported."""
-    try:
-        from fla.ops.attnres import fused_attnres
-    except ImportError:
-        return None
-    return fused_attnres
-
-
 def attnres_backend(device: torch.device | str) -> str:
     """Which implementation ``depth_mix`` runs for tensors on ``device``: ``"fla"`` or ``"torch"``."""
-    if use_fla(device) and _fla_fused_attnres() is not None:
-        return "fla"
-    return "torch"
+    return "fla" if fla_kernel(device, "fla.ops.attnres", "fused_attnres") is not None else "torch"
 
 
 def depth_mix_torch(query: torch.Tensor, sources: list[torch.Tensor], eps: float,
@@ -49,12 +37,13 @@ def depth_mix_torch(query: torch.Tensor, sources: list[torch.Tensor], eps: float
 
 def depth_mix(query: torch.Tensor, sources: list[torch.Tensor], eps: float) -> torch.Tensor:
     """``depth_mix_torch`` on the fastest backend for the sources' device (same shapes)."""
-    if attnres_backend(sources[0].device) == "torch":
+    fused = fla_kernel(sources[0].device, "fla.ops.attnres", "fused_attnres")
+    if fused is None:
         return depth_mix_torch(query, sources, eps)
     # The kernel wants one dtype: under autocast a fresh partial sum is bf16 while the embedding
     # and completed blocks are fp32; mix in the widest, as the reference does.
     dtype = functools.reduce(torch.promote_types, (s.dtype for s in sources))
     srcs = [s if s.dtype == dtype else s.to(dtype) for s in sources]
     ones = torch.ones(query.shape[-1], device=query.device, dtype=torch.float32)
-    out = _fla_fused_attnres()(query, srcs, ones, None, rms_eps=eps)
+    out = fused(query, srcs, ones, None, rms_eps=eps)
     return out.to(sources[0].dtype)

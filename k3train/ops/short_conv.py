@@ -1,24 +1,12 @@
 """Causal depthwise short convolution + SiLU (the KDA q/k/v pre-mix), with backend dispatch."""
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
-from k3train.ops import use_fla
+from k3train.ops import fla_kernel
 
 __all__ = ["short_conv_silu", "short_conv_silu_torch"]
-
-
-@functools.cache
-def _fla_causal_conv1d():
-    """fla's Triton ``causal_conv1d``, or None when fla (or Triton) cannot be imported."""
-    try:
-        from fla.modules.causal_conv1d import causal_conv1d
-    except ImportError:
-        return None
-    return causal_conv1d
 
 
 def short_conv_silu_torch(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -32,7 +20,8 @@ def short_conv_silu_torch(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
 
 def short_conv_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``short_conv_silu_torch`` on the fastest backend: fla's fused Triton kernel on CUDA."""
-    if use_fla(x.device) and _fla_causal_conv1d() is not None:
-        y, _ = _fla_causal_conv1d()(x, weight.to(x.dtype), activation="silu")
+    fused = fla_kernel(x.device, "fla.modules.causal_conv1d", "causal_conv1d")
+    if fused is not None:
+        y, _ = fused(x, weight.to(x.dtype), activation="silu")
         return y
     return short_conv_silu_torch(x, weight)

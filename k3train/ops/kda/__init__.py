@@ -8,33 +8,22 @@ state ``[B, H, K, V]`` in fp32.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from k3train.ops import use_fla
+from k3train.ops import fla_kernel
 from k3train.ops.kda.chunk import chunk_kda_torch
 from k3train.ops.kda.naive import naive_recurrent_kda
 
 __all__ = ["chunk_kda_torch", "kda", "kda_backend", "kda_gated", "naive_recurrent_kda"]
 
 
-@functools.cache
-def _fla_chunk_kda():
-    """fla's ``chunk_kda``, or None when fla (or its Triton stack) cannot be imported."""
-    # Imported lazily: fla pulls in Triton, which CPU-only installs do not have.
-    try:
-        from fla.ops.kda import chunk_kda
-    except ImportError:
-        return None
-    return chunk_kda
+def _fla_chunk_kda(device):
+    return fla_kernel(device, "fla.ops.kda", "chunk_kda")
 
 
 def kda_backend(device: torch.device | str) -> str:
     """Which implementation ``kda`` runs for tensors on ``device``: ``"fla"`` or ``"torch"``."""
-    if use_fla(device) and _fla_chunk_kda() is not None:
-        return "fla"
-    return "torch"
+    return "fla" if _fla_chunk_kda(device) is not None else "torch"
 
 
 def kda(
@@ -63,7 +52,8 @@ def kda(
         ``(o, final_state)``: ``o`` ``[B, T, H, V]`` in ``v.dtype``; ``final_state``
         ``[B, H, K, V]`` (fp32) or None.
     """
-    if kda_backend(q.device) == "fla":
+    fla_chunk_kda = _fla_chunk_kda(q.device)
+    if fla_chunk_kda is not None:
         # Matched to fla 0.6.0 (fla-core 0.6.0, fla/ops/kda/chunk.py):
         #   chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
         #             use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
@@ -76,7 +66,7 @@ def kda(
         # fla's Triton dots need q, k, v, beta in one dtype (under autocast the projections
         # come out bf16 while normalised q, k may be fp32); the log-decay g stays fp32.
         dt = v.dtype
-        return _fla_chunk_kda()(
+        return fla_chunk_kda(
             q.to(dt),
             k.to(dt),
             v,
@@ -121,9 +111,10 @@ def kda_gated(
     bounded gate lets it take its safe-gate path (``safe_gate=True``, 16-row tensor-core tiles),
     which is what fla's own layer does; elsewhere they run in torch (fp32 at least) first.
     """
-    if kda_backend(q.device) == "fla":
+    fla_chunk_kda = _fla_chunk_kda(q.device)
+    if fla_chunk_kda is not None:
         dt = v.dtype
-        o, _ = _fla_chunk_kda()(
+        o, _ = fla_chunk_kda(
             q.to(dt), k.to(dt), v, f, beta_logits.to(dt),
             A_log=A_log.float(), dt_bias=dt_bias.reshape(-1).float(),
             use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
