@@ -42,50 +42,63 @@ def main() -> int:
     from k3train.distributed import init_distributed
     from k3train.model.kda_layer import KimiDeltaAttention
     from k3train.model.model import build_model
+    from k3train.ops.attnres import attnres_backend, depth_mix, depth_mix_torch
     from k3train.ops.kda import kda_backend
+    from k3train.ops.triton_compile import compile_ahead
 
     init_distributed(device=dev)
     out = {"kda_backend": kda_backend(dev)}
-    torch.manual_seed(0)
-    layer = KimiDeltaAttention(256, 4, 64)
-    torch.manual_seed(0)
-    gpu_layer = KimiDeltaAttention(256, 4, 64).to(dev)  # same seed: same weights
     x = torch.randn(2, 512, 256)
-    ref = layer(x)
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev == "cuda"):
-        got = gpu_layer(x.to(dev))
+    q0 = torch.randn(256)
+    src0 = [torch.randn(2, 512, 256) * (i + 1) for i in range(4)]
+    w = torch.randn(2, 512, 256)
+    tokens = torch.randint(0, 257, (4, 257))
+    cfgs = {name: load_config("configs/k3_tiny.yaml", ov)
+            for name, ov in (("model", []), ("dense", ["model.dense_layers=8"]))}
+
+    def gpu_side():
+        """Everything this check runs on the GPU, from freshly built (seeded) modules."""
+        torch.manual_seed(0)
+        layer = KimiDeltaAttention(256, 4, 64).to(dev)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev == "cuda"):
+            got = layer(x.to(dev))
+        leaves = [t.clone().to(dev).requires_grad_() for t in [q0, *src0[:3]]]
+        leaves.append(src0[3].to(dev, torch.bfloat16).requires_grad_())
+        mix = depth_mix(leaves[0], leaves[1:], 1e-6)
+        (mix.float() * w.to(dev)).sum().backward()
+        models, losses = {}, {}
+        for name, cfg in cfgs.items():
+            models[name] = build_model(cfg).to(dev)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev == "cuda"):
+                losses[name] = models[name](tokens[:, :-1].to(dev), tokens[:, 1:].to(dev))
+            losses[name].backward()
+        return got, mix, [t.grad for t in leaves], losses, models["dense"]
+
+    # Compile fla's kernels for everything below at once (minutes otherwise: see triton_compile).
+    compile_ahead(gpu_side, label="gpu_check")
+    got, got_mix, mix_grads, gpu_losses, gpu_model = gpu_side()
+
+    torch.manual_seed(0)
+    ref = KimiDeltaAttention(256, 4, 64)(x)
     out["kda_layer_rel_err"] = rel_err(got, ref)
 
     # AttnRes depth mixing: the dispatched kernel vs the torch reference, value and gradients,
     # on mixed-dtype sources as autocast produces them (fp32 blocks, a bf16 partial sum).
-    from k3train.ops.attnres import attnres_backend, depth_mix, depth_mix_torch
-
     out["attnres_backend"] = attnres_backend(dev)
-    q0 = torch.randn(256)
-    src0 = [torch.randn(2, 512, 256) * (i + 1) for i in range(4)]
-    leaves = [[t.clone().requires_grad_() for t in [q0, *src0]] for _ in range(2)]
-    mixed = [leaves[1][0].to(dev)] + [t.to(dev) for t in leaves[1][1:4]] + [leaves[1][4].to(dev, torch.bfloat16)]
-    ref_mix = depth_mix_torch(leaves[0][0], [*leaves[0][1:4], leaves[0][4].bfloat16().float()], 1e-6)
-    got_mix = depth_mix(mixed[0], mixed[1:], 1e-6)
-    w = torch.randn_like(ref_mix)
+    leaves = [t.clone().requires_grad_() for t in [q0, *src0]]
+    ref_mix = depth_mix_torch(leaves[0], [*leaves[1:4], leaves[4].bfloat16().float()], 1e-6)
     (ref_mix * w).sum().backward()
-    (got_mix.float() * w.to(dev)).sum().backward()
     out["attnres_rel_err"] = rel_err(got_mix, ref_mix)
-    out["attnres_worst_grad_cosine"] = min(cosine(a.grad, b.grad) for a, b in zip(leaves[1], leaves[0]))
+    out["attnres_worst_grad_cosine"] = min(cosine(a, b.grad) for a, b in zip(mix_grads, leaves))
 
     # The whole model, k3_tiny as shipped (MoE): loss. Then its dense twin (every FFN dense, so
     # that a near-tie in the router flipping under bf16 cannot move whole tokens between experts):
     # every parameter gradient.
-    tokens = torch.randint(0, 257, (4, 257))
-    for name, overrides in (("model", []), ("dense", ["model.dense_layers=8"])):
-        cfg = load_config("configs/k3_tiny.yaml", overrides)
-        model, gpu_model = build_model(cfg), build_model(cfg).to(dev)
+    for name, cfg in cfgs.items():
+        model = build_model(cfg)
         loss_cpu = model(tokens[:, :-1], tokens[:, 1:])
         loss_cpu.backward()
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev == "cuda"):
-            loss_gpu = gpu_model(tokens[:, :-1].to(dev), tokens[:, 1:].to(dev))
-        loss_gpu.backward()
-        out[f"{name}_loss_cpu"], out[f"{name}_loss_gpu"] = loss_cpu.item(), loss_gpu.item()
+        out[f"{name}_loss_cpu"], out[f"{name}_loss_gpu"] = loss_cpu.item(), gpu_losses[name].item()
     cpu_grads = dict(model.named_parameters())
     pairs = [(n, p.grad, cpu_grads[n].grad) for n, p in gpu_model.named_parameters()
              if p.grad is not None and cpu_grads[n].grad.norm() > 0]

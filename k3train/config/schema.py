@@ -174,6 +174,9 @@ class TrainConfig(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads: int = Field(0, ge=0)
     """CPU threads for torch (0 leaves torch's default)."""
+    compile_ahead: bool = True
+    """On CUDA with fla's kernels: compile every Triton kernel of the step in parallel before
+    step 1 (a throwaway forward/backward; weights untouched). No effect on CPU."""
 
 
 class OptimConfig(_Strict):

@@ -25,9 +25,13 @@ def use_fla(device: torch.device | str) -> bool:
 def _fla_function(module: str, name: str):
     # Imported lazily: fla pulls in Triton, which CPU-only installs do not have.
     try:
-        return getattr(importlib.import_module(module), name)
+        fn = getattr(importlib.import_module(module), name)
     except ImportError:
         return None
+    from k3train.ops.triton_compile import configure_autotune
+
+    configure_autotune()  # K3TRAIN_AUTOTUNE applies to fla's autotuners from their first use
+    return fn
 
 
 def fla_kernel(device: torch.device | str, module: str, name: str):

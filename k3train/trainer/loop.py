@@ -108,6 +108,8 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, stop_at: in
             data.train.load_state_dict(saved["data"])
             if main:
                 print(f"[k3train] resumed from {path} (step {start_step})")
+    if cfg.train.compile_ahead:
+        state.compile_kernels()
     logger = MetricsLogger(run_dir, cfg.logging.wandb, cfg.model_dump(mode="json"), enabled=main,
                            resume=resume and start_step > 0)
     if main:

@@ -10,6 +10,8 @@ from k3train.config import RunConfig
 from k3train.distributed import ParallelInfo
 from k3train.model.info import count_parameters
 from k3train.model.layer import AuxLossAttach
+from k3train.ops import use_fla
+from k3train.ops.triton_compile import compile_ahead
 from k3train.trainer.grads import allreduce_mean, allreduce_sum_then_scale, clip_, grad_norm
 from k3train.trainer.optimizer import build_k3_optimizer
 from k3train.trainer.parts import build_parts
@@ -63,23 +65,7 @@ class TrainState:
     def train_step(self, batch: torch.Tensor, poison: bool = False) -> dict:
         """batch: LongTensor [micro_batch_size * microbatches, seq_len + 1] for this DP rank.
         poison: make the loss NaN (fault-injection tests of the skip logic)."""
-        m = self.cfg.train.microbatches
-        batch = batch.to(self.device, non_blocking=True)
-        AuxLossAttach.grad_scale = 1.0 / m
-        self.model.train()
-        if self.engine is not None:
-            with self.autocast:
-                total = self.engine.train_step([(mb[:, :-1], self.targets(mb)) for mb in batch.chunk(m)])
-            total = total * float("nan") if poison else total
-        else:
-            total = torch.zeros((), device=self.device)
-            for mb in batch.chunk(m):
-                with self.autocast:
-                    loss = self.model(mb[:, :-1], self.targets(mb))
-                if poison:
-                    loss = loss * float("nan")
-                (loss / m).backward()
-                total += loss.detach() / m
+        total = self._forward_backward(batch, poison)
         allreduce_mean([total], self.dp_group, self.info.dp)
         if self.sharded:
             # ZeRO-1 reduces (averages) gradients itself: the expert ones over their replicas only,
@@ -102,6 +88,49 @@ class TrainState:
             layer.clear_step_routing()
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": total.item(), "grad_norm": norm.item(), "finite": finite}
+
+    def _forward_backward(self, batch: torch.Tensor, poison: bool = False) -> torch.Tensor:
+        """Forward and backward of every microbatch of ``batch``; returns the mean loss (a scalar
+        on the device). Gradients accumulate in ``.grad``; nothing is reduced or stepped."""
+        m = self.cfg.train.microbatches
+        batch = batch.to(self.device, non_blocking=True)
+        AuxLossAttach.grad_scale = 1.0 / m
+        self.model.train()
+        if self.engine is not None:
+            with self.autocast:
+                total = self.engine.train_step([(mb[:, :-1], self.targets(mb)) for mb in batch.chunk(m)])
+            total = total * float("nan") if poison else total
+        else:
+            total = torch.zeros((), device=self.device)
+            for mb in batch.chunk(m):
+                with self.autocast:
+                    loss = self.model(mb[:, :-1], self.targets(mb))
+                if poison:
+                    loss = loss * float("nan")
+                (loss / m).backward()
+                total += loss.detach() / m
+        return total
+
+    def compile_kernels(self) -> dict | None:
+        """Compile the step's Triton kernels (fla's, on CUDA) all at once, before step 1.
+
+        Runs one throwaway forward/backward with every Triton launch turned into a parallel
+        compile (``k3train.ops.triton_compile``) on a batch of the step's shape, then drops its
+        gradients and routing: weights, optimizer and balancer state are untouched. Without it
+        the kernels and their autotune candidates compile one at a time inside step 1. Every
+        rank must call it (pipeline and expert-parallel hops run as in a real step). Returns
+        the compile stats, or None where there is nothing to compile (CPU, torch kernels)."""
+        if not use_fla(self.device):
+            return None
+        cfg = self.cfg.train
+        batch = torch.zeros(cfg.micro_batch_size * cfg.microbatches, cfg.seq_len + 1, dtype=torch.long)
+        stats = compile_ahead(lambda: self._forward_backward(batch), label="the training step")
+        self.optimizer.zero_grad(set_to_none=True)
+        for layer in self.moe_layers:
+            layer.clear_step_routing()
+        if self.engine is not None:
+            self._bytes_logged = self.engine.comm.bytes_sent
+        return stats
 
     def _reduce_grads(self) -> None:
         """Average over data parallel; expert grads sum over their replicas then divide by dp

@@ -60,6 +60,7 @@ def run_recipe(recipe: str, args, device: torch.device) -> dict:
     info = init_distributed(device=device.type)
     torch.manual_seed(cfg.train.seed)
     state = TrainState(cfg, info, device)
+    state.compile_kernels()  # Triton kernels and autotune candidates in parallel, before step 1
     data = build_data(cfg, 0, 1)
     losses, times = [], []
     for _ in range(args.steps):

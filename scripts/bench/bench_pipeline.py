@@ -50,7 +50,7 @@ def main() -> None:
     from k3train.trainer.state import TrainState
     from pipeline import CommRecorder
 
-    results = []
+    results, compiled = [], []
     for vpp in map(int, args.vpp.split(",")):
         for name, extra in VARIANTS.items():
             overrides = [*BASE, *(SMALL if args.small else []), *extra, "parallel.pp=2", f"parallel.vpp={vpp}",
@@ -58,6 +58,10 @@ def main() -> None:
             cfg = load_config("configs/k3_tiny.yaml", overrides)
             info = init_distributed(1, 2, vpp, 1, args.device)
             dev = torch.device(args.device, info.local_rank) if args.device == "cuda" else torch.device("cpu")
+            if not compiled:
+                # Compile every Triton kernel and autotune candidate once, in parallel, on a
+                # throwaway copy (its hops must not count in the recorder); all variants share them.
+                compiled.append(TrainState(cfg, info, dev).compile_kernels())
             recorder = CommRecorder()
             state = TrainState(cfg, info, dev, recorder=recorder)
             data = build_data(cfg, parallel_state.get_data_parallel_rank(), info.dp)

@@ -1,0 +1,135 @@
+"""Getting fla's Triton kernels compiled fast: compile ahead in parallel, optionally one config each.
+
+Why this exists: fla autotunes most kernels over 3-36 configurations, and Triton compiles every
+candidate one after another on first use. A KDA forward+backward touches about 20 kernels; on
+the GPU machines we borrow one compile takes about 8 s, so a fresh process spent many minutes
+compiling before its first step.
+
+* ``compile_ahead(fn)`` runs ``fn`` once with every Triton launch replaced by a compile submitted
+  to a thread pool (Triton's ``AsyncCompileMode``; its compiler releases the GIL in LLVM and
+  ptxas), so all kernels and all their autotune candidates compile at once on every CPU core.
+  The kernels do not run inside ``fn``: its outputs are garbage, so ``fn`` must be a throwaway
+  forward/backward on a model copy (never an optimizer step on weights you keep). Afterwards
+  the compiled kernels sit in the in-process and on-disk Triton caches, and the real run only
+  benchmarks the candidates (milliseconds each) and goes.
+* ``K3TRAIN_AUTOTUNE=fixed`` keeps one candidate per autotuned kernel: the one with the
+  smallest tiles, fewest stages and warps, which fits every shape's shared memory. For
+  correctness runs, where kernel speed does not matter. ``full`` (default) leaves autotuning
+  as fla's authors set it; use it for every speed figure.
+
+Both are no-ops where Triton is not installed (CPU-only machines).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+AUTOTUNE_MODES = ("full", "fixed")
+_state = {"configured": False}
+
+
+def _triton():
+    try:
+        import triton  # noqa: F401
+        from triton.runtime import _async_compile, autotuner, jit
+    except ImportError:
+        return None
+    return autotuner, jit, _async_compile
+
+
+def autotune_mode() -> str:
+    mode = os.environ.get("K3TRAIN_AUTOTUNE", "full")
+    if mode not in AUTOTUNE_MODES:
+        raise ValueError(f"K3TRAIN_AUTOTUNE={mode!r}: allowed values are {', '.join(AUTOTUNE_MODES)}")
+    return mode
+
+
+def smallest_config(configs: list):
+    """The candidate using the least on-chip resources: tile product, then stages, then warps."""
+    def cost(c):
+        tiles = math.prod(v for v in c.kwargs.values() if isinstance(v, int) and v > 0)
+        return (tiles, c.num_stages, c.num_warps)
+    return min(configs, key=cost)
+
+
+def configure_autotune() -> str:
+    """Apply ``K3TRAIN_AUTOTUNE`` to every Triton autotuner (fla's included); returns the mode.
+
+    Patches the ``Autotuner`` class once per process, so it covers kernels imported before and
+    after the call. Idempotent."""
+    mode = autotune_mode()
+    mods = _triton()
+    if mods is None or _state["configured"]:
+        return mode
+    autotuner = mods[0].Autotuner
+    if mode == "fixed":
+        prune = autotuner.prune_configs
+
+        def prune_to_one(self, kwargs):
+            return [smallest_config(prune(self, kwargs))]
+
+        autotuner.prune_configs = prune_to_one
+    _state["configured"] = True
+    return mode
+
+
+@contextlib.contextmanager
+def _launches_compile_only():
+    """Inside: a Triton launch compiles (all autotune candidates) and returns without running."""
+    autotuner_mod, jit_mod, _ = _triton()
+    Autotuner, JITFunction = autotuner_mod.Autotuner, jit_mod.JITFunction
+    jit_run, tuner_run = JITFunction.run, Autotuner.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        return jit_run(self, *args, grid=grid, warmup=True, **kwargs)
+
+    def compile_candidates(self, *args, **kwargs):
+        self.nargs = dict(zip(self.arg_names, args))
+        try:
+            configs = self.prune_configs(kwargs) if len(self.configs) > 1 else self.configs
+            for cfg in configs:
+                self.fn.run(*args, **kwargs, **cfg.all_kwargs())
+        finally:
+            self.nargs = None
+
+    JITFunction.run, Autotuner.run = compile_only, compile_candidates
+    try:
+        yield
+    finally:
+        JITFunction.run, Autotuner.run = jit_run, tuner_run
+
+
+def compile_ahead(fn, threads: int | None = None, label: str = "") -> dict:
+    """Compile every Triton kernel ``fn`` would launch, in parallel, without running them.
+
+    ``fn``: a throwaway callable (its tensors come out uninitialised). Returns ``{"kernels": n,
+    "seconds": s}``; prints one progress line. Errors inside ``fn`` are reported, not raised: the
+    kernels it did not reach compile lazily in the real run, as they would without this."""
+    mods = _triton()
+    if mods is None:
+        return {"kernels": 0, "seconds": 0.0}
+    configure_autotune()
+    import torch
+
+    threads = threads or os.cpu_count() or 4
+    t0 = time.perf_counter()
+    print(f"[k3train] compiling Triton kernels ahead{' for ' + label if label else ''} "
+          f"({threads} threads, autotune={autotune_mode()}) ...", file=sys.stderr, flush=True)
+    with ThreadPoolExecutor(threads) as pool:
+        mode = mods[2].AsyncCompileMode(pool, ignore_errors=True)
+        with _launches_compile_only(), mode:
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - the real run compiles what was not reached
+                print(f"[k3train] compile-ahead stopped early ({type(exc).__name__}: {exc}); "
+                      "the rest compiles on first use", file=sys.stderr, flush=True)
+        n = len(mode.future_kernels)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    secs = time.perf_counter() - t0
+    print(f"[k3train] compiled {n} Triton kernels in {secs:.1f} s", file=sys.stderr, flush=True)
+    return {"kernels": n, "seconds": secs}

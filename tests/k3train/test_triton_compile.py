@@ -1,0 +1,69 @@
+"""Compile-ahead support: the autotune-mode switch, the one-config choice, and the trainer's
+throwaway compile pass leaving training exactly as it was (checked on CPU by running the pass
+with real arithmetic, which is what it does minus the Triton launches)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from k3train.config import load_config
+from k3train.distributed import init_distributed
+from k3train.ops import triton_compile
+from k3train.trainer import state as state_mod
+from k3train.trainer.state import TrainState
+
+
+def test_autotune_mode_rejects_unknown(monkeypatch):
+    monkeypatch.setenv("K3TRAIN_AUTOTUNE", "fastest")
+    with pytest.raises(ValueError, match="K3TRAIN_AUTOTUNE='fastest'.*full, fixed"):
+        triton_compile.autotune_mode()
+    monkeypatch.setenv("K3TRAIN_AUTOTUNE", "fixed")
+    assert triton_compile.autotune_mode() == "fixed"
+
+
+def test_smallest_config_least_tiles_then_stages_then_warps():
+    def cfg(warps, stages, **kw):
+        return SimpleNamespace(kwargs=kw, num_warps=warps, num_stages=stages)
+    cands = [cfg(4, 2, BK=64, BV=64), cfg(1, 4, BK=32, BV=64), cfg(2, 3, BK=32, BV=64), cfg(8, 3, BK=32, BV=32)]
+    assert triton_compile.smallest_config(cands) is cands[3]          # 32*32 tiles beat 32*64
+    assert triton_compile.smallest_config(cands[:3]) is cands[2]      # equal tiles: fewer stages
+    same = [cfg(8, 2, BK=64), cfg(4, 2, BK=64)]
+    assert triton_compile.smallest_config(same) is same[1]            # then fewer warps
+    # Non-tile kwargs (flags, None) do not count as tiles.
+    flags = [cfg(4, 2, BK=64, USE_G=True), cfg(4, 2, BK=32, USE_G=None)]
+    assert triton_compile.smallest_config(flags) is flags[1]
+
+
+def _state(cfg):
+    torch.manual_seed(0)
+    return TrainState(cfg, init_distributed(device="cpu"), torch.device("cpu"))
+
+
+def test_compile_pass_leaves_training_unchanged(monkeypatch):
+    """The trainer's compile pass (a forward/backward on a zero batch) must not move weights,
+    optimizer or balancer state, gradients or routing: the next step equals a fresh state's."""
+    cfg = load_config("configs/k3_tiny.yaml", ["train.seq_len=32", "train.micro_batch_size=2", "train.microbatches=2",
+                                               "optim.name=muon"])
+    batch = torch.randint(0, cfg.model.vocab_size, (4, 33), generator=torch.Generator().manual_seed(1))
+    ref = _state(cfg)
+    want = [ref.train_step(batch) for _ in range(2)]
+    ran = []
+    monkeypatch.setattr(state_mod, "use_fla", lambda device: True)
+    monkeypatch.setattr(state_mod, "compile_ahead", lambda fn, label="": ran.append(fn()) or {"kernels": 0})
+    got_state = _state(cfg)
+    assert got_state.compile_kernels() == {"kernels": 0}
+    assert len(ran) == 1 and torch.isfinite(ran[0])  # the pass really ran a forward/backward
+    assert all(p.grad is None for p in got_state.params)
+    got = [got_state.train_step(batch) for _ in range(2)]
+    for g, w in zip(got, want):
+        assert g["loss"] == pytest.approx(w["loss"], abs=1e-6)
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5)
+    for (name, p), q in zip(got_state.model.named_parameters(), ref.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_compile_kernels_is_a_no_op_without_fla():
+    cfg = load_config("configs/k3_tiny.yaml", ["train.seq_len=16", "train.micro_batch_size=2"])
+    assert _state(cfg).compile_kernels() is None
