@@ -125,6 +125,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _arm_stack_dump(seconds: str | None) -> None:
+    """``K3TRAIN_STACKS_AFTER=S``: print every thread's Python stack to stderr S seconds in, and
+    every S seconds after (finding where a hung multi-process run waits)."""
+    if not seconds:
+        return
+    try:
+        after = float(seconds)
+        if after <= 0:
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"K3TRAIN_STACKS_AFTER={seconds!r}: expected a positive number of seconds") from None
+    import faulthandler
+
+    faulthandler.dump_traceback_later(after, repeat=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -134,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     os.environ.setdefault("WANDB_SILENT", "true")
+    _arm_stack_dump(os.environ.get("K3TRAIN_STACKS_AFTER"))
     from k3train.config import ConfigError
 
     try:

@@ -28,7 +28,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float().cpu().flatten(), b.float().cpu().flatten()
+    a, b = a.double().cpu().flatten(), b.double().cpu().flatten()  # fp32 sums drift past 1.0
     return torch.nn.functional.cosine_similarity(a, b, dim=0).item()
 
 

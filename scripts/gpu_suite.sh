@@ -2,7 +2,7 @@
 # GPU checks and benchmarks, in priority order:
 #   bash scripts/gpu_suite.sh OUTDIR [STAGES]     (STAGES: comma list, default all)
 # Stages: gpu_check train_cuda bench_kda bench_step bench_fp8 (one GPU); gpu_parallel
-# bench_moe_ep2 bench_pipeline (two GPUs, skipped on one).
+# bench_moe_ep2 bench_pipeline pp_debug (two GPUs, skipped on one).
 # Together the stages need more than one 10-minute device call: pass a subset per call.
 # Logs and JSON land in OUTDIR. Each stage has its own time limit so one slow stage cannot eat
 # the others. fla's compiled Triton kernels and autotune results go to TRITON_CACHE_DIR (default
@@ -54,6 +54,15 @@ if [ "$NGPU" -ge 2 ]; then
   stage gpu_parallel 420 env K3TRAIN_KERNELS=torch K3TRAIN_COMPILE=0 python3 scripts/gpu_parallel_check.py \
     --out /tmp/gpu_parallel --run-limit 120
   cp /tmp/gpu_parallel/*.log "$OUT/" 2>/dev/null
+  # Where a hung pipeline run waits: every rank's Python stacks after 35 s (K3TRAIN_STACKS_AFTER).
+  stage pp_debug 130 env K3TRAIN_KERNELS=torch K3TRAIN_COMPILE=0 K3TRAIN_STACKS_AFTER=35 NCCL_DEBUG=WARN bash -c '
+    for v in 2 1; do
+      timeout 60 torchrun --standalone --nproc-per-node 2 -m k3train train --config configs/k3_tiny.yaml \
+        --run-dir /tmp/ppdbg$v parallel.pp=2 parallel.vpp=$v train.micro_batch_size=8 train.microbatches=2 \
+        train.steps=3 train.log_interval=1 logging.wandb.mode=disabled logging.progress_bar=false \
+        checkpoint.interval=0 train.device=cuda
+      echo "pp=2 vpp=$v rc=$?"
+    done'
   stage bench_moe_ep2 60 torchrun --standalone --nproc-per-node 2 scripts/bench/bench_moe_dispatch.py
   stage bench_pipeline 240 torchrun --standalone --nproc-per-node 2 scripts/bench/bench_pipeline.py \
     --vpp 1,2,4 --steps 5 --json "$OUT/bench_pipeline.json"

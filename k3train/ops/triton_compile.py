@@ -11,7 +11,8 @@ compiling before its first step.
   The kernels do not run inside ``fn``: its outputs are garbage, so ``fn`` must be a throwaway
   forward/backward on a model copy (never an optimizer step on weights you keep). Afterwards
   the compiled kernels sit in the in-process and on-disk Triton caches, and the real run only
-  benchmarks the candidates (milliseconds each) and goes.
+  benchmarks the candidates (milliseconds each) and goes. Where an earlier run's autotune
+  result is on disk (Triton's ``cache_results``, on in fla), only the chosen candidate compiles.
 * ``K3TRAIN_AUTOTUNE=fixed`` keeps one candidate per autotuned kernel: the one with the
   smallest tiles, fewest stages and warps, which fits every shape's shared memory. For
   correctness runs, where kernel speed does not matter. ``full`` (default) leaves autotuning
@@ -91,6 +92,9 @@ def _launches_compile_only():
         self.nargs = dict(zip(self.arg_names, args))
         try:
             configs = self.prune_configs(kwargs) if len(self.configs) > 1 else self.configs
+            if len(configs) > 1 and getattr(self, "cache_results", False):
+                best = _cached_choice(self, configs, kwargs)
+                configs = configs if best is None else [best]
             for cfg in configs:
                 self.fn.run(*args, **kwargs, **cfg.all_kwargs())
         finally:
@@ -101,6 +105,29 @@ def _launches_compile_only():
         yield
     finally:
         JITFunction.run, Autotuner.run = jit_run, tuner_run
+
+
+class _NotCached(Exception):
+    pass
+
+
+def _cached_choice(tuner, configs: list, kwargs: dict):
+    """The candidate an earlier run's autotuning picked for this call (Triton keeps the timings
+    on disk when ``cache_results`` is set, as fla sets it), or None. Only it needs compiling."""
+    args = {k: v for k, v in {**tuner.nargs, **kwargs}.items() if k in tuner.arg_names}
+    key = [args[k] for k in tuner.keys if k in args]
+    key += [str(v.dtype) for v in args.values() if hasattr(v, "dtype")]
+    key = tuple(key)
+    if key in tuner.cache:
+        return tuner.cache[key]
+
+    def miss():
+        raise _NotCached
+
+    try:  # the same lookup Autotuner.run makes; a miss would benchmark, so stop it there
+        return tuner.cache[key] if tuner.check_disk_cache(key, configs, miss) else None
+    except _NotCached:
+        return None
 
 
 def compile_ahead(fn, threads: int | None = None, label: str = "") -> dict:
