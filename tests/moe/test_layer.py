@@ -67,6 +67,25 @@ def test_grouped_matches_loop(counts, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_grouped_path_under_autocast_with_fp32_masters(monkeypatch):
+    """Under bf16 autocast (how the trainer runs on GPU) bf16 activations meet fp32 master
+    weights: the grouped GEMM must still run (casting both, as autocast casts a Linear), not
+    the per-expert loop with its host sync, and match the fp32 loop within bf16 rounding."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 16, 24)
+    counts = torch.tensor([5, 0, 3, 9])
+    x = torch.randn(17, 16)
+    y_ref, g_ref = _expert_grads(experts, x, counts, loop=True)          # fp32 reference
+    monkeypatch.setattr(experts, "forward_loop", lambda *a: pytest.fail("fell back to loop"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, grads = _expert_grads(experts, x.bfloat16(), counts, loop=False)
+    assert y.dtype == torch.bfloat16
+    assert all(g.dtype == torch.float32 for g in grads[1:])              # masters stay fp32
+    for got, want in zip([y, *grads], [y_ref, *g_ref]):
+        rel = (got.float() - want).norm() / want.norm()
+        assert rel < 2e-2, rel
+
+
 def test_grouped_backward_accepts_expanded_grad():
     # y.sum() hands _grouped_mm's backward a stride-0 gradient, which it rejects unless made
     # contiguous first.
