@@ -160,3 +160,34 @@ def test_state_dict_resume_bitwise():
     _step(new_params, new_opt, 2)
     for p, r in zip(new_params, ref_params):
         assert torch.equal(p, r)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_batched_step_equals_one_matrix_at_a_time(nesterov, monkeypatch):
+    """Muon.step batches same-shape matrices (one Newton-Schulz call for all their head
+    blocks); two steps must equal muon_update applied matrix by matrix, including groups of
+    several shapes and head splits, a parameter without a gradient and a batch cap hit."""
+    import optim.muon as muon_mod
+
+    monkeypatch.setattr(muon_mod, "_BATCH_ELEMS", 3 * 32 * 24)   # 3 matrices of 32x24 per call
+    torch.manual_seed(5)
+    specs = [((32, 24), None)] * 5 + [((32, 24), 4)] * 3 + [((16, 40), None)] * 2 + [((8, 8), None)]
+    params = [torch.nn.Parameter(torch.randn(shape)) for shape, _ in specs]
+    heads = [h for _, h in specs]
+    ref = [p.detach().clone() for p in params]
+    bufs = [torch.zeros_like(p) for p in params]
+    lr, wd, mu = 0.03, 0.1, 0.9
+    opt = Muon([{"params": params, "heads": heads}], lr=lr, weight_decay=wd, momentum=mu, nesterov=nesterov)
+    for step in range(2):
+        grads = [torch.randn_like(p) for p in params]
+        for i, (p, g) in enumerate(zip(params, grads)):
+            p.grad = None if (i == 10 and step == 0) else g.clone()
+        opt.step()
+        for i, g in enumerate(grads):
+            if i == 10 and step == 0:
+                continue
+            upd = muon_update(g, bufs[i], momentum=mu, nesterov=nesterov, heads=heads[i], ns_steps=5)
+            ref[i] = ref[i] * (1 - lr * wd) - lr * upd
+    for p, r, buf in zip(params, ref, bufs):
+        torch.testing.assert_close(p.detach(), r, atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"], buf, atol=0, rtol=0)
