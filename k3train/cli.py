@@ -19,9 +19,12 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def _cmd_train(args) -> int:
     from k3train.config import load_config
-    from k3train.trainer.loop import train
+    from k3train.cuda_env import prepare_cuda_env
 
     cfg = load_config(args.config, args.overrides)
+    prepare_cuda_env(cfg)
+    from k3train.trainer.loop import train
+
     run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem)
     train(cfg, run_dir, resume=args.resume)
     return 0
@@ -72,9 +75,13 @@ def _cmd_export(args) -> int:
 
 def _cmd_profile_pipeline(args) -> int:
     from k3train.config import load_config
+    from k3train.cuda_env import prepare_cuda_env
+
+    cfg = load_config(args.config, args.overrides)
+    prepare_cuda_env(cfg)
     from k3train.profile_pipeline import profile_pipeline
 
-    profile_pipeline(load_config(args.config, args.overrides), args.json, steps=args.steps)
+    profile_pipeline(cfg, args.json, steps=args.steps)
     return 0
 
 

@@ -107,6 +107,23 @@ def _launches_compile_only():
         JITFunction.run, Autotuner.run = jit_run, tuner_run
 
 
+def _load_modules(future_kernels) -> None:
+    """Load every compiled kernel onto the current GPU now rather than at its first launch.
+
+    Loading a module while NCCL kernels spin waiting for a peer can stall the device, and in
+    a pipeline step p2p kernels are in flight at every first launch; loading here, before the
+    step, also takes that time out of step 1. A candidate too big for this GPU raises
+    OutOfResources here and again at launch, where the autotuner skips it."""
+    for future in future_kernels:
+        kernel = future.result(ignore_errors=True)
+        if kernel is None:
+            continue
+        try:
+            kernel._init_handles()
+        except Exception:  # noqa: BLE001 - see the docstring: the launch reports it
+            pass
+
+
 class _NotCached(Exception):
     pass
 
@@ -157,6 +174,7 @@ def compile_ahead(fn, threads: int | None = None, label: str = "") -> dict:
         n = len(mode.future_kernels)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+        _load_modules(mode.future_kernels.values())
     secs = time.perf_counter() - t0
     print(f"[k3train] compiled {n} Triton kernels in {secs:.1f} s", file=sys.stderr, flush=True)
     return {"kernels": n, "seconds": secs}

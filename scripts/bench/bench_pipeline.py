@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 import warnings
@@ -17,6 +18,8 @@ import warnings
 import torch
 
 warnings.filterwarnings("ignore")
+# Before CUDA initialises: see k3train/cuda_env.py (PP on NCCL with lazily loaded kernels hung).
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 BASE = ["model.num_layers=16", "model.layer_pattern=KKKM", "model.dense_layers=16", "model.hidden_size=1024",
         "model.kda.num_heads=8", "model.kda.head_dim=128", "model.mla.num_heads=8",
