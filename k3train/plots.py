@@ -46,24 +46,29 @@ def _save(fig, path: str | Path) -> Path:
 
 
 def plot_loss_curves(records_by_name: Mapping[str, Sequence[dict]], path: str | Path) -> Path:
-    """Train loss (left) and validation loss (right) against step, one line per run.
+    """Train loss (left) and validation loss (right) against step, one line per run; the
+    validation panel is left out when no record has ``val_loss``.
 
     ``records_by_name``: run name -> its metrics records (dicts with ``step``, ``loss`` and,
     at eval steps, ``val_loss``).
     """
-    fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(11, 4), sharex=True)
+    keys = ["loss"]
+    if any("val_loss" in r for records in records_by_name.values() for r in records):
+        keys.append("val_loss")
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4), sharex=True, squeeze=False)
+    axes = list(axes[0])
     for name, records in records_by_name.items():
-        for ax, key in ((ax_train, "loss"), (ax_val, "val_loss")):
+        for ax, key in zip(axes, keys):
             steps, values = _series(records, key)
             if steps:
                 ax.plot(steps, values, marker="o" if len(steps) < 12 else None, markersize=3, label=name)
-    for ax, title in ((ax_train, "train loss"), (ax_val, "validation loss")):
+    for ax, title in zip(axes, ("train loss", "validation loss")):
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=8)
-    ax_train.set_ylabel("loss (nats/token)")
+    axes[0].set_ylabel("loss (nats/token)")
     fig.tight_layout()
     return _save(fig, path)
 

@@ -8,7 +8,8 @@ train`` runs: bf16 autocast on CUDA, the recipe applied at build time with its d
 ``precision.scope`` unless ``--scope`` is given), trains ``--steps`` steps on the same data
 stream, and records every step's loss and wall time (a step ends with the trainer's own host
 sync on the loss). The step time is the median over the steps after ``--warmup``; the table
-gives each recipe's ratio to bf16 measured in this same run. Results: ``OUT/bench_fp8.json``.
+gives each recipe's ratio to bf16 measured in this same run. Results: ``OUT/bench_fp8.json``
+and the loss curves ``OUT/bench_fp8_loss.png``.
 
 The default GPU model is k3_mini-like but wide and FFN-heavy (hidden 2048, latent 2048, a
 8192-wide shared expert) so that the modules fp8 converts (latent projections and shared
@@ -114,7 +115,13 @@ def main(argv=None) -> int:
         ratio = f"{r['median_step_s'] / base:.2f}x" if base else "n/a"
         print(f"{name:<10} {ms:>9.1f} {ratio:>8} {r['tokens_per_step'] / r['median_step_s']:>10.0f} "
               f"{r['losses'][-1]:>10.4f}  {len(r['quantized'])}")
-    print(f"wrote {out / 'bench_fp8.json'}")
+    from k3train.plots import plot_loss_curves
+
+    curves = {name: [{"step": i + 1, "loss": v} for i, v in enumerate(r["losses"])]
+              for name, r in results.items() if "losses" in r}
+    if curves:
+        plot_loss_curves(curves, out / "bench_fp8_loss.png")
+    print(f"wrote {out / 'bench_fp8.json'} and the loss curves {out / 'bench_fp8_loss.png'}")
     return 0
 
 
