@@ -137,9 +137,12 @@ def muon_updates(
 _BATCH_ELEMS = 1 << 27
 
 
-def _batches(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    per = max(1, _BATCH_ELEMS // params[0].numel())
-    return [params[i:i + per] for i in range(0, len(params), per)]
+def _batches(items: list) -> list[list]:
+    """``items`` (same-shape matrices, or entries with a ``.param``) in runs of at most
+    ``_BATCH_ELEMS`` stacked elements."""
+    first = getattr(items[0], "param", items[0])
+    per = max(1, _BATCH_ELEMS // first.numel())
+    return [items[i:i + per] for i in range(0, len(items), per)]
 
 
 class Muon(torch.optim.Optimizer):

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from .muon import muon_update
+from .muon import _batches, muon_updates
 from .param_table import ParamEntry
 
 __all__ = ["ShardedOptimizer", "plan_muon_owners"]
@@ -283,13 +283,21 @@ class ShardedOptimizer:
                     p.addcdiv_(m, (v.sqrt() / bc2_sqrt).add_(self.eps), value=-lr / bc1)
                     if p.data_ptr() != view.data_ptr():
                         view.copy_(p)
+            # The matrices this rank owns, batched by shape and head split as in Muon.step.
+            same: dict[tuple, list] = {}
             for e, gi in d.owned_muon():
+                p = e.param
+                same.setdefault((gi, tuple(p.shape), e.heads, p.dtype, p.grad.dtype), []).append(e)
+            for (gi, _shape, heads, *_), entries in same.items():
                 lr, wd = self.param_groups[gi]["lr"], self.param_groups[gi]["weight_decay"]
-                update = muon_update(e.param.grad, d.momentum[e.name], momentum=self.muon_momentum,
-                                     nesterov=True, heads=e.heads, ns_steps=self.ns_steps)
-                if wd != 0:
-                    e.param.mul_(1.0 - lr * wd)
-                e.param.add_(update.to(e.param.dtype), alpha=-lr)
+                for es in _batches(entries):
+                    ps = [e.param for e in es]
+                    updates = muon_updates([p.grad for p in ps], [d.momentum[e.name] for e in es],
+                                           momentum=self.muon_momentum, nesterov=True, heads=heads,
+                                           ns_steps=self.ns_steps)
+                    if wd != 0:
+                        torch._foreach_mul_(ps, 1.0 - lr * wd)
+                    torch._foreach_add_(ps, [u.to(p.dtype) for u, p in zip(updates, ps)], alpha=-lr)
         self._share_params()
         for d in self.domains:
             for b in d.buckets:
