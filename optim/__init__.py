@@ -4,8 +4,21 @@ and a data-parallel sharded (ZeRO-1) step.
 Depends on torch (and megatron-core) only, never on ``k3train``.
 """
 from .build import OPTIMIZER_NAMES, CombinedOptimizer, build_optimizer
-from .muon import NS_COEFFICIENTS, Muon, muon_scale, muon_update, muon_updates, newton_schulz
-from .param_table import OPTIMIZERS, ParamEntry, ParamRule, build_param_table, format_table
+from .muon import (
+    NS_COEFFICIENTS,
+    Muon,
+    muon_scale,
+    muon_update,
+    muon_updates,
+    newton_schulz,
+)
+from .param_table import (
+    OPTIMIZERS,
+    ParamEntry,
+    ParamRule,
+    build_param_table,
+    format_table,
+)
 from .schedule import SCHEDULES, apply_lr, lr_factor
 from .sharded import ShardedOptimizer, plan_muon_owners
 
