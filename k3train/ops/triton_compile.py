@@ -34,11 +34,18 @@ _state = {"configured": False}
 
 
 def _triton():
+    """(autotuner, jit, _async_compile) modules of the installed Triton, or None without Triton.
+    ``_async_compile`` is None on Triton versions before it existed (3.6 has it): compiling
+    ahead is then skipped and kernels compile on first use."""
     try:
         import triton  # noqa: F401
-        from triton.runtime import _async_compile, autotuner, jit
+        from triton.runtime import autotuner, jit
     except ImportError:
         return None
+    try:
+        from triton.runtime import _async_compile
+    except ImportError:
+        _async_compile = None
     return autotuner, jit, _async_compile
 
 
@@ -154,7 +161,7 @@ def compile_ahead(fn, threads: int | None = None, label: str = "") -> dict:
     "seconds": s}``; prints one progress line. Errors inside ``fn`` are reported, not raised: the
     kernels it did not reach compile lazily in the real run, as they would without this."""
     mods = _triton()
-    if mods is None:
+    if mods is None or mods[2] is None:
         return {"kernels": 0, "seconds": 0.0}
     configure_autotune()
     import torch
