@@ -39,6 +39,15 @@ def is_tp_sharded(p: torch.Tensor) -> bool:
     return bool(getattr(p, "tensor_model_parallel", False))
 
 
+def _sum_of_squares(tensors: list[torch.Tensor], device) -> torch.Tensor:
+    """sum_i ||t_i||^2 in fp32 as a 0-dim tensor: one foreach norm for the whole list rather than
+    a few kernels per tensor (a step has hundreds of parameters; launches dominated)."""
+    if not tensors:
+        return torch.zeros((), device=device, dtype=torch.float32)
+    norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
+    return torch.stack(norms).pow(2).sum()
+
+
 def grad_norm(params: list[torch.nn.Parameter], tp_group=None, pp_group=None,
               expert_ids: set[int] = frozenset(), ep_group=None) -> torch.Tensor:
     """Global L2 norm of all gradients: TP shards summed over TP, expert shards over EP,
@@ -46,19 +55,13 @@ def grad_norm(params: list[torch.nn.Parameter], tp_group=None, pp_group=None,
     (NaN/Inf if any grad is)."""
     grads = [p.grad for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
-    sharded = torch.zeros((), device=device, dtype=torch.float32)
-    experts = torch.zeros((), device=device, dtype=torch.float32)
-    replicated = torch.zeros((), device=device, dtype=torch.float32)
+    parts: dict[str, list[torch.Tensor]] = {"sharded": [], "experts": [], "replicated": []}
     for p in params:
-        if p.grad is None:
-            continue
-        sq = p.grad.detach().float().pow(2).sum()
-        if id(p) in expert_ids:
-            experts += sq
-        elif is_tp_sharded(p):
-            sharded += sq
-        else:
-            replicated += sq
+        if p.grad is not None:
+            kind = "experts" if id(p) in expert_ids else "sharded" if is_tp_sharded(p) else "replicated"
+            parts[kind].append(p.grad.detach())
+    sharded, experts, replicated = (_sum_of_squares(parts[k], device)
+                                    for k in ("sharded", "experts", "replicated"))
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         dist.all_reduce(sharded, group=tp_group)
     if ep_group is not None and dist.get_world_size(ep_group) > 1:
@@ -74,6 +77,6 @@ def clip_(params: list[torch.nn.Parameter], norm: torch.Tensor, max_norm: float)
     if max_norm <= 0:
         return
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(scale.to(p.grad.dtype))
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, scale)

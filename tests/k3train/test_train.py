@@ -103,3 +103,25 @@ def test_cli_bad_input_is_one_clear_line(tmp_path, capsys):
     assert "optim.lr: Input should be greater than 0" in err and "Traceback" not in err
     assert cli_main(["train", "--config", "configs/k3_tiny.yaml", "model.vocab_size=100", *SMALL]) == 2
     assert "model.vocab_size=100 is smaller than the 'byte' tokenizer's vocabulary (257)" in capsys.readouterr().err
+
+
+def test_grad_norm_and_clip_match_per_tensor_reference():
+    """grad_norm (one foreach norm per category) and clip_ against the plain per-tensor sums,
+    with fp32 and bf16 gradients, a parameter without a gradient and a clip that bites."""
+    from k3train.trainer.grads import clip_, grad_norm
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in [(7, 5), (3,), (4, 4)]]
+    params.append(torch.nn.Parameter(torch.randn(2, 9, dtype=torch.bfloat16)))
+    for i, p in enumerate(params):
+        if i != 1:
+            p.grad = torch.randn_like(p) * (i + 1)
+    want = sum(p.grad.double().pow(2).sum() for p in params if p.grad is not None).sqrt()
+    norm = grad_norm(params)
+    assert norm.dtype == torch.float32 and norm.item() == pytest.approx(want.item(), rel=1e-6)
+    before = [None if p.grad is None else p.grad.clone() for p in params]
+    clip_(params, norm, 1.0)
+    for p, b in zip(params, before):
+        if b is not None:
+            torch.testing.assert_close(p.grad.float(), (b.float() * (1.0 / (norm + 1e-6))).to(b.dtype).float(),
+                                       rtol=1e-2 if b.dtype == torch.bfloat16 else 1e-6, atol=1e-6)
