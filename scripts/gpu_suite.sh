@@ -47,7 +47,7 @@ stage train_cuda 150 "${FIXED[@]}" python3 -m k3train train --config configs/k3_
   train.device=cuda train.steps=150 train.micro_batch_size=32 train.seq_len=256 logging.progress_bar=false
 cp /tmp/run_tiny/metrics.jsonl "$OUT/train_cuda_metrics.jsonl" 2>/dev/null
 stage bench_kda 240 python3 scripts/bench/bench_kda_layer.py --profile --json "$OUT/bench_kda.json"
-stage bench_step 300 python3 scripts/bench/bench_step.py --steps 5 --warmup 2 --profile --json "$OUT/bench_step.json"
+stage bench_step 420 python3 scripts/bench/bench_step.py --steps 5 --warmup 2 --profile --json "$OUT/bench_step.json"
 stage bench_fp8 240 python3 scripts/bench/bench_fp8.py --steps 30 --out /tmp/bench_fp8
 cp /tmp/bench_fp8/bench_fp8.json "$OUT/" 2>/dev/null
 if [ "$NGPU" -ge 2 ]; then

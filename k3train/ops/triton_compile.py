@@ -26,6 +26,7 @@ import contextlib
 import math
 import os
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -154,11 +155,33 @@ def _cached_choice(tuner, configs: list, kwargs: dict):
         return None
 
 
+@contextlib.contextmanager
+def _progress(mode, t0: float, every: float = 15.0, out=None):
+    """While inside, print how many of the submitted compiles have finished every ``every`` s
+    (a first compile of a model can take minutes; the user should see it move)."""
+    stop = threading.Event()
+
+    def report():
+        while not stop.wait(every):
+            futures = list(mode.raw_futures)
+            done = sum(f.done() for f in futures)
+            print(f"[k3train]   {done}/{len(futures)} Triton compiles done ({time.perf_counter() - t0:.0f} s)",
+                  file=out or sys.stderr, flush=True)
+
+    thread = threading.Thread(target=report, daemon=True, name="k3train-compile-progress")
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def compile_ahead(fn, threads: int | None = None, label: str = "") -> dict:
     """Compile every Triton kernel ``fn`` would launch, in parallel, without running them.
 
     ``fn``: a throwaway callable (its tensors come out uninitialised). Returns ``{"kernels": n,
-    "seconds": s}``; prints one progress line. Errors inside ``fn`` are reported, not raised: the
+    "seconds": s}``; prints a line when it starts, progress every 15 s, and the total. Errors inside ``fn`` are reported, not raised: the
     kernels it did not reach compile lazily in the real run, as they would without this."""
     mods = _triton()
     if mods is None or mods[2] is None:
@@ -172,7 +195,7 @@ def compile_ahead(fn, threads: int | None = None, label: str = "") -> dict:
           f"({threads} threads, autotune={autotune_mode()}) ...", file=sys.stderr, flush=True)
     with ThreadPoolExecutor(threads) as pool:
         mode = mods[2].AsyncCompileMode(pool, ignore_errors=True)
-        with _launches_compile_only(), mode:
+        with _progress(mode, t0), _launches_compile_only(), mode:
             try:
                 fn()
             except Exception as exc:  # noqa: BLE001 - the real run compiles what was not reached

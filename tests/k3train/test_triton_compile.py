@@ -67,3 +67,22 @@ def test_compile_pass_leaves_training_unchanged(monkeypatch):
 def test_compile_kernels_is_a_no_op_without_fla():
     cfg = load_config("configs/k3_tiny.yaml", ["train.seq_len=16", "train.micro_batch_size=2"])
     assert _state(cfg).compile_kernels() is None
+
+
+def test_progress_reports_finished_compiles():
+    """The progress line counts finished compiles among those submitted so far."""
+    import io
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    release = threading.Event()
+    out = io.StringIO()
+    with ThreadPoolExecutor(2) as pool:
+        mode = SimpleNamespace(raw_futures=[pool.submit(lambda: None), pool.submit(release.wait)])
+        with triton_compile._progress(mode, time.perf_counter(), every=0.02, out=out):
+            deadline = time.monotonic() + 10
+            while "1/2 Triton compiles done" not in out.getvalue() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            release.set()
+    assert "1/2 Triton compiles done" in out.getvalue()
