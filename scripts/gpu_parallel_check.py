@@ -34,6 +34,8 @@ VARIANTS = {
                         ["train.micro_batch_size=8", "train.microbatches=2"]),
     "pp2_vpp2_naive": (["parallel.pp=2", "parallel.vpp=2", "train.micro_batch_size=8", "train.microbatches=2",
                         "pipeline.attnres_transport=naive"], ["train.micro_batch_size=8", "train.microbatches=2"]),
+    "pp2_vpp1": (["parallel.pp=2", "train.micro_batch_size=8", "train.microbatches=2"],
+                 ["train.micro_batch_size=8", "train.microbatches=2"]),
 }
 
 

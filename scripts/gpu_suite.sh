@@ -52,7 +52,7 @@ stage bench_fp8 240 python3 scripts/bench/bench_fp8.py --steps 30 --out /tmp/ben
 cp /tmp/bench_fp8/bench_fp8.json "$OUT/" 2>/dev/null
 if [ "$NGPU" -ge 2 ]; then
   stage gpu_parallel 420 env K3TRAIN_KERNELS=torch K3TRAIN_COMPILE=0 python3 scripts/gpu_parallel_check.py \
-    --out /tmp/gpu_parallel --run-limit 120
+    --out /tmp/gpu_parallel --run-limit 90
   cp /tmp/gpu_parallel/*.log "$OUT/" 2>/dev/null
   # Where a hung pipeline run waits: every rank's Python stacks after 35 s (K3TRAIN_STACKS_AFTER).
   stage pp_debug 130 env K3TRAIN_KERNELS=torch K3TRAIN_COMPILE=0 K3TRAIN_STACKS_AFTER=35 NCCL_DEBUG=WARN bash -c '
