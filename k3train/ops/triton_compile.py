@@ -6,10 +6,11 @@ the GPU machines we borrow one compile takes about 8 s, so a fresh process spent
 compiling before its first step.
 
 * ``compile_ahead(fn)`` runs ``fn`` once with every Triton launch replaced by a compile submitted
-  to a thread pool (Triton's ``AsyncCompileMode``; its compiler releases the GIL in LLVM and
-  ptxas), so all kernels and all their autotune candidates compile at once on every CPU core.
-  The kernels do not run inside ``fn``: its outputs are garbage, so ``fn`` must be a throwaway
-  forward/backward on a model copy (never an optimizer step on weights you keep). Afterwards
+  to a thread pool (Triton's ``AsyncCompileMode``; compiles overlap: ptxas is a subprocess, and
+  two threads compiled 1.6x faster than one in a CPU-only test), so all kernels and all their
+  autotune candidates compile at once. The kernels do not run inside ``fn``: its outputs are
+  garbage, so ``fn`` must not change state you keep (a forward/backward whose gradients you
+  drop, as ``TrainState.compile_kernels`` does; never an optimizer step). Afterwards
   the compiled kernels sit in the in-process and on-disk Triton caches, and the real run only
   benchmarks the candidates (milliseconds each) and goes. Where an earlier run's autotune
   result is on disk (Triton's ``cache_results``, on in fla), only the chosen candidate compiles.
@@ -181,8 +182,9 @@ def compile_ahead(fn, threads: int | None = None, label: str = "") -> dict:
     """Compile every Triton kernel ``fn`` would launch, in parallel, without running them.
 
     ``fn``: a throwaway callable (its tensors come out uninitialised). Returns ``{"kernels": n,
-    "seconds": s}``; prints a line when it starts, progress every 15 s, and the total. Errors inside ``fn`` are reported, not raised: the
-    kernels it did not reach compile lazily in the real run, as they would without this."""
+    "seconds": s}``; prints a line when it starts, progress every 15 s, and the total. Errors
+    inside ``fn`` are reported, not raised: the kernels it did not reach compile lazily in the
+    real run, as they would without this."""
     mods = _triton()
     if mods is None or mods[2] is None:
         return {"kernels": 0, "seconds": 0.0}
