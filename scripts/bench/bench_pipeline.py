@@ -20,6 +20,7 @@ import torch
 warnings.filterwarnings("ignore")
 # Before CUDA initialises: see k3train/cuda_env.py (PP on NCCL with lazily loaded kernels hung).
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+os.environ.setdefault("K3TRAIN_COMPILE", "0")
 
 BASE = ["model.num_layers=16", "model.layer_pattern=KKKM", "model.dense_layers=16", "model.hidden_size=1024",
         "model.kda.num_heads=8", "model.kda.head_dim=128", "model.mla.num_heads=8",
