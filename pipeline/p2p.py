@@ -20,6 +20,10 @@ Why this cannot deadlock, on either backend:
   give each direction of a rank pair its own communicator (messages to a higher pipeline
   rank go over ``up``), so each stream is a single ordered channel and the GPU follows the
   same dependencies as the gloo host.
+
+``pipeline.p2p_backend=gloo`` sends a GPU model's messages over gloo through host memory: the
+schedule then runs exactly as in the CPU tests, at the cost of two copies per message (a
+fallback where NCCL p2p misbehaves, not a fast path).
 """
 from __future__ import annotations
 
@@ -96,6 +100,11 @@ class PipeComm:
         self.group, self.P, self.rank, self.C = group, pp_size, pp_rank, num_chunks
         self.up, self.down = directional_groups if directional_groups is not None else (group, group)
         self.device = torch.device("cpu") if device is None else torch.device(device)
+        # A gloo channel for a GPU model (``pipeline.p2p_backend=gloo``): messages travel through
+        # host memory, sent from a host copy and received into host buffers moved to the device.
+        self.host_staged = (group is not None and self.device.type != "cpu"
+                            and dist.get_backend(self.up) == "gloo")
+        self.wire = torch.device("cpu") if self.host_staged else self.device
         self.global_ranks = dist.get_process_group_ranks(group) if group is not None else [0]
         self.hop_blocks = hop_blocks
         self.max_tensors = [1 + len(h) for h in hop_blocks]
@@ -127,7 +136,7 @@ class PipeComm:
             a, b = c % self.P, (c + 1) % self.P
             if a != b:
                 edges.update({(a, b), (b, a)})  # forward and backward of hop c
-        token = torch.zeros(1, device=self.device)
+        token = torch.zeros(1, device=self.wire)
         for src, dst in sorted(edges, key=lambda e: (e[1] < e[0], e)):
             grp = self.up if dst > src else self.down
             if self.rank == src:
@@ -188,7 +197,7 @@ class PipeComm:
             if key.hop not in self.specs:
                 self.specs[key.hop], self.has_hidden[key.hop] = specs, bool(has_hidden)
                 if self._peer(key, sending=True) != self.rank:   # a local hand-over needs no handshake
-                    meta = encode_meta(specs, bool(has_hidden), self.max_tensors[key.hop]).to(self.device)
+                    meta = encode_meta(specs, bool(has_hidden), self.max_tensors[key.hop]).to(self.wire)
                     self._post_send(MsgKey("meta", key.hop, -1), [meta], chunk)
             elif specs != self.specs[key.hop]:
                 raise RuntimeError(f"hop {key.hop} microbatch {key.microbatch}: tensors {specs} differ "
@@ -208,6 +217,8 @@ class PipeComm:
             return
         dst = self.global_ranks[peer]
         grp = self.up if peer > self.rank else self.down
+        if self.host_staged:
+            bufs = [b.to(self.wire) for b in bufs]   # waits for the producing kernels
         works = [dist.isend(b, dst, group=grp, tag=self._tag(key, i)) for i, b in enumerate(bufs)]
         # Keep the buffers referenced until the send completes: the caller may free its copy.
         self._sends.append((works, bufs, dict(kind="send", key=key, peer=peer, chunk=chunk, ids=ids,
@@ -253,7 +264,7 @@ class PipeComm:
                     raise RuntimeError(f"no agreed shapes for {nxt}: schedule receives a gradient "
                                        "before its forward was sent")
                 return False
-            bufs = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in specs]
+            bufs = [torch.empty(s.shape, dtype=s.dtype, device=self.wire) for s in specs]
             src = self.global_ranks[peer]
             start = time.perf_counter()
             grp = self.up if self.rank > peer else self.down
@@ -277,6 +288,8 @@ class PipeComm:
         works, bufs, start = self._posted.pop(key)
         for w in works:
             w.wait()
+        if self.host_staged:
+            bufs = [b.to(self.device) for b in bufs]
         self._record("recv", key, peer, chunk, self.tensor_ids(key),
                      sum(b.numel() * b.element_size() for b in bufs), start, time.perf_counter())
         return bufs

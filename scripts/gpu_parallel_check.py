@@ -36,6 +36,8 @@ VARIANTS = {
                         "pipeline.attnres_transport=naive"], ["train.micro_batch_size=8", "train.microbatches=2"]),
     "pp2_vpp1": (["parallel.pp=2", "train.micro_batch_size=8", "train.microbatches=2"],
                  ["train.micro_batch_size=8", "train.microbatches=2"]),
+    "pp2_vpp2_gloo_p2p": (["parallel.pp=2", "parallel.vpp=2", "train.micro_batch_size=8", "train.microbatches=2",
+                           "pipeline.p2p_backend=gloo"], ["train.micro_batch_size=8", "train.microbatches=2"]),
 }
 
 

@@ -206,6 +206,9 @@ class ParallelConfig(_Strict):
 
 class PipelineConfig(_Strict):
     attnres_transport: Literal["cached", "naive"] = "cached"
+    p2p_backend: Literal["auto", "gloo"] = "auto"
+    """auto: pipeline messages go over the run's backend (NCCL on GPUs). gloo: over gloo, through
+    host memory, on GPUs too; slower (two copies per message), a fallback where NCCL p2p hangs."""
 
 
 class PrecisionConfig(_Strict):

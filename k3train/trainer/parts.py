@@ -18,18 +18,26 @@ class LocalChunks(nn.ModuleDict):
         return [m for chunk in self.values() for m in chunk.moe_layers()]
 
 
-def _directional_pp_groups(backend: str):
-    """NCCL runs sends and receives of one group on one stream, so opposite directions can wait
-    on each other; the engine takes two copies of the pipeline group (up, down). Every rank must
-    create every group in the same order, so all pipeline groups are gathered first."""
-    if backend != "nccl":
+def _directional_pp_groups(backend: str, p2p_backend: str = "auto"):
+    """The (up, down) groups the pipeline's messages travel on, or None for the pipeline group.
+
+    NCCL runs sends and receives of one group on one stream, so opposite directions can wait
+    on each other; the engine takes two copies of the pipeline group (up, down).
+    ``p2p_backend="gloo"`` on NCCL gives one gloo copy for both directions (gloo matches by tag;
+    the engine then stages GPU tensors through host memory). Every rank must create every group
+    in the same order, so all pipeline groups are gathered first."""
+    gloo = p2p_backend == "gloo"  # its own groups on a gloo world too (what the CPU tests run)
+    if backend != "nccl" and not gloo:
         return None
     mine = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     result = None
     for ranks in sorted({tuple(r) for r in everyone}):
-        up, down = dist.new_group(list(ranks)), dist.new_group(list(ranks))
+        if gloo:
+            up = down = dist.new_group(list(ranks), backend="gloo")
+        else:
+            up, down = dist.new_group(list(ranks)), dist.new_group(list(ranks))
         if dist.get_rank() in ranks:
             result = (up, down)
     return result
@@ -51,6 +59,7 @@ def build_parts(cfg: RunConfig, device: torch.device, recorder: CommRecorder | N
         {int(c): m for c, m in chunks.items()}, layout.num_chunks, produced_blocks(cfg, ranges),
         pp_group=parallel_state.get_pipeline_model_parallel_group(),
         transport=cfg.pipeline.attnres_transport,
-        recorder=recorder, directional_groups=_directional_pp_groups(dist.get_backend()),
+        recorder=recorder,
+        directional_groups=_directional_pp_groups(dist.get_backend(), cfg.pipeline.p2p_backend),
     )
     return chunks, engine

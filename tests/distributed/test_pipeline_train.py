@@ -21,8 +21,10 @@ def _train_rank(rank, world_size, run_dir, overrides):
 @pytest.mark.parametrize("overrides, world", [
     (["parallel.pp=2", "parallel.vpp=2", "train.microbatches=2"], 2),
     (["parallel.pp=2", "train.microbatches=3", "model.attnres.enabled=false"], 2),
-    (["parallel.pp=2", "parallel.vpp=2", "train.microbatches=2", "pipeline.attnres_transport=naive"], 4),
-], ids=["pp2-vpp2-cached", "pp2-standard-residual", "pp2-dp2-naive"])
+    # p2p_backend=gloo: the messages travel on separate gloo groups, one per pipeline (two here).
+    (["parallel.pp=2", "parallel.vpp=2", "train.microbatches=2", "pipeline.attnres_transport=naive",
+      "pipeline.p2p_backend=gloo"], 4),
+], ids=["pp2-vpp2-cached", "pp2-standard-residual", "pp2-dp2-naive-gloo-groups"])
 def test_pipeline_training_matches_single_process(tmp_path, overrides, world):
     base = [o for o in overrides if not o.startswith(("parallel.", "pipeline."))]
     dp = world // 2
