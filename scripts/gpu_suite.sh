@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks, in priority order:
 #   bash scripts/gpu_suite.sh OUTDIR [STAGES]     (STAGES: comma list, default all)
-# Stages: gpu_check train_cuda bench_kda bench_step bench_fp8 (one GPU); gpu_parallel
+# Stages: gpu_check train_cuda bench_kda bench_step bench_moe_layer bench_fp8 (one GPU); gpu_parallel
 # bench_moe_ep2 bench_pipeline pp_debug (two GPUs, skipped on one).
 # Together the stages need more than one 10-minute device call: pass a subset per call.
 # Logs and JSON land in OUTDIR. Each stage has its own time limit so one slow stage cannot eat
@@ -9,7 +9,7 @@
 # /tmp/k3_triton_cache), which a later machine can reuse: tar it up after a run, unpack it before.
 set -u
 OUT=${1:?usage: gpu_suite.sh OUTDIR [STAGES]}
-STAGES=",${2:-gpu_check,train_cuda,bench_kda,bench_step,bench_fp8,gpu_parallel,bench_moe_ep2,bench_pipeline},"
+STAGES=",${2:-gpu_check,train_cuda,bench_kda,bench_step,bench_moe_layer,bench_fp8,gpu_parallel,bench_moe_ep2,bench_pipeline},"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/k3_triton_cache}
@@ -48,6 +48,7 @@ stage train_cuda 150 "${FIXED[@]}" python3 -m k3train train --config configs/k3_
 cp /tmp/run_tiny/metrics.jsonl "$OUT/train_cuda_metrics.jsonl" 2>/dev/null
 stage bench_kda 240 python3 scripts/bench/bench_kda_layer.py --profile --json "$OUT/bench_kda.json"
 stage bench_step 420 python3 scripts/bench/bench_step.py --steps 5 --warmup 2 --profile --json "$OUT/bench_step.json"
+stage bench_moe_layer 90 python3 scripts/bench/bench_moe_layer.py --json "$OUT/bench_moe_layer.json"
 stage bench_fp8 240 python3 scripts/bench/bench_fp8.py --steps 30 --out /tmp/bench_fp8
 cp /tmp/bench_fp8/bench_fp8.json "$OUT/" 2>/dev/null
 if [ "$NGPU" -ge 2 ]; then
