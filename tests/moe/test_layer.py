@@ -264,3 +264,22 @@ def test_router_bias_stays_fp32_under_bf16_cast():
     assert router.weight.dtype == torch.bfloat16
     assert router.bias.dtype == torch.float32 and torch.equal(router.bias, before)
     assert router(torch.randn(3, 8, dtype=torch.bfloat16)).weights.dtype == torch.float32
+
+
+def test_situ_glu_traces_whole_for_compile():
+    """situ_glu is compiled whole on CUDA (fullgraph): tracing it with AOT autograd on CPU must
+    succeed without graph breaks and give the eager values and gradients."""
+    from moe.activations import situ_glu_eager
+
+    torch.manual_seed(0)
+    gate, up = (torch.randn(64, 48, requires_grad=True) * 6 for _ in range(2))
+    gate, up = gate.detach().requires_grad_(), up.detach().requires_grad_()
+    traced = torch.compile(situ_glu_eager, fullgraph=True, backend="aot_eager")
+    want = situ_glu_eager(gate, up, 4.0, 25.0)
+    g_want = torch.autograd.grad(want.square().sum(), [gate, up])
+    got = traced(gate, up, 4.0, 25.0)
+    g_got = torch.autograd.grad(got.square().sum(), [gate, up])
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert torch.equal(situ_glu(gate, up), situ_glu_eager(gate, up))  # CPU takes the eager form
