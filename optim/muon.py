@@ -137,11 +137,10 @@ def muon_updates(
 _BATCH_ELEMS = 1 << 27
 
 
-def _batches(items: list) -> list[list]:
-    """``items`` (same-shape matrices, or entries with a ``.param``) in runs of at most
+def _batches(items: list, numel: int) -> list[list]:
+    """``items`` (each standing for one matrix of ``numel`` elements) in runs of at most
     ``_BATCH_ELEMS`` stacked elements."""
-    first = getattr(items[0], "param", items[0])
-    per = max(1, _BATCH_ELEMS // first.numel())
+    per = max(1, _BATCH_ELEMS // numel)
     return [items[i:i + per] for i in range(0, len(items), per)]
 
 
@@ -222,7 +221,7 @@ class Muon(torch.optim.Optimizer):
                     self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 same.setdefault((tuple(p.shape), heads, p.dtype, p.grad.dtype, p.device), []).append(p)
             for (_shape, heads, *_), params in same.items():
-                for ps in _batches(params):
+                for ps in _batches(params, params[0].numel()):
                     updates = muon_updates(
                         [p.grad for p in ps], [self.state[p]["momentum_buffer"] for p in ps],
                         momentum=group["momentum"], nesterov=group["nesterov"], heads=heads,

@@ -290,7 +290,7 @@ class ShardedOptimizer:
                 same.setdefault((gi, tuple(p.shape), e.heads, p.dtype, p.grad.dtype), []).append(e)
             for (gi, _shape, heads, *_), entries in same.items():
                 lr, wd = self.param_groups[gi]["lr"], self.param_groups[gi]["weight_decay"]
-                for es in _batches(entries):
+                for es in _batches(entries, entries[0].param.numel()):
                     ps = [e.param for e in es]
                     updates = muon_updates([p.grad for p in ps], [d.momentum[e.name] for e in es],
                                            momentum=self.muon_momentum, nesterov=True, heads=heads,

@@ -53,13 +53,13 @@ def grad_norm(params: list[torch.nn.Parameter], tp_group=None, pp_group=None,
     """Global L2 norm of all gradients: TP shards summed over TP, expert shards over EP,
     replicas counted once, pipeline stages summed over PP. Returns a 0-dim fp32 tensor
     (NaN/Inf if any grad is)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
     parts: dict[str, list[torch.Tensor]] = {"sharded": [], "experts": [], "replicated": []}
+    device = torch.device("cpu")
     for p in params:
         if p.grad is not None:
             kind = "experts" if id(p) in expert_ids else "sharded" if is_tp_sharded(p) else "replicated"
             parts[kind].append(p.grad.detach())
+            device = p.grad.device
     sharded, experts, replicated = (_sum_of_squares(parts[k], device)
                                     for k in ("sharded", "experts", "replicated"))
     if tp_group is not None and dist.get_world_size(tp_group) > 1:

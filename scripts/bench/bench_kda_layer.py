@@ -17,7 +17,7 @@ import warnings
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import matmul_tflops, profile_table, timeit  # noqa: E402
+from common import matmul_tflops, profile_table, save_json, timeit  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -96,9 +96,7 @@ def main() -> None:
         result["fla_over_floor"] = result["fla_layer_ms"] / floor_ms
         result["ours_vs_fla"] = ours_ms / result["fla_layer_ms"]
     print(json.dumps(result, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    save_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -19,14 +19,13 @@ Prints ms and share of the layer for each, the sum of the parts, and grouped ove
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import warnings
 
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import timeit  # noqa: E402
+from common import save_json, timeit  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -102,9 +101,7 @@ def main() -> None:
         print(f"{name:<14}{ms:>10.3f}{ms / total:>10.1%}")
     print(f"{'sum of parts':<14}{summed:>10.3f}{summed / total:>10.1%}   (without experts_loop)")
     print(f"grouped experts {result['grouped_over_loop']:.2f}x faster than the per-expert loop")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    save_json(args.json, result)
 
 
 if __name__ == "__main__":

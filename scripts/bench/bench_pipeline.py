@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 import warnings
@@ -18,9 +17,6 @@ import warnings
 import torch
 
 warnings.filterwarnings("ignore")
-# Before CUDA initialises: see k3train/cuda_env.py (PP on NCCL with lazily loaded kernels hung).
-os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
-os.environ.setdefault("K3TRAIN_COMPILE", "0")
 
 BASE = ["model.num_layers=16", "model.layer_pattern=KKKM", "model.dense_layers=16", "model.hidden_size=1024",
         "model.kda.num_heads=8", "model.kda.head_dim=128", "model.mla.num_heads=8",
@@ -49,6 +45,7 @@ def main() -> None:
     from megatron.core import parallel_state
 
     from k3train.config import load_config
+    from k3train.cuda_env import prepare_cuda_env
     from k3train.distributed import init_distributed
     from k3train.trainer.data import build_data
     from k3train.trainer.state import TrainState
@@ -60,6 +57,7 @@ def main() -> None:
             overrides = [*BASE, *(SMALL if args.small else []), *extra, "parallel.pp=2", f"parallel.vpp={vpp}",
                          f"train.device={args.device}"]
             cfg = load_config("configs/k3_tiny.yaml", overrides)
+            prepare_cuda_env(cfg)  # before CUDA starts (the first variant): see k3train/cuda_env.py
             info = init_distributed(1, 2, vpp, 1, args.device)
             dev = torch.device(args.device, info.local_rank) if args.device == "cuda" else torch.device("cpu")
             if not compiled:

@@ -27,7 +27,7 @@ import warnings
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import matmul_tflops, profile_table  # noqa: E402
+from common import matmul_tflops, profile_table, save_json  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -197,9 +197,7 @@ def main() -> None:
     for key in ("fla_over_ours", "fla_over_ours_attnres"):
         if key in result:
             print(f"{key}: {result[key]:.2f}x (fla step time / ours; > 1 means ours is faster)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    save_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
-"""Timing helpers shared by the benchmarks: CUDA events on GPU, perf_counter on CPU, medians."""
+"""Helpers shared by the benchmarks: CUDA-event / perf_counter timing (medians), the measured matmul
+rate, a profile table, and the JSON writer."""
 from __future__ import annotations
 
+import json
 import statistics
 import time
 
@@ -47,3 +49,10 @@ def profile_table(fn, iters: int = 2, rows: int = 25, device: str = "cuda") -> s
             torch.cuda.synchronize()
     key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
     return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+
+
+def save_json(path: str | None, result: dict) -> None:
+    """Write a benchmark's result dict to ``path`` (the ``--json`` option); nothing when None."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
