@@ -1,8 +1,10 @@
 """Records of every p2p op and compute span, gathered to rank 0; bytes table and bubble fraction."""
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field
 
+import torch
 import torch.distributed as dist
 
 from pipeline.transport import (TransportPlan, cached_volume_exact, closed_form_volume,
@@ -41,6 +43,48 @@ class ComputeSpan:
     microbatch: int
     start: float
     end: float
+
+
+class SpanTimer:
+    """Start and end times of a step's compute ops, in seconds on the host's perf_counter clock.
+
+    On CPU the host clock is the compute clock. On CUDA the host only queues kernels, so host
+    times would show when the work was queued, not when it ran (a bubble measured that way is
+    near zero); there each op is bracketed by CUDA events on the current stream, converted at
+    :meth:`spans` (one sync at the end of the step) to ``host_t0 + device time since t0``.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.t0 = time.perf_counter()
+        self._origin = self._mark() if self.cuda else None
+        self._open = {}
+        self._done: list[tuple[str, int, int, object, object]] = []
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def start(self, key) -> None:
+        self._open[key] = self._mark()
+
+    def stop(self, key, kind: str, chunk: int, microbatch: int) -> None:
+        self._done.append((kind, chunk, microbatch, self._open.pop(key), self._mark()))
+
+    def spans(self) -> list[tuple[str, int, int, float, float]]:
+        """``(kind, chunk, microbatch, start_s, end_s)`` per op, in the order they were stopped."""
+        if not self.cuda:
+            return [(k, c, mb, a, b) for k, c, mb, a, b in self._done]
+        if self._done:
+            self._done[-1][4].synchronize()
+
+        def at(ev) -> float:
+            return self.t0 + self._origin.elapsed_time(ev) / 1e3
+
+        return [(k, c, mb, at(a), at(b)) for k, c, mb, a, b in self._done]
 
 
 @dataclass

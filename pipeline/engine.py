@@ -2,7 +2,6 @@
 AttnRes block cache, and reproduces the single-process loss and gradients."""
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 
 import torch
@@ -10,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from pipeline.accounting import CommRecorder
+from pipeline.accounting import CommRecorder, SpanTimer
 from pipeline.layout import chunks_of_rank
 from pipeline.p2p import MsgKey, PipeComm
 from pipeline.schedule import Op, all_schedules
@@ -143,6 +142,7 @@ class PipelineEngine:
         if self.recorder is not None:
             self.recorder.new_step()
         self.comm.begin_step(schedules, len(microbatches))
+        timer = SpanTimer(self.device) if self.recorder is not None else None
         for i, op in enumerate(ops):
             # Post the receives of this op and the next one now, so their transfer overlaps
             # with this op's compute; the wait happens inside recv() when the data is needed.
@@ -150,14 +150,22 @@ class PipelineEngine:
                 key = self._needs(nxt)
                 if key is not None:
                     self.comm.post_until(key, block=False)
-            start = time.perf_counter()
+            if timer is not None:
+                # Waiting for the op's input is idle time, not compute: it belongs to the bubble.
+                key = self._needs(op)
+                if key is not None:
+                    self.comm.wait(key, op.chunk)
+                timer.start(i)
             if op.kind == "F":
                 self._forward(op, microbatches[op.microbatch], training)
             else:
                 self._backward(op, len(microbatches))
-            if self.recorder is not None:
-                self.recorder.add_compute(op.kind, op.chunk, op.microbatch, start, time.perf_counter())
+            if timer is not None:
+                timer.stop(i, op.kind, op.chunk, op.microbatch)
         self.comm.finish_sends()
+        if timer is not None:
+            for span in timer.spans():
+                self.recorder.add_compute(*span)
         self._cache.clear()
         self._record_info(len(microbatches))
 
