@@ -10,6 +10,11 @@ router may flip. Tolerances (stated, checked, printed):
 * step 1 (same weights, same batch): |loss - ref| < 0.02;
 * over all steps: mean |loss - ref| < 0.05;
 * the run learns: last loss < first loss - 0.5.
+Variants named ``*_fp32`` run both sides with ``precision.recipe=fp32`` and TF32 off
+(``NVIDIA_TF32_OVERRIDE=0``), so only the order of fp32 reductions differs; they must agree
+1000x closer at step 1 (< 2e-5), stay < 1e-3 over the first 10 steps and < 5e-3 on average.
+A parallelism bug shows at step 1 or 2 as a difference of 1e-2 or more; bf16 noise cannot
+hide it there.
 Prints one JSON line per variant and exits 1 if any fails.
 """
 from __future__ import annotations
@@ -36,6 +41,9 @@ VARIANTS = {
                         "pipeline.attnres_transport=naive"], ["train.micro_batch_size=8", "train.microbatches=2"]),
     "pp2_vpp1": (["parallel.pp=2", "train.micro_batch_size=8", "train.microbatches=2"],
                  ["train.micro_batch_size=8", "train.microbatches=2"]),
+    "ep2_dp2_fp32": (["parallel.ep=2", "train.micro_batch_size=8"], ["train.micro_batch_size=16"]),
+    "pp2_vpp2_cached_fp32": (["parallel.pp=2", "parallel.vpp=2", "train.micro_batch_size=8",
+                              "train.microbatches=2"], ["train.micro_batch_size=8", "train.microbatches=2"]),
     "pp2_vpp2_gloo_p2p": (["parallel.pp=2", "parallel.vpp=2", "train.micro_batch_size=8", "train.microbatches=2",
                            "pipeline.p2p_backend=gloo"], ["train.micro_batch_size=8", "train.microbatches=2"]),
 }
@@ -51,8 +59,9 @@ def run(cmd: list[str], log: Path, limit: float) -> float:
     otherwise hold its GPU) and reported with the end of its log."""
     t0 = time.monotonic()
     with open(log, "w") as f:
+        # TF32 off for every run: it would make fp32 matmuls and convolutions ~1e-3 inexact.
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "NVIDIA_TF32_OVERRIDE": "0"})
         try:
             rc = proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
@@ -81,6 +90,9 @@ def main() -> int:
     ok = True
     for name in (args.only.split(",") if args.only else VARIANTS):
         par, ref = VARIANTS[name]
+        fp32 = name.endswith("_fp32")
+        if fp32:
+            par, ref = [*par, "precision.recipe=fp32"], [*ref, "precision.recipe=fp32"]
         key = tuple(ref)
         try:
             if key not in refs:
@@ -96,8 +108,11 @@ def main() -> int:
             diffs = [abs(a - b) for a, b in zip(got, want)]
             row = {"variant": name, "seconds": round(secs), "steps": len(got), "step1_diff": diffs[0], "mean_diff": sum(diffs) / len(diffs),
                    "first_loss": got[0], "last_loss": got[-1], "ref_last_loss": want[-1]}
-            row["ok"] = (len(got) == len(want) == args.steps and row["step1_diff"] < 0.02
-                         and row["mean_diff"] < 0.05 and got[-1] < got[0] - 0.5)
+            tol = (2e-5, 1e-3, 5e-3) if fp32 else (0.02, None, 0.05)   # step 1, first 10, mean
+            row["first10_max_diff"] = max(diffs[:10])
+            row["ok"] = (len(got) == len(want) == args.steps and row["step1_diff"] < tol[0]
+                         and (tol[1] is None or row["first10_max_diff"] < tol[1])
+                         and row["mean_diff"] < tol[2] and got[-1] < got[0] - 0.5)
         except Exception as exc:  # noqa: BLE001 - report and go on with the other variants
             row = {"variant": name, "ok": False, "error": str(exc)}
         ok &= row["ok"]

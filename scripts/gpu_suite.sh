@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks, in priority order:
 #   bash scripts/gpu_suite.sh OUTDIR [STAGES]     (STAGES: comma list, default all)
-# Stages: gpu_check train_cuda bench_kda bench_step bench_moe_layer bench_fp8 (one GPU); gpu_parallel
+# Stages: gpu_check train_cuda bench_kda bench_step bench_moe_layer bench_fp8 (one GPU; bench_step
+# also as bench_step_mini + bench_step_peer, explicit only); gpu_parallel (GPU_PARALLEL_ONLY=a,b
+# picks variants)
 # bench_moe_ep2 bench_pipeline pp_debug (two GPUs, skipped on one).
 # Together the stages need more than one 10-minute device call: pass a subset per call.
 # Logs and JSON land in OUTDIR. Each stage has its own time limit so one slow stage cannot eat
@@ -48,12 +50,18 @@ stage train_cuda 150 "${FIXED[@]}" python3 -m k3train train --config configs/k3_
 cp /tmp/run_tiny/metrics.jsonl "$OUT/train_cuda_metrics.jsonl" 2>/dev/null
 stage bench_kda 240 python3 scripts/bench/bench_kda_layer.py --profile --json "$OUT/bench_kda.json"
 stage bench_step 420 python3 scripts/bench/bench_step.py --steps 5 --warmup 2 --profile --json "$OUT/bench_step.json"
+# The same rows split in two, to run at once on two GPUs: k3_mini with its profile; ours dense
+# against fla's model (the ratio they report needs both sides in one run).
+stage bench_step_mini 300 python3 scripts/bench/bench_step.py --rows k3_mini --steps 5 --warmup 2 --profile \
+  --json "$OUT/bench_step_mini.json"
+stage bench_step_peer 420 python3 scripts/bench/bench_step.py --rows dense,peer --steps 5 --warmup 2 \
+  --json "$OUT/bench_step_peer.json"
 stage bench_moe_layer 90 python3 scripts/bench/bench_moe_layer.py --json "$OUT/bench_moe_layer.json"
 stage bench_fp8 240 python3 scripts/bench/bench_fp8.py --steps 30 --out /tmp/bench_fp8
 cp /tmp/bench_fp8/bench_fp8.json "$OUT/" 2>/dev/null
 if [ "$NGPU" -ge 2 ]; then
   stage gpu_parallel 420 env K3TRAIN_KERNELS=torch K3TRAIN_COMPILE=0 python3 scripts/gpu_parallel_check.py \
-    --out /tmp/gpu_parallel --run-limit 90
+    --out /tmp/gpu_parallel --run-limit 90 ${GPU_PARALLEL_ONLY:+--only $GPU_PARALLEL_ONLY}
   cp /tmp/gpu_parallel/*.log "$OUT/" 2>/dev/null
   # Where a hung pipeline run waits: every rank's Python stacks after 35 s (K3TRAIN_STACKS_AFTER).
   stage pp_debug 130 env K3TRAIN_KERNELS=torch K3TRAIN_COMPILE=0 K3TRAIN_STACKS_AFTER=35 NCCL_DEBUG=WARN bash -c '

@@ -70,9 +70,9 @@ def quantized_params(cfg: RunConfig) -> dict[str, int]:
     from k3train.model.model import build_model
     from moe import GroupedExperts
 
-    if cfg.precision.recipe not in ("mxfp4_qat", "bf16"):
+    if cfg.precision.recipe not in ("mxfp4_qat", "bf16", "fp32"):
         raise ValueError(f"mxfp4-packed export needs a checkpoint trained with precision.recipe=mxfp4_qat "
-                         f"(or bf16, quantised after training); this one used {cfg.precision.recipe}")
+                         f"(or bf16/fp32, quantised after training); this one used {cfg.precision.recipe}")
     precision = PrecisionConfig(recipe="mxfp4_qat", scope=cfg.precision.scope)
     cfg = cfg.model_copy(update={"precision": precision,
                                  "train": cfg.train.model_copy(update={"device": "cpu"})})

@@ -170,7 +170,7 @@ def apply_precision(model: nn.Module, precision: PrecisionConfig, device: str | 
     first layer. ``require_match=False`` lets a pipeline chunk hold none of a pattern's modules.
     """
     validate_precision(precision, device)
-    if precision.recipe == "bf16":
+    if precision.recipe in ("bf16", "fp32"):   # plain layers; fp32 differs only in the trainer's autocast
         return []
     targets = select_scope(model, scope_patterns(precision), layer_offset, require_match)
     if precision.recipe == "fp8":

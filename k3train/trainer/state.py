@@ -19,6 +19,13 @@ from moe import Balancer, LoadTracker, expert_load
 from pipeline import CommRecorder
 
 
+def autocast_for(cfg, device: torch.device):
+    """The step's autocast context: bf16 on CUDA unless ``precision.recipe=fp32``; none on CPU."""
+    if device.type == "cuda" and cfg.precision.recipe != "fp32":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 class TrainState:
     """The model part, optimizer and per-step logic of one rank (TP, PP and DP aware)."""
 
@@ -52,8 +59,7 @@ class TrainState:
         self.optimizer, self.param_table = build_k3_optimizer(self.model, cfg.optim, sharding)
         self.sharded = sharding is not None
         self._bytes_logged = 0
-        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
-                         else contextlib.nullcontext())
+        self.autocast = autocast_for(cfg, device)
 
     def describe(self) -> str:
         chunks = list(self.model.values()) if self.engine is not None else [self.model]

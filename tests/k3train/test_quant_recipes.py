@@ -1,5 +1,6 @@
 """Precision recipes: scope selection, MX QAT experts against a written-out reference, a QAT
 training run against fp32, fp8 refusal on CPU, and the packed MXFP4 export round trip."""
+import contextlib
 import json
 import re
 
@@ -42,6 +43,22 @@ def test_default_scope_is_exactly_the_routed_experts(world1):
         assert not isinstance(mod, MXLinear), name
         if isinstance(mod, ColumnLinear):
             assert mod.quant is None, name
+
+
+def test_fp32_recipe_builds_the_bf16_model_and_turns_autocast_off(world1):
+    torch.manual_seed(0)
+    plain = build_model(_cfg())
+    torch.manual_seed(0)
+    fp32 = build_model(_cfg("precision.recipe=fp32"))
+    assert fp32.quantized == []
+    for (name, a), (_, b) in zip(plain.named_parameters(), fp32.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    # The trainer's autocast context is the only difference, and on CUDA it is off for fp32.
+    from k3train.trainer.state import autocast_for
+
+    assert isinstance(autocast_for(_cfg("precision.recipe=fp32"), torch.device("cuda")), contextlib.nullcontext)
+    assert isinstance(autocast_for(_cfg(), torch.device("cuda")), torch.autocast)
+    assert isinstance(autocast_for(_cfg(), torch.device("cpu")), contextlib.nullcontext)
 
 
 def test_custom_scope_selects_what_it_names(world1):
