@@ -4,17 +4,20 @@
 
 Each variant is ``k3train train`` on ``configs/k3_tiny.yaml`` under ``torchrun`` on 2 GPUs; its
 reference is the same command in one process on one GPU with the same global batch (the data
-stream is identical by construction, as the gloo tests prove on CPU). Both run bf16 autocast,
-so they cannot agree bit for bit: reductions run in other orders, and a near-tie in the MoE
-router may flip. Tolerances (stated, checked, printed):
-* step 1 (same weights, same batch): |loss - ref| < 0.02;
-* over all steps: mean |loss - ref| < 0.05;
-* the run learns: last loss < first loss - 0.5.
-Variants named ``*_fp32`` run both sides with ``precision.recipe=fp32`` and TF32 off
-(``NVIDIA_TF32_OVERRIDE=0``), so only the order of fp32 reductions differs; they must agree
-1000x closer at step 1 (< 2e-5), stay < 1e-3 over the first 10 steps and < 5e-3 on average.
-A parallelism bug shows at step 1 or 2 as a difference of 1e-2 or more; bf16 noise cannot
-hide it there.
+stream is identical by construction, as the gloo tests prove on CPU). Both run bf16 autocast
+(except the ``*_fp32`` variants), so they cannot agree bit for bit: reductions run in other
+orders, and a near-tie in the MoE router may flip.
+
+Tolerances (stated, checked, printed). Training this tiny MoE model is chaotic: on CPU in fp32,
+where a parallel run and its reference differ by 5e-7 at step 1, they differ by ~1e-3 at step 3
+(Adam divides tiny gradients by their tiny RMS), by 1e-2 by step 7, and by 0.07-0.09 on average
+over 30 steps (measured for ep2_dp2_fp32 and pp2_vpp2_cached_fp32 with ``--device cpu``). So:
+* bf16 variants: step 1 (same weights, same batch) |loss - ref| < 0.02; mean |loss - ref| over
+  the run < 0.15 (the chaos floor above with margin); the run learns (last < first - 0.5).
+* ``*_fp32`` variants run both sides with ``precision.recipe=fp32`` and TF32 off
+  (``NVIDIA_TF32_OVERRIDE=0``): the losses of steps 1 and 2 (the forward, then the forward after
+  one optimizer step on the first gradients) agree within 2e-5, and the run learns. A
+  parallelism bug in the forward or the gradients shows there as 1e-3 or more.
 Prints one JSON line per variant and exits 1 if any fails.
 """
 from __future__ import annotations
@@ -108,11 +111,10 @@ def main() -> int:
             diffs = [abs(a - b) for a, b in zip(got, want)]
             row = {"variant": name, "seconds": round(secs), "steps": len(got), "step1_diff": diffs[0], "mean_diff": sum(diffs) / len(diffs),
                    "first_loss": got[0], "last_loss": got[-1], "ref_last_loss": want[-1]}
-            tol = (2e-5, 1e-3, 5e-3) if fp32 else (0.02, None, 0.05)   # step 1, first 10, mean
-            row["first10_max_diff"] = max(diffs[:10])
-            row["ok"] = (len(got) == len(want) == args.steps and row["step1_diff"] < tol[0]
-                         and (tol[1] is None or row["first10_max_diff"] < tol[1])
-                         and row["mean_diff"] < tol[2] and got[-1] < got[0] - 0.5)
+            row["step2_diff"] = diffs[1]
+            close = (row["step1_diff"] < 2e-5 and row["step2_diff"] < 2e-5 if fp32
+                     else row["step1_diff"] < 0.02 and row["mean_diff"] < 0.15)
+            row["ok"] = len(got) == len(want) == args.steps and close and got[-1] < got[0] - 0.5
         except Exception as exc:  # noqa: BLE001 - report and go on with the other variants
             row = {"variant": name, "ok": False, "error": str(exc)}
         ok &= row["ok"]
