@@ -12,6 +12,9 @@ The ``0.2 * sqrt(max(A, B))`` factor is the Moonlight scaling: an orthogonal-lik
 matrix has RMS ``~1 / sqrt(max(A, B))``, so the scaled update has RMS ``~0.2``, about what AdamW
 gives. That lets Muon reuse AdamW's learning rate and weight decay.
 
+A 3-D parameter ``[S, A, B]`` (the routed experts' stacked weights) is a stack of ``S``
+matrices, each orthogonalised and scaled on its own, exactly as ``S`` separate 2-D parameters.
+
 Per-head Muon (``heads=H``) splits the momentum's rows into ``H`` blocks ``[H, A/H, B]`` (one
 block per attention head of a q/k/v projection) and orthogonalises each block on its own. The
 scale then uses the block's shape, ``0.2 * sqrt(max(A/H, B))``, so that each block's update, and
@@ -64,10 +67,16 @@ def muon_scale(rows: int, cols: int) -> float:
     return 0.2 * math.sqrt(max(rows, cols))
 
 
-def _check_heads(shape: tuple[int, ...], heads: int | None, name: str | None) -> None:
+def _check_matrix(shape: tuple[int, ...], heads: int | None, name: str | None) -> None:
+    """A Muon parameter is a matrix ``[A, B]`` or a stack ``[S, A, B]``; heads split 2-D rows."""
+    what = f"parameter {name!r}" if name else "parameter"
+    if len(shape) not in (2, 3):
+        raise ValueError(f"Muon handles 2-D matrices and 3-D stacks of matrices; {what} has shape "
+                         f"{shape} (route it to AdamW)")
     if heads is None:
         return
-    what = f"parameter {name!r}" if name else "parameter"
+    if len(shape) != 2:
+        raise ValueError(f"per-head Muon splits the rows of a 2-D matrix; {what} has shape {shape}")
     if not isinstance(heads, int) or heads < 1:
         raise ValueError(f"heads must be a positive int or None for {what}, got {heads!r}")
     if shape[0] % heads != 0:
@@ -86,24 +95,18 @@ def muon_update(
     heads: int | None,
     ns_steps: int,
 ) -> torch.Tensor:
-    """Advance the momentum ``buf`` in place and return the scaled Muon update for one matrix.
+    """Advance the momentum ``buf`` in place and return the scaled Muon update for one matrix
+    (or one stack of matrices).
 
-    ``grad, buf: [A, B]``. Returns ``update: [A, B]`` (dtype of ``grad + buf``) such that the
-    caller applies ``p -= lr * update`` after weight decay. With ``heads=H`` the rows are split
-    into ``H`` blocks ``[H, A/H, B]`` orthogonalised separately. Standalone so that a sharded
-    optimizer step can call it on whole matrices owned by one rank.
+    ``grad, buf: [A, B]`` or ``[S, A, B]``. Returns ``update`` of that shape (dtype of
+    ``grad + buf``) such that the caller applies ``p -= lr * update`` after weight decay. With
+    ``heads=H`` (2-D only) the rows are split into ``H`` blocks ``[H, A/H, B]`` orthogonalised
+    separately. Standalone so that a sharded optimizer step can call it on whole matrices
+    owned by one rank.
     """
-    if grad.ndim != 2:
-        raise ValueError(f"muon_update needs a 2-D gradient, got shape {tuple(grad.shape)}")
-    _check_heads(tuple(grad.shape), heads, None)
-    buf.mul_(momentum).add_(grad)
-    u = grad.add(buf, alpha=momentum) if nesterov else buf
-    rows, cols = u.shape
-    if heads is None:
-        return newton_schulz(u, ns_steps) * muon_scale(rows, cols)
-    blocks = u.reshape(heads, rows // heads, cols)
-    ortho = newton_schulz(blocks, ns_steps).reshape(rows, cols)
-    return ortho * muon_scale(rows // heads, cols)
+    _check_matrix(tuple(grad.shape), heads, None)
+    return muon_updates([grad], [buf], momentum=momentum, nesterov=nesterov, heads=heads,
+                        ns_steps=ns_steps)[0]
 
 
 def muon_updates(
@@ -115,7 +118,7 @@ def muon_updates(
     heads: int | None,
     ns_steps: int,
 ) -> list[torch.Tensor]:
-    """``muon_update`` for several matrices of one shape ``[A, B]`` at once.
+    """``muon_update`` for several matrices (or stacks) of one shape ``[A, B]`` / ``[S, A, B]``.
 
     The momenta advance with foreach ops and all matrices (all their head blocks) go through
     one batched Newton-Schulz ``[n * H, A/H, B]``: a handful of kernel launches instead of ~25
@@ -125,10 +128,10 @@ def muon_updates(
     torch._foreach_mul_(bufs, momentum)
     torch._foreach_add_(bufs, grads)
     us = torch._foreach_add(grads, bufs, alpha=momentum) if nesterov else bufs
-    u = torch.stack(us)
-    n, rows, cols = u.shape
+    u = torch.stack(us)                      # [n, (S,) A, B]
+    rows, cols = u.shape[-2:]
     h = heads or 1
-    ortho = newton_schulz(u.reshape(n * h, rows // h, cols), ns_steps).reshape(n, rows, cols)
+    ortho = newton_schulz(u.reshape(-1, rows // h, cols), ns_steps).reshape(u.shape)
     return list((ortho * muon_scale(rows // h, cols)).unbind(0))
 
 
@@ -145,7 +148,7 @@ def _batches(items: list, numel: int) -> list[list]:
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon for 2-D weights ``[A, B]``; see the module docstring for the update.
+    """Muon for 2-D weights ``[A, B]`` and stacks ``[S, A, B]``; see the module docstring.
 
     Group options: ``lr``, ``weight_decay``, ``momentum`` (0.95), ``nesterov`` (True),
     ``ns_steps`` (5) and ``heads``: None (whole matrix), an int (every parameter of the group
@@ -193,13 +196,7 @@ class Muon(torch.optim.Optimizer):
         # rejected group is removed so a caller that catches the error keeps a sound optimizer.
         try:
             for p, name, heads in self._per_param(self.param_groups[-1]):
-                if p.ndim != 2:
-                    what = f"parameter {name!r}" if name else "a parameter"
-                    raise ValueError(
-                        f"Muon only handles 2-D matrices; {what} has shape {tuple(p.shape)} "
-                        "(route it to AdamW)"
-                    )
-                _check_heads(tuple(p.shape), heads, name)
+                _check_matrix(tuple(p.shape), heads, name)
         except ValueError:
             self.param_groups.pop()
             raise

@@ -73,9 +73,9 @@ def build_param_table(
 ) -> list[ParamEntry]:
     """Resolve every trainable parameter against ``rules`` (first match wins).
 
-    Unmatched parameters get ``default_2d`` if 2-D, else ``default_other``. Only 2-D
-    parameters may use Muon; a rule that sends another shape to Muon raises naming the
-    parameter. Frozen parameters (``requires_grad=False``) and repeats of an already-listed
+    Unmatched parameters get ``default_2d`` if 2-D, else ``default_other``. Muon takes 2-D
+    parameters and, by an explicit rule, 3-D stacks of matrices (routed experts); a rule that
+    sends another shape to Muon raises naming the parameter. Frozen parameters (``requires_grad=False``) and repeats of an already-listed
     tensor (tied weights) are left out: an optimizer must see each tensor once.
     """
     rules = list(rules)
@@ -95,10 +95,11 @@ def build_param_table(
             table.append(ParamEntry(name, param, kind))
             continue
         if rule.optimizer == "muon":
-            if param.ndim != 2:
+            if param.ndim not in (2, 3) or (param.ndim == 3 and rule.heads is not None):
                 raise ValueError(
                     f"rule {rule.pattern!r} sends parameter {name!r} of shape "
-                    f"{tuple(param.shape)} to Muon, which only handles 2-D matrices"
+                    f"{tuple(param.shape)} to Muon, which handles 2-D matrices (heads optional) "
+                    f"and 3-D stacks of matrices [S, A, B] (no heads)"
                 )
             if rule.heads is not None and param.shape[0] % rule.heads != 0:
                 raise ValueError(

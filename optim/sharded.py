@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from .muon import _batches, muon_updates
+from .muon import _batches, _check_matrix, muon_updates
 from .param_table import ParamEntry
 
 __all__ = ["ShardedOptimizer", "plan_muon_owners"]
@@ -124,8 +124,8 @@ class ShardedOptimizer:
         self._step, self._reduced, self._norm = 0, False, None
         use_muon = [name == "muon" and e.optimizer == "muon" for e in self.table]
         for e, m in zip(self.table, use_muon):
-            if m and e.param.ndim != 2:
-                raise ValueError(f"Muon only handles 2-D matrices; {e.name!r} has shape {e.shape}")
+            if m:
+                _check_matrix(e.shape, e.heads, e.name)
 
         # Groups as build_optimizer makes them (Muon first, then AdamW; one per (lr, wd) mult).
         self.param_groups: list[dict[str, Any]] = []

@@ -4,8 +4,8 @@ Muon takes the 2-D hidden matrices (projections, output gates, dense FFN, MoE la
 and shared experts). KDA q/k/v and MLA q/kv up-projections are orthogonalised per head (K3).
 AdamW takes embeddings, head, norms, AttnRes queries, the router, conv filters, A_log, dt_bias
 and the beta / forget-gate projections (small gate parameters whose scale matters more than
-their direction). Routed-expert weights are 3-D ``[E, in, out]`` and stay on AdamW until the
-expert-sharded Muon step lands. Norm-like parameters get no weight decay.
+their direction). Routed-expert weights are 3-D ``[E, in, out]``: Muon treats each as E
+matrices, each expert orthogonalised on its own. Norm-like parameters get no weight decay.
 """
 from __future__ import annotations
 
@@ -20,10 +20,12 @@ from optim import ParamRule, ShardedOptimizer, build_optimizer, build_param_tabl
 
 _NO_DECAY = r"(norm|\.query$|A_log|dt_bias|bias$|o_norm_weight)"
 _ADAMW = r"(embed\.|head\.|router\.|_conv$|\.b_proj\.|\.f_down\.|\.f_up\.)"
+_EXPERTS = r"\.experts\.w_(gate|up|down)$"
 
 
 def k3_param_rules(model: nn.Module, per_head: bool) -> list[ParamRule]:
-    rules = [ParamRule(_NO_DECAY, "adamw", wd_mult=0.0), ParamRule(_ADAMW, "adamw")]
+    rules = [ParamRule(_NO_DECAY, "adamw", wd_mult=0.0), ParamRule(_ADAMW, "adamw"),
+             ParamRule(_EXPERTS, "muon")]
     if per_head:
         for name, mod in model.named_modules():
             prefix = re.escape(name)

@@ -123,7 +123,32 @@ def test_rejects_non_matrix_with_name():
     with pytest.raises(ValueError, match="2-D.*'norm.weight'"):
         Muon([("norm.weight", torch.nn.Parameter(torch.ones(8)))], lr=0.1)
     with pytest.raises(ValueError, match="2-D"):
-        Muon([torch.nn.Parameter(torch.ones(2, 3, 4))], lr=0.1)
+        Muon([torch.nn.Parameter(torch.ones(2, 3, 4, 5))], lr=0.1)
+    with pytest.raises(ValueError, match="per-head Muon splits the rows of a 2-D matrix"):
+        Muon([{"params": [torch.nn.Parameter(torch.ones(2, 8, 4))], "heads": 2}], lr=0.1)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_expert_stack_equals_separate_matrices(nesterov):
+    """A [S, A, B] parameter (routed experts) steps exactly as S separate [A, B] parameters."""
+    torch.manual_seed(3)
+    stack = torch.nn.Parameter(torch.randn(5, 12, 20))
+    singles = [torch.nn.Parameter(stack.detach()[i].clone()) for i in range(5)]
+    kw = dict(lr=0.05, weight_decay=0.1, momentum=0.9, nesterov=nesterov)
+    opt_stack, opt_singles = Muon([stack], **kw), Muon(singles, **kw)
+    for _ in range(3):
+        g = torch.randn(5, 12, 20)
+        stack.grad = g.clone()
+        for i, p in enumerate(singles):
+            p.grad = g[i].clone()
+        opt_stack.step()
+        opt_singles.step()
+    torch.testing.assert_close(stack.detach(), torch.stack([p.detach() for p in singles]), atol=1e-6, rtol=1e-6)
+    # Each expert's update is orthogonalised on its own: its RMS is the per-matrix Moonlight scale.
+    upd = muon_update(torch.randn(5, 12, 20), torch.zeros(5, 12, 20), momentum=0.9, nesterov=False,
+                      heads=None, ns_steps=5)
+    rms = upd.pow(2).mean(dim=(1, 2)).sqrt()
+    assert ((rms > 0.1) & (rms < 0.3)).all(), rms
 
 
 def _make(seed: int):

@@ -19,7 +19,8 @@ from tests.multiproc import run_multiprocess
 TOL = dict(atol=1e-5, rtol=1e-5)
 HP = dict(lr=0.02, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
 RULES = [ParamRule(r"^embed\.", "adamw", wd_mult=0.0), ParamRule(r"^head\.", "adamw", lr_mult=0.5),
-         ParamRule(r"q_proj", "muon", heads=4), ParamRule(r"(bias|A_log)$", "adamw", wd_mult=0.0)]
+         ParamRule(r"q_proj", "muon", heads=4), ParamRule(r"(bias|A_log)$", "adamw", wd_mult=0.0),
+         ParamRule(r"^experts\.w_in$", "muon")]   # a 3-D expert stack [E, A, B] on Muon
 # Odd AdamW total (88 + 8 + 24 + 3 + 88 = 211 elements) so every DP size pads its last shard.
 SHAPES = {"embed.weight": (11, 8), "attn.q_proj.weight": (16, 8), "attn.A_log": (3,),
           "mlp.up.weight": (24, 8), "mlp.up.bias": (24,), "mlp.down.weight": (8, 24),
