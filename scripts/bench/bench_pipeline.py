@@ -1,8 +1,9 @@
 """PP=2 step time: AttnRes + cached transport vs AttnRes + naive vs the standard residual, V in {1,2,4}.
 
-    torchrun --nproc-per-node 2 scripts/bench/bench_pipeline.py [--json OUT] [--small --device cpu]
+    torchrun --nproc-per-node 2 scripts/bench/bench_pipeline.py [--json OUT] [--device cpu --small|--medium]
 
-Same model, batch and schedule for every variant; prints the step time of each, the overhead of
+Same model, batch and schedule for every variant; the variants of one V step in turns. Prints
+the step time of each, the overhead of
 AttnRes+cached over the standard residual, bytes per step and the measured bubble next to
 (P-1)/(V*m).
 """
@@ -31,6 +32,12 @@ SMALL = ["model.num_layers=8", "model.dense_layers=8", "model.hidden_size=64", "
          "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=16", "model.mla.q_lora_rank=32",
          "model.mla.kv_lora_rank=32", "model.ffn.intermediate_size=128", "train.seq_len=64",
          "train.microbatches=8"]
+# Big enough on CPU that compute, not the host, sets the step time (a cross-check of GPU figures).
+MEDIUM = ["model.num_layers=8", "model.dense_layers=8", "model.hidden_size=256", "model.kda.num_heads=2",
+          "model.kda.head_dim=64", "model.mla.num_heads=2", "model.mla.qk_nope_head_dim=32",
+          "model.mla.qk_rope_head_dim=16", "model.mla.v_head_dim=32", "model.mla.q_lora_rank=64",
+          "model.mla.kv_lora_rank=64", "model.ffn.intermediate_size=1024", "train.seq_len=256",
+          "train.micro_batch_size=2", "train.microbatches=8"]
 VARIANTS = {"attnres_cached": ["model.attnres.enabled=true", "pipeline.attnres_transport=cached"],
             "attnres_naive": ["model.attnres.enabled=true", "pipeline.attnres_transport=naive"],
             "standard": ["model.attnres.enabled=false"]}
@@ -39,7 +46,8 @@ VARIANTS = {"attnres_cached": ["model.attnres.enabled=true", "pipeline.attnres_t
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--small", action="store_true", help="tiny widths: a smoke test of the script")
+    ap.add_argument("--medium", action="store_true", help="hidden 256, seq 256, 8 layers: a CPU cross-check")
     ap.add_argument("--vpp", default="1,2,4")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--json")
@@ -55,22 +63,27 @@ def main() -> None:
 
     results, compiled = [], []
     for vpp in map(int, args.vpp.split(",")):
+        # All three variants of one V live at once and step in turns (round r: cached, naive,
+        # standard), so drift on the machine (clocks, the allocator, a neighbour) hits them alike.
+        runs = {}
         for name, extra in VARIANTS.items():
-            overrides = [*BASE, *(SMALL if args.small else []), *extra, "parallel.pp=2", f"parallel.vpp={vpp}",
+            size = SMALL if args.small else MEDIUM if args.medium else []
+            overrides = [*BASE, *size, *extra, "parallel.pp=2", f"parallel.vpp={vpp}",
                          f"train.device={args.device}"]
             cfg = load_config("configs/k3_tiny.yaml", overrides)
-            prepare_cuda_env(cfg)  # before CUDA starts (the first variant): see k3train/cuda_env.py
-            info = init_distributed(1, 2, vpp, 1, args.device)
-            dev = torch.device(args.device, info.local_rank) if args.device == "cuda" else torch.device("cpu")
+            if not runs:
+                prepare_cuda_env(cfg)  # before CUDA starts (the first variant): see k3train/cuda_env.py
+                info = init_distributed(1, 2, vpp, 1, args.device)  # one set of groups per V
+                dev = torch.device(args.device, info.local_rank) if args.device == "cuda" else torch.device("cpu")
             if not compiled:
                 # Compile every Triton kernel and autotune candidate once, in parallel, on a
                 # throwaway copy (its hops must not count in the recorder); all variants share them.
                 compiled.append(TrainState(cfg, info, dev).compile_kernels())
             recorder = CommRecorder()
-            state = TrainState(cfg, info, dev, recorder=recorder)
-            data = build_data(cfg, parallel_state.get_data_parallel_rank(), info.dp)
-            times = []
-            for step in range(args.steps + 2):
+            runs[name] = (TrainState(cfg, info, dev, recorder=recorder), recorder,
+                          build_data(cfg, parallel_state.get_data_parallel_rank(), info.dp), [])
+        for step in range(args.steps + 2):
+            for state, _recorder, data, times in runs.values():
                 batch = next(data.train)
                 if args.device == "cuda":
                     torch.cuda.synchronize()
@@ -80,6 +93,7 @@ def main() -> None:
                     torch.cuda.synchronize()
                 if step >= 2:  # the first steps agree shapes and (on GPU) autotune kernels
                     times.append(time.perf_counter() - t0)
+        for name, (_state, recorder, _data, times) in runs.items():
             recorder.gather(parallel_state.get_pipeline_model_parallel_group())
             if info.is_main:
                 table, bubble = recorder.bytes_table(), recorder.bubble_fraction()
@@ -87,9 +101,9 @@ def main() -> None:
                                 "fwd_bytes": table["measured_fwd"], "bubble": bubble["measured"],
                                 "bubble_theory": bubble["theory"]})
                 print(json.dumps(results[-1]), flush=True)
-            del state
-            if args.device == "cuda":
-                torch.cuda.empty_cache()
+        del runs
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     if results:
         std = {r["vpp"]: r["step_ms"] for r in results if r["variant"] == "standard"}
         print(f"\n{'variant':<16}{'V':>3}{'step ms':>10}{'vs standard':>13}{'fwd MB':>9}{'bubble':>8}{'(P-1)/(Vm)':>11}")
