@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 scripts/bench/bench_moe_dispatch.py            # 2 GPUs, NCCL
     torchrun --nproc-per-node 2 scripts/bench/bench_moe_dispatch.py --device cpu --small
+    torchrun --nproc-per-node 8 scripts/bench/bench_moe_dispatch.py --routing text   # EP=8, real text + QB
 
 Measured, per rank, on N tokens routed top-k over E experts (E/ep local experts per rank):
 
@@ -55,6 +56,9 @@ def parse_args() -> argparse.Namespace:
                    help="default bf16 on cuda, fp32 on cpu")
     p.add_argument("--warmup", type=int, default=None, help="default 5 (--small: 2)")
     p.add_argument("--iters", type=int, default=None, help="default 20 (--small: 5)")
+    p.add_argument("--routing", choices=["random", "text"], default="random",
+                   help="random: balanced random scores; text: the embedded corpus routed and "
+                        "balanced by Quantile Balancing (see text_qb_routing)")
     p.add_argument("--small", action="store_true",
                    help="CPU smoke shape: N=512 d=64 ffn=64 E=8 k=2")
     args = p.parse_args()
@@ -123,6 +127,44 @@ def routing(n: int, e: int, k: int, device: torch.device, seed: int):
     return top.indices, top.values / top.values.sum(-1, keepdim=True)
 
 
+def text_qb_routing(n: int, d: int, e: int, k: int, device: torch.device, rank: int):
+    """Routing of real text, balanced by one Quantile Balancing update over every rank's tokens.
+
+    Rank r routes tokens ``[r N, (r+1) N)`` of the embedded corpus (byte tokens). Token t's
+    router input is ``E1[tok_t] + E2[tok_{t-1}]`` with seeded random tables (the same on every
+    rank), so the scores carry real text's skewed byte and bigram frequencies; the router
+    ``[E, d]`` is seeded random too. Scores are sigmoid(x W^T); the bias comes from
+    ``quantile_balance_distributed`` over all ranks' scores (what the trainer does once per
+    step) and only selects: weights are the unbiased scores of the chosen experts, renormalised.
+    Returns indices and weights ``[N, k]``, and the global MaxVio before and after the bias.
+    """
+    from k3train.data.dataset import TokenSource
+    from k3train.data.tokenizer import get_tokenizer
+    from moe.balancing import quantile_balance_distributed
+    from moe.metrics import expert_load, max_vio
+
+    stream = torch.as_tensor(TokenSource.embedded(get_tokenizer("byte")).tokens)
+    if (rank + 1) * n + 1 > len(stream):
+        raise ValueError(f"--routing text needs {(rank + 1) * n + 1} corpus tokens, it has {len(stream)}")
+    tok = stream[rank * n + 1:(rank + 1) * n + 1]
+    prev = stream[rank * n:(rank + 1) * n]
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    e1, e2 = torch.randn(2, 257, d, generator=gen)
+    router = torch.randn(e, d, generator=gen) / d ** 0.5
+    scores = torch.sigmoid((e1[tok] + e2[prev]) @ router.T).to(device)          # [N, E]
+
+    def global_maxvio(indices):
+        load = expert_load(indices, e)
+        dist.all_reduce(load)
+        return float(max_vio(load))
+
+    raw = torch.topk(scores, k, dim=-1).indices
+    bias = quantile_balance_distributed(scores, torch.zeros(e, device=device), k)
+    idx = torch.topk(scores + bias, k, dim=-1).indices
+    w = scores.gather(1, idx)
+    return idx, w / w.sum(-1, keepdim=True), global_maxvio(raw), global_maxvio(idx)
+
+
 def main() -> None:
     args = parse_args()
     if args.device == "cuda":
@@ -140,7 +182,11 @@ def main() -> None:
     elt = torch.finfo(dtype).bits // 8
 
     x = torch.randn(n, d, device=device, dtype=dtype)
-    idx, w = routing(n, e, k, device, seed=rank)
+    if args.routing == "text":
+        idx, w, vio_raw, vio_qb = text_qb_routing(n, d, e, k, device, rank)
+    else:
+        idx, w = routing(n, e, k, device, seed=rank)
+    idx = idx.to(device)
     dispatchers = {"dynamic": GroupedAllToAllDispatcher(e),
                    "static": GroupedAllToAllDispatcher(e, capacity_factor=args.capacity_factor)}
     rows = []
@@ -193,8 +239,11 @@ def main() -> None:
 
     if rank == 0:
         print(f"ep={world} device={args.device} dtype={args.dtype} N={n}/rank d={d} E={e} "
-              f"k={k} ffn={args.ffn} capacity_factor={args.capacity_factor} "
+              f"k={k} ffn={args.ffn} capacity_factor={args.capacity_factor} routing={args.routing} "
               f"(median of {args.iters}, slowest rank)")
+        if args.routing == "text":
+            print(f"text routing: MaxVio over all ranks {vio_raw:.3f} unbalanced -> {vio_qb:.3f} "
+                  f"after one Quantile Balancing update")
         print(f"{'what':32s} {'ms':>9s} {'GB/s':>9s} {'vs plain':>9s} {'host reads':>11s} "
               f"{'cuda syncs':>11s}")
         for label, t, bw, ratio, reads, syncs in rows:
