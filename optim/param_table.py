@@ -75,8 +75,9 @@ def build_param_table(
 
     Unmatched parameters get ``default_2d`` if 2-D, else ``default_other``. Muon takes 2-D
     parameters and, by an explicit rule, 3-D stacks of matrices (routed experts); a rule that
-    sends another shape to Muon raises naming the parameter. Frozen parameters (``requires_grad=False``) and repeats of an already-listed
-    tensor (tied weights) are left out: an optimizer must see each tensor once.
+    sends another shape to Muon raises naming the parameter. Frozen parameters
+    (``requires_grad=False``) and repeats of an already-listed tensor (tied weights) are left
+    out: an optimizer must see each tensor once.
     """
     rules = list(rules)
     _check_optimizer(default_2d, "default_2d")

@@ -216,9 +216,10 @@ class PrecisionConfig(_Strict):
 
     recipe: Literal["bf16", "fp32", "fp8", "mxfp8", "mxfp4_qat"] = "bf16"
     """bf16: bf16 autocast on CUDA, fp32 on CPU. fp32: no autocast on any device (GPU reference
-    runs: parallel GPU runs then agree with one GPU to fp32 rounding, not bf16's). mxfp4_qat: MXFP4 (E2M1) weights + MXFP8 (E4M3)
-    activations, fake-quantised with straight-through gradients (K3). mxfp8: E4M3 weights and
-    activations, same mechanism. fp8: torchao float8 training on CUDA (compute capability >= 8.9)."""
+    runs: parallel GPU runs then agree with one GPU to fp32 rounding, not bf16's). mxfp4_qat:
+    MXFP4 (E2M1) weights + MXFP8 (E4M3) activations, fake-quantised with straight-through
+    gradients (K3). mxfp8: E4M3 weights and activations, same mechanism. fp8: torchao float8
+    training on CUDA (compute capability >= 8.9)."""
     scope: list[str] | None = None
     """Regexes searched (``re.search``) in module names with global layer indices, e.g.
     ``layers.3.ffn.experts``. A matched container quantises every quantisable module inside it
