@@ -104,6 +104,18 @@ def main() -> int:
     common = ["--config", "configs/k3_tiny.yaml"]
     steps = [f"train.steps={args.steps}", f"train.eval_interval={args.steps}", f"train.device={args.device}"]
     refs: dict[tuple, list[float]] = {}
+
+    def reference(overrides: list[str]) -> list[float]:
+        """Losses of the one-GPU run with ``overrides`` (run once per distinct set)."""
+        key = tuple(sorted(overrides))
+        if key not in refs:
+            rdir = out / f"ref_{len(refs)}"
+            secs = run([sys.executable, "-m", "k3train", "train", *common, "--run-dir", str(rdir), *BASE,
+                        *steps, *overrides], out / f"ref_{len(refs)}.log", args.run_limit)
+            print(f"reference {' '.join(overrides)}: {secs:.0f} s", flush=True)
+            refs[key] = losses(rdir)
+        return refs[key]
+
     ok = True
     for name in (args.only.split(",") if args.only else VARIANTS):
         par, ref = VARIANTS[name]
@@ -111,22 +123,12 @@ def main() -> int:
         if fp32:
             par, ref = [*par, "precision.recipe=fp32"], [*ref, "precision.recipe=fp32"]
 
-        def reference(overrides: list[str]) -> list[float]:
-            key = tuple(sorted(overrides))   # one run per distinct reference
-            if key not in refs:
-                rdir = out / f"ref_{len(refs)}"
-                secs = run([sys.executable, "-m", "k3train", "train", *common, "--run-dir", str(rdir), *BASE,
-                            *steps, *overrides], out / f"ref_{len(refs)}.log", args.run_limit)
-                print(f"reference {' '.join(overrides)}: {secs:.0f} s", flush=True)
-                refs[key] = losses(rdir)
-            return refs[key]
-
         try:
-            reference(ref)
+            want = reference(ref)
             pdir = out / name
             secs = run(["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "k3train", "train", *common,
                         "--run-dir", str(pdir), *BASE, *steps, *par], out / f"{name}.log", args.run_limit)
-            got, want = losses(pdir), reference(ref)
+            got = losses(pdir)
             diffs = [abs(a - b) for a, b in zip(got, want)]
             row = {"variant": name, "seconds": round(secs), "steps": len(got), "step1_diff": diffs[0], "mean_diff": sum(diffs) / len(diffs),
                    "first_loss": got[0], "last_loss": got[-1], "ref_last_loss": want[-1]}
