@@ -57,22 +57,20 @@ class SpanTimer:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.t0 = time.perf_counter()
-        self._origin = self._mark() if self.cuda else None
-        self._open = {}
+        self._origin = self.mark() if self.cuda else None
         self._done: list[tuple[str, int, int, object, object]] = []
 
-    def _mark(self):
+    def mark(self):
+        """A point in time: ``perf_counter()`` on CPU, a recorded CUDA event on GPU."""
         if not self.cuda:
             return time.perf_counter()
         ev = torch.cuda.Event(enable_timing=True)
         ev.record()
         return ev
 
-    def start(self, key) -> None:
-        self._open[key] = self._mark()
-
-    def stop(self, key, kind: str, chunk: int, microbatch: int) -> None:
-        self._done.append((kind, chunk, microbatch, self._open.pop(key), self._mark()))
+    def add(self, kind: str, chunk: int, microbatch: int, start) -> None:
+        """Close the span opened by ``start = mark()``."""
+        self._done.append((kind, chunk, microbatch, start, self.mark()))
 
     def spans(self) -> list[tuple[str, int, int, float, float]]:
         """``(kind, chunk, microbatch, start_s, end_s)`` per op, in the order they were stopped."""

@@ -155,13 +155,13 @@ class PipelineEngine:
                 key = self._needs(op)
                 if key is not None:
                     self.comm.wait(key, op.chunk)
-                timer.start(i)
+                start = timer.mark()
             if op.kind == "F":
                 self._forward(op, microbatches[op.microbatch], training)
             else:
                 self._backward(op, len(microbatches))
             if timer is not None:
-                timer.stop(i, op.kind, op.chunk, op.microbatch)
+                timer.add(op.kind, op.chunk, op.microbatch, start)
         self.comm.finish_sends()
         if timer is not None:
             for span in timer.spans():

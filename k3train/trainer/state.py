@@ -19,7 +19,7 @@ from moe import Balancer, LoadTracker, expert_load
 from pipeline import CommRecorder
 
 
-def autocast_for(cfg, device: torch.device):
+def autocast_for(cfg: RunConfig, device: torch.device):
     """The step's autocast context: bf16 on CUDA unless ``precision.recipe=fp32``; none on CPU."""
     if device.type == "cuda" and cfg.precision.recipe != "fp32":
         return torch.autocast("cuda", dtype=torch.bfloat16)

@@ -62,23 +62,23 @@ def main() -> None:
     from pipeline import CommRecorder
 
     results, compiled = [], []
+    size = SMALL if args.small else MEDIUM if args.medium else []
     for vpp in map(int, args.vpp.split(",")):
         # All three variants of one V live at once and step in turns (round r: cached, naive,
         # standard), so drift on the machine (clocks, the allocator, a neighbour) hits them alike.
+        cfgs = {name: load_config("configs/k3_tiny.yaml", [*BASE, *size, *extra, "parallel.pp=2",
+                                                             f"parallel.vpp={vpp}", f"train.device={args.device}"])
+                for name, extra in VARIANTS.items()}
+        first = next(iter(cfgs.values()))
+        prepare_cuda_env(first)  # before CUDA starts (the first V): see k3train/cuda_env.py
+        info = init_distributed(1, 2, vpp, 1, args.device)  # one set of groups for the V's variants
+        dev = torch.device(args.device, info.local_rank) if args.device == "cuda" else torch.device("cpu")
+        if not compiled:
+            # Compile every Triton kernel and autotune candidate once, in parallel, on a
+            # throwaway copy (its hops must not count in the recorder); all variants share them.
+            compiled.append(TrainState(first, info, dev).compile_kernels())
         runs = {}
-        for name, extra in VARIANTS.items():
-            size = SMALL if args.small else MEDIUM if args.medium else []
-            overrides = [*BASE, *size, *extra, "parallel.pp=2", f"parallel.vpp={vpp}",
-                         f"train.device={args.device}"]
-            cfg = load_config("configs/k3_tiny.yaml", overrides)
-            if not runs:
-                prepare_cuda_env(cfg)  # before CUDA starts (the first variant): see k3train/cuda_env.py
-                info = init_distributed(1, 2, vpp, 1, args.device)  # one set of groups per V
-                dev = torch.device(args.device, info.local_rank) if args.device == "cuda" else torch.device("cpu")
-            if not compiled:
-                # Compile every Triton kernel and autotune candidate once, in parallel, on a
-                # throwaway copy (its hops must not count in the recorder); all variants share them.
-                compiled.append(TrainState(cfg, info, dev).compile_kernels())
+        for name, cfg in cfgs.items():
             recorder = CommRecorder()
             runs[name] = (TrainState(cfg, info, dev, recorder=recorder), recorder,
                           build_data(cfg, parallel_state.get_data_parallel_rank(), info.dp), [])
