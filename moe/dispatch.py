@@ -13,6 +13,9 @@ from typing import Any
 
 import torch
 
+from .metrics import expert_load
+from .permute import permute_rows, repeat_rows, weighted_sum
+
 
 class TokenDispatcher(ABC):
     """Interface shared by the local and the expert-parallel dispatchers.
@@ -42,9 +45,10 @@ class TokenDispatcher(ABC):
 @dataclass
 class LocalDispatchState:
     """row_of_slot: ``[N*k]`` sorted row holding slot ``i*k + j`` (token i, choice j);
-    weights: ``[N, k]`` routing weights."""
+    order: ``[N*k]`` its inverse (the slot each sorted row holds); weights: ``[N, k]``."""
 
     row_of_slot: torch.Tensor
+    order: torch.Tensor
     weights: torch.Tensor
 
 
@@ -57,23 +61,18 @@ class LocalDispatcher(TokenDispatcher):
 
     def dispatch(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, LocalDispatchState]:
-        n, k = indices.shape
+        k = indices.shape[1]
         flat = indices.reshape(-1)
         # Stable sort: within one expert rows keep token order, so the layout (and any
         # per-expert numerics) does not depend on the sort implementation.
         order = torch.argsort(flat, stable=True)
         row_of_slot = torch.empty_like(order)
         row_of_slot[order] = torch.arange(order.numel(), device=order.device)
-        tokens_per_expert = torch.bincount(flat, minlength=self.num_experts)
-        state = LocalDispatchState(row_of_slot, weights)
-        return x.index_select(0, order // k), tokens_per_expert, state
+        tokens_per_expert = expert_load(flat, self.num_experts)  # no host sync
+        state = LocalDispatchState(row_of_slot, order, weights)
+        return repeat_rows(x, order, row_of_slot, k), tokens_per_expert, state
 
     def combine(self, y_sorted: torch.Tensor, state: LocalDispatchState) -> torch.Tensor:
-        n, k = state.weights.shape
-        # Gather back to [N, k, d] and reduce over k instead of a scatter-add: no atomics, so
-        # the result is bitwise deterministic on GPU too. The weighted k-way sum runs in at
-        # least fp32 (the routing weights are fp32; bf16 accumulation would lose bits).
-        acc_dtype = torch.promote_types(y_sorted.dtype, torch.float32)
-        y = y_sorted.index_select(0, state.row_of_slot).view(n, k, -1).to(acc_dtype)
-        out = (y * state.weights.to(acc_dtype).unsqueeze(-1)).sum(dim=1)
-        return out.to(y_sorted.dtype)
+        # Gather back to slot order and reduce over k instead of a scatter-add: no atomics, so
+        # the result is bitwise deterministic on GPU too.
+        return weighted_sum(permute_rows(y_sorted, state.row_of_slot, state.order), state.weights)

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from .dispatch import TokenDispatcher
+from .permute import permute_rows, repeat_rows, weighted_sum
 
 
 class _AllToAll(torch.autograd.Function):
@@ -82,25 +83,19 @@ def all_to_all_rows(x: torch.Tensor, out_rows: int, out_splits: list[int] | None
     return _AllToAll.apply(x, out_rows, out_splits, in_splits, group)
 
 
-def _weighted_sum(y_slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """y_slots: ``[N*k, d]`` in slot order (token i, choice j at i*k+j); weights ``[N, k]``
-    -> ``[N, d]``. Gather + sum over k (no scatter-add: deterministic), accumulated in fp32."""
-    n, k = weights.shape
-    acc = torch.promote_types(y_slots.dtype, torch.float32)
-    y = y_slots.view(n, k, y_slots.shape[-1]).to(acc)
-    return (y * weights.to(acc).unsqueeze(-1)).sum(dim=1).to(y_slots.dtype)
-
-
 @dataclass
 class A2ADispatchState:
     """What combine needs. row_of_slot: ``[N*k]`` row of the returned buffer holding slot
     ``i*k+j`` (static: ``E*C`` = the appended zero row for dropped slots); weights ``[N, k]``.
-    Dynamic only: regroup ``[M]`` (x_sorted row m = received row regroup[m]), host split
-    lists. Static only: ``capacity`` C."""
+    Dynamic only: regroup ``[M]`` (x_sorted row m = received row regroup[m]) and its inverse,
+    ``order`` ``[N*k]`` (the inverse of row_of_slot), host split lists. Static only:
+    ``capacity`` C."""
 
     row_of_slot: torch.Tensor
     weights: torch.Tensor
     regroup: torch.Tensor | None = None
+    regroup_inverse: torch.Tensor | None = None
+    order: torch.Tensor | None = None
     send_splits: list[int] | None = None
     recv_splits: list[int] | None = None
     capacity: int = 0
@@ -183,9 +178,9 @@ class GroupedAllToAllDispatcher(TokenDispatcher):
         k = indices.shape[1]
         ep, e_loc = self.ep_size, self.num_local_experts
         _, order, counts = self._slot_order(indices)
-        x_perm = x.index_select(0, order // k)                     # [N*k, d], expert-major
         row_of_slot = torch.empty_like(order)
         row_of_slot[order] = torch.arange(order.numel(), device=order.device)
+        x_perm = repeat_rows(x, order, row_of_slot, k)             # [N*k, d], expert-major
         # recv_counts[s, l]: rows source rank s sends to our local expert l.
         recv_counts = counts
         if self._comm:
@@ -203,16 +198,17 @@ class GroupedAllToAllDispatcher(TokenDispatcher):
         tokens_per_expert = recv_counts.sum(0)
         self.dropped_tokens = torch.zeros((), dtype=torch.int64, device=x.device)
         self.real_tokens_per_expert = tokens_per_expert
-        state = A2ADispatchState(row_of_slot, weights, regroup, send_splits, recv_splits)
-        return recv.index_select(0, regroup), tokens_per_expert, state
+        inverse = torch.empty_like(regroup)
+        inverse[regroup] = torch.arange(inverse.numel(), device=inverse.device)
+        state = A2ADispatchState(row_of_slot, weights, regroup, inverse, order, send_splits, recv_splits)
+        return permute_rows(recv, regroup, inverse), tokens_per_expert, state
 
     def _combine_dynamic(self, y_sorted, state):
-        inverse = torch.empty_like(state.regroup)
-        inverse[state.regroup] = torch.arange(inverse.numel(), device=inverse.device)
-        y_recv = y_sorted.index_select(0, inverse)                 # back to (source, expert)
+        # back to (source, expert)
+        y_recv = permute_rows(y_sorted, state.regroup_inverse, state.regroup)
         y_back = self._exchange(y_recv, sum(state.send_splits), state.send_splits,
                                 state.recv_splits)                 # [N*k, d] expert-major
-        return _weighted_sum(y_back.index_select(0, state.row_of_slot), state.weights)
+        return weighted_sum(permute_rows(y_back, state.row_of_slot, state.order), state.weights)
 
     # ------------------------------------------------------------------ static
     def _dispatch_static(self, x, indices, weights):
@@ -252,4 +248,4 @@ class GroupedAllToAllDispatcher(TokenDispatcher):
         y_back = self._exchange(y_recv, rows, None, None)          # [E*C, d] expert-major
         # Dropped slots point at the appended zero row: they contribute exactly zero.
         y_pad = torch.cat([y_back, y_back.new_zeros(1, y_back.shape[1])])
-        return _weighted_sum(y_pad.index_select(0, state.row_of_slot), state.weights)
+        return weighted_sum(y_pad.index_select(0, state.row_of_slot), state.weights)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .activations import DEFAULT_BETA, DEFAULT_BETA_LIN, situ_glu
+from .norm import autocast_dtype
 
 _GMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -31,14 +32,6 @@ def _aligned_2d(t: torch.Tensor) -> bool:
     size = t.element_size()
     return (t.stride(-1) == 1 and (t.stride(-2) * size) % 16 == 0
             and t.data_ptr() % 16 == 0)
-
-
-def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
-    """The dtype autocast would run a GEMM on ``x``'s device in, or None outside autocast."""
-    dev = x.device.type
-    if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
-    return None
 
 
 def grouped_mm_supported(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -128,7 +121,7 @@ class GroupedExperts(nn.Module):
         tokens_per_expert: ``[E]`` integer counts summing to M. Returns ``[M, in]``."""
         w_gate, w_up, w_down = self._weights()
         x = self._act(x_sorted)
-        cast = _autocast_dtype(x)
+        cast = autocast_dtype(x)
         if cast is not None:
             # torch._grouped_mm has no autocast rule: cast both operands as autocast casts a
             # Linear's, else bf16 activations meet fp32 master weights and every step takes the

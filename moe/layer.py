@@ -13,26 +13,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 
 from .balancing import switch_aux_loss
 from .dispatch import LocalDispatcher, TokenDispatcher
 from .experts import GroupedExperts, SiTUGLUMLP
+from .norm import RMSNorm
 from .router import RouterOutput, SigmoidTopKRouter
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm over the last dim with a learnable weight, computed in (at least) fp32."""
-
-    def __init__(self, size: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = torch.promote_types(x.dtype, torch.float32)
-        y = F.rms_norm(x.to(dtype), (x.shape[-1],), self.weight.to(dtype), self.eps)
-        return y.to(x.dtype)
 
 
 class LatentMoE(nn.Module):

@@ -7,8 +7,13 @@ import torch
 
 
 def expert_load(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """indices: ``[N, k]`` (any shape) expert ids -> ``[E]`` int64 counts."""
-    return torch.bincount(indices.reshape(-1), minlength=num_experts)
+    """indices: ``[N, k]`` (any shape) expert ids -> ``[E]`` int64 counts.
+
+    A scatter-add of ones, not ``bincount``: CUDA bincount reads the max id on the host, a
+    device sync once per MoE layer per step."""
+    flat = indices.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def max_vio(load: torch.Tensor | Sequence[float]) -> torch.Tensor:

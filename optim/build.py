@@ -119,7 +119,10 @@ def build_optimizer(
                                lr=mlr, weight_decay=weight_decay, momentum=muon_momentum,
                                nesterov=True))
     if adamw_entries:
+        # torch's fused CUDA kernel: one launch per few tensors instead of a foreach chain of
+        # ~10 passes over the optimizer state, with the same update rule.
+        fused = all(e.param.is_cuda for e in adamw_entries) or None
         optimizers.append(torch.optim.AdamW(
             _groups(adamw_entries, "adamw", lr, weight_decay, muon=False),
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused))
     return CombinedOptimizer(optimizers)

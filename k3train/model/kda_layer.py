@@ -12,9 +12,11 @@ import math
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from k3train.model.common import (
-    ColumnLinear, RowLinear, divide, replicated_linear, sharded_param, tp_rank, tp_size,
+    ColumnLinear, RowLinear, divide, replicated_linear, sharded_param, sum_grad_over_tp, tp_rank,
+    tp_size,
 )
 from k3train.ops.gated_norm import head_norm_gate
 from k3train.ops.kda import kda_gated
@@ -52,19 +54,33 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm_weight = sharded_param(torch.ones(num_heads, head_dim), tp, rank)
         self.o_proj = RowLinear(width, hidden_size, out_std or std)
 
-    def _qkv(self, proj: ColumnLinear, conv: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        return short_conv_silu(proj(x), conv).view(B, T, self.num_heads, self.head_dim)
+    def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x ``[B, T, D]`` -> (q/k/v pre-conv ``[B, T, 3HK]``, gate logits ``[B, T, HK]``, beta
+        logits ``[B, T, H]``): the five input projections as one GEMM.
+
+        Concatenating the (local) weights per call costs a weight-sized copy; it saves reading x
+        five times, four dx GEMMs and their sum in backward, and four kernel launches each way.
+        QAT recipes quantise per projection, so they keep one GEMM each.
+        """
+        projs = (self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.b_proj)
+        W, H = self.num_heads * self.head_dim, self.num_heads
+        if any(p.quant is not None for p in projs):
+            y = torch.cat([p(x) for p in projs], dim=-1)
+        else:
+            # ColumnLinear all-reduces dx over tensor-parallel ranks; one GEMM needs one reduce.
+            y = F.linear(sum_grad_over_tp(x), torch.cat([p.weight for p in projs]))
+        return y.split([3 * W, W, H], dim=-1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, D] -> [B, T, D]. Under autocast the projections, KDA and output run in bf16;
         the gate, the norms and the sigmoids in fp32 (inside the kernels on CUDA)."""
         B, T, _ = x.shape
         shape = (B, T, self.num_heads, self.head_dim)
-        v = self._qkv(self.v_proj, self.v_conv, x)
-        q = self._qkv(self.q_proj, self.q_conv, x)
-        k = self._qkv(self.k_proj, self.k_conv, x)
+        qkv, gate, beta = self._projections(x)
+        # One depthwise conv over the 3HK q/k/v channels (fla's kernel reads the strided slice).
+        qkv = short_conv_silu(qkv, torch.cat([self.q_conv, self.k_conv, self.v_conv]))
+        q, k, v = (t.view(shape) for t in qkv.split(self.num_heads * self.head_dim, dim=-1))
         f = self.f_up(self.f_down(x)).view(shape)
-        o = kda_gated(q, k, v, f, self.b_proj(x), self.A_log, self.dt_bias, self.lower_bound)
-        o = head_norm_gate(o, self.o_norm_weight, self.g_proj(x).view(shape), self.eps)
+        o = kda_gated(q, k, v, f, beta, self.A_log, self.dt_bias, self.lower_bound)
+        o = head_norm_gate(o, self.o_norm_weight, gate.view(shape), self.eps)
         return self.o_proj(o.reshape(B, T, -1).to(x.dtype))

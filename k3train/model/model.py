@@ -25,6 +25,7 @@ from k3train.model.layout import expand_layer_pattern
 from k3train.model.mla import GatedMLA
 from k3train.quant.recipes import apply_precision, resolve_device
 from moe import GroupedAllToAllDispatcher, LatentMoE, LocalDispatcher
+from moe.norm import autocast_dtype
 from pipeline.stage_io import StageIO
 
 _EMBED_SALT, _HEAD_SALT = 0, 1_000_003
@@ -128,6 +129,11 @@ class K3Chunk(nn.Module):
 
     def embed_tokens(self, tokens: torch.Tensor) -> StageIO:
         h = self.embed(tokens)
+        if self.attnres:
+            # The fused depth mix wants every source in one dtype. Under autocast the blocks are
+            # sums of bf16 sublayer outputs, so the embedding joins them in bf16 here, once,
+            # instead of every mix casting every block to fp32 (an activation-sized copy each).
+            h = h.to(autocast_dtype(h) or h.dtype)
         return StageIO(hidden=None, blocks={0: h}) if self.attnres else StageIO(hidden=h, blocks={})
 
     def logits(self, io: StageIO) -> torch.Tensor:

@@ -8,6 +8,10 @@ Rows, all measured in this one run:
   ``TrainState.train_step``, exactly what ``k3train train`` runs. MFU = tokens/s x
   ``k3train.flops.flops_per_token`` / peak, where the peak is a bf16 8192^3 matmul timed in this
   run (not the datasheet), so MFU is relative to what this GPU really sustains.
+* ``k3_mini_accum4`` (row ``k3_mini_accum``): the same with 4 microbatches accumulated per
+  update, a 4x global batch; the optimizer update, a fixed cost per step (Muon's Newton-Schulz
+  on every expert), is then amortised as in a real run. Every row also reports ``optimizer_ms``,
+  the update alone.
 * The dense peer comparison at k3_mini's width and depth: every layer KDA + a dense SwiGLU-class
   FFN (fla's model has no MoE, and its softmax-attention layers need flash-attn), AttnRes off and
   on, AdamW on both sides, fp32 master weights with bf16 autocast on both sides. The peer is
@@ -27,7 +31,7 @@ import warnings
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import matmul_tflops, profile_table, save_json  # noqa: E402
+from common import matmul_tflops, profile_table, save_json, timeit  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -56,15 +60,26 @@ def time_steps(step, batches, warmup: int, device: str) -> list[float]:
     return times
 
 
-def ours(config: str, overrides: list[str], args, peak_tflops: float) -> dict:
-    """Step time, tokens/s and MFU of our trainer on ``config`` + ``overrides``."""
+def optimizer_ms(state, batch, device: str, iters: int = 3) -> float:
+    """Median time of the optimizer update alone (after one forward/backward fills the grads)."""
+    state._forward_backward(batch)
+    ms = timeit(state.optimizer.step, warmup=1, iters=iters, device=device)
+    state.optimizer.zero_grad(set_to_none=True)
+    for layer in state.moe_layers:
+        layer.clear_step_routing()
+    return ms
+
+
+def ours(config: str, overrides: list[str], args, peak_tflops: float, microbatches: int = 1) -> dict:
+    """Step time, tokens/s and MFU of our trainer on ``config`` + ``overrides``, each step
+    ``microbatches`` forward/backward passes of ``mbs x seq`` tokens and one optimizer update."""
     from k3train.config import load_config
     from k3train.distributed import init_distributed
     from k3train.flops import mfu
     from k3train.trainer.state import TrainState
 
     cfg = load_config(config, [*overrides, f"train.device={args.device}", f"train.micro_batch_size={args.mbs}",
-                               f"train.seq_len={args.seq}", "train.microbatches=1",
+                               f"train.seq_len={args.seq}", f"train.microbatches={microbatches}",
                                "logging.wandb.mode=disabled"])
     info = init_distributed(device=args.device)
     dev = torch.device(args.device)
@@ -72,13 +87,14 @@ def ours(config: str, overrides: list[str], args, peak_tflops: float) -> dict:
     state = TrainState(cfg, info, dev)
     compiled = state.compile_kernels()  # all Triton kernels + autotune candidates, in parallel
     g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, cfg.model.vocab_size, (args.mbs, args.seq + 1), generator=g)
+    batches = [torch.randint(0, cfg.model.vocab_size, (args.mbs * microbatches, args.seq + 1), generator=g)
                for _ in range(args.steps + args.warmup)]
     losses = []
     times = time_steps(lambda b: losses.append(state.train_step(b)["loss"]), batches, args.warmup, args.device)
     step_s = statistics.median(times)
-    tok_s = args.mbs * args.seq / step_s
+    tok_s = args.mbs * microbatches * args.seq / step_s
     row = {"step_ms": step_s * 1e3, "tokens_per_s": tok_s, "first_loss": losses[0], "last_loss": losses[-1],
+           "microbatches": microbatches, "optimizer_ms": optimizer_ms(state, batches[0], args.device),
            "params": sum(p.numel() for p in state.params), "compile_ahead": compiled}
     if peak_tflops > 0:
         row["mfu"] = mfu(tok_s, cfg, peak_tflops * 1e12, seq_len=args.seq)
@@ -88,6 +104,9 @@ def ours(config: str, overrides: list[str], args, peak_tflops: float) -> dict:
     if args.profile:
         print(f"profile of {config} {' '.join(overrides)}:\n"
               + profile_table(lambda: state.train_step(batches[0]), device=args.device), flush=True)
+        if args.profile_shapes:
+            print("the same, split by input shapes:\n" + profile_table(
+                lambda: state.train_step(batches[0]), rows=40, device=args.device, shapes=True), flush=True)
     del state
     return row
 
@@ -149,8 +168,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-peer", action="store_true", help="skip the fla comparison")
-    ap.add_argument("--rows", default="k3_mini,dense,peer", help="comma list of k3_mini, dense, peer")
+    ap.add_argument("--rows", default="k3_mini,dense,peer", help="comma list of k3_mini, k3_mini_accum, dense, peer")
     ap.add_argument("--profile", action="store_true", help="print the top operators of our rows")
+    ap.add_argument("--profile-shapes", action="store_true",
+                    help="with --profile, also split the operators by input shape")
     ap.add_argument("--json")
     args = ap.parse_args()
     from k3train.config import load_config
@@ -168,6 +189,10 @@ def main() -> None:
 
     if "k3_mini" in rows_wanted:
         report("k3_mini", ours(args.config, base, args, peak))
+    if "k3_mini_accum" in rows_wanted:
+        # The same model with a 4x global batch (4 microbatches accumulated per update): the
+        # optimizer step, fixed per update, is amortised as in a real run's large batch.
+        report("k3_mini_accum4", ours(args.config, base, args, peak, microbatches=4))
     cfg = load_config(args.config, base)
     m = cfg.model
     dense = [*base, "model.layer_pattern=K", f"model.dense_layers={m.num_layers}", "optim.name=adamw"]

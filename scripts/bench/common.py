@@ -37,18 +37,23 @@ def matmul_tflops(n: int = 8192, dtype=torch.bfloat16) -> float:
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
-def profile_table(fn, iters: int = 2, rows: int = 25, device: str = "cuda") -> str:
-    """Top ``rows`` operators of ``iters`` calls of ``fn`` by device time (where a step's time goes)."""
+def profile_table(fn, iters: int = 2, rows: int = 25, device: str = "cuda", shapes: bool = False) -> str:
+    """Top ``rows`` operators of ``iters`` calls of ``fn`` by device time (where a step's time goes).
+
+    shapes: also record input shapes and split each operator's row by them (attributes, e.g.,
+    ``aten::copy_`` calls to the tensors they copy)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=shapes) as prof:
         for _ in range(iters):
             fn()
         if device == "cuda":
             torch.cuda.synchronize()
     key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+    width = 100 if shapes else 60
+    return prof.key_averages(group_by_input_shape=shapes).table(
+        sort_by=key, row_limit=rows, max_name_column_width=60, max_shapes_column_width=width)
 
 
 def save_json(path: str | None, result: dict) -> None:

@@ -63,6 +63,42 @@ def test_kda_layer_matches_token_loop(world1):
     torch.testing.assert_close(layer(x), _reference_kda_layer(layer, x), **TIGHT)
 
 
+def test_kda_layer_gradients_match_token_loop(world1):
+    # The layer runs its five input projections as one GEMM over concatenated weights and one
+    # conv over the q/k/v channels; the reference keeps them separate, so the backward of the
+    # fused form (split gradients, one dx GEMM) is checked against it.
+    layer = KimiDeltaAttention(16, num_heads=2, head_dim=8, conv_size=4, std=0.3).double()
+    x = torch.randn(2, 7, 16, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(2, 7, 16, dtype=torch.float64)
+    params = [x, *layer.parameters()]
+    got = torch.autograd.grad(layer(x), params, dy)
+    ref = torch.autograd.grad(_reference_kda_layer(layer, x), params, dy)
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-11)
+
+
+def test_kda_layer_per_projection_path_equals_fused(world1):
+    # A QAT recipe quantises each projection on its own, which takes the one-GEMM-per-projection
+    # path; with an exact "quantiser" both paths must agree.
+    layer = KimiDeltaAttention(16, num_heads=2, head_dim=8, std=0.3).double()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    fused = layer(x)
+    for p in (layer.q_proj, layer.k_proj, layer.v_proj, layer.g_proj, layer.b_proj):
+        p.quant = F.linear
+    torch.testing.assert_close(layer(x), fused, rtol=1e-12, atol=1e-12)
+
+
+def test_attnres_embedding_joins_the_blocks_in_the_autocast_dtype(world1):
+    cfg = _tiny_cfg("model.attnres.enabled=true")
+    chunk = K3Chunk(cfg, 0, 1, first=True, last=False)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 5))
+    assert chunk.embed_tokens(tokens).blocks[0].dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        io = chunk.embed_tokens(tokens)
+    assert io.blocks[0].dtype == torch.bfloat16
+    torch.testing.assert_close(io.blocks[0].float(), chunk.embed(tokens), rtol=1e-2, atol=1e-3)
+
+
 def test_mla_matches_written_out_attention(world1):
     layer = GatedMLA(16, num_heads=2, q_lora_rank=8, kv_lora_rank=6, qk_nope_head_dim=4,
                      qk_rope_head_dim=3, v_head_dim=5, std=0.3).double()

@@ -1,0 +1,62 @@
+"""RMSNorm with fp32 math whose output is already in the dtype its consumer GEMMs run in.
+
+Under autocast a norm's fp32 output would be cast to bf16 by every Linear that reads it, once
+per consumer (a KDA input feeds five projections, a LatentMoE input three), and each cast's
+backward adds an fp32 gradient copy. Emitting the autocast dtype here makes that one cast,
+fused into the norm kernel on CUDA. Outside autocast the output keeps the input's dtype, so
+CPU runs and fp32 reference runs are unchanged.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch import nn
+
+
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast would run a GEMM on ``x``'s device in, or None outside autocast."""
+    dev = x.device.type
+    if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return None
+
+
+def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """x ``[..., D]``, weight ``[D]`` -> ``x / rms(x) * weight`` ``[..., D]`` in ``out_dtype``;
+    the mean of squares and the scaling run in fp32 (or wider, for fp64 inputs)."""
+    ct = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(ct)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(ct)
+    return y.to(out_dtype)
+
+
+@functools.cache
+def _compiled():
+    # One kernel forward (read bf16/fp32, write the GEMM dtype) and one or two backward, instead
+    # of an upcast copy, the norm and a downcast copy each way.
+    return torch.compile(rms_norm_eager, fullgraph=True)
+
+
+def rms_norm_to(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """``rms_norm_eager``, compiled on CUDA (``K3TRAIN_COMPILE=0`` keeps it eager)."""
+    if x.is_cuda and os.environ.get("K3TRAIN_COMPILE", "1") != "0":
+        return _compiled()(x, weight, eps, out_dtype)
+    return rms_norm_eager(x, weight, eps, out_dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim with a learnable weight ``[D]``, computed in (at least) fp32.
+
+    ``[..., D] -> [..., D]`` in the autocast dtype under autocast (see the module docstring),
+    else in the input's dtype.
+    """
+
+    def __init__(self, size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm_to(x, self.weight, self.eps, autocast_dtype(x) or x.dtype)

@@ -1,0 +1,79 @@
+"""Row gathers for token dispatch whose backward is a gather too, and the weighted combine.
+
+``x.index_select(0, idx)`` differentiates into ``index_add_``, an atomic scatter: on an H200
+profile of k3_mini its bf16 form took ~280 us per call (4% of the step) and its result depends
+on the order of the atomics. Dispatch indices have structure that makes the backward a gather:
+* a permutation ``perm`` with inverse ``inv``: the gradient is ``grad.index_select(0, inv)``;
+* "each token k times" (``order // k`` with ``order`` a permutation of the ``N*k`` slots):
+  the gradient of token ``i`` is the sum over its k slots, a gather by ``row_of_slot`` (the
+  inverse of ``order``) and a sum over k. Deterministic, no atomics.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+class _PermuteRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+class _RepeatRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, order: torch.Tensor, row_of_slot: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(row_of_slot)
+        ctx.k = k
+        return x.index_select(0, order // k)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (row_of_slot,) = ctx.saved_tensors
+        per_slot = grad.index_select(0, row_of_slot)  # [N*k, d] in slot order (token-major)
+        return per_slot.view(-1, ctx.k, grad.shape[-1]).sum(dim=1), None, None, None
+
+
+def permute_rows(x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """``x[perm]`` for ``x [M, d]`` and a permutation ``perm [M]`` of its rows, ``inverse[perm] =
+    arange(M)``. Same result as ``x.index_select(0, perm)``; backward gathers by ``inverse``."""
+    return _PermuteRows.apply(x, perm, inverse)
+
+
+def repeat_rows(x: torch.Tensor, order: torch.Tensor, row_of_slot: torch.Tensor, k: int) -> torch.Tensor:
+    """``x[order // k]`` ``[N*k, d]`` for ``x [N, d]``, where ``order [N*k]`` is a permutation of
+    the slots ``i*k + j`` and ``row_of_slot`` its inverse. Backward: each token's gradient is the
+    sum of its k slots' rows, gathered (no scatter-add)."""
+    return _RepeatRows.apply(x, order, row_of_slot, k)
+
+
+def weighted_sum_eager(y_slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """y_slots ``[N*k, d]`` in slot order (token i, choice j at row i*k+j); weights ``[N, k]``
+    -> ``[N, d]`` in y's dtype: per token the routing-weighted sum over its k rows, accumulated
+    in fp32 at least (the weights are fp32; a bf16 sum would lose bits)."""
+    n, k = weights.shape
+    acc = torch.promote_types(y_slots.dtype, torch.float32)
+    y = y_slots.view(n, k, y_slots.shape[-1]).to(acc)
+    return (y * weights.to(acc).unsqueeze(-1)).sum(dim=1).to(y_slots.dtype)
+
+
+@functools.cache
+def _compiled():
+    # Eager: upcast, multiply, reduce and downcast, four passes over [N*k, d] forward and more
+    # backward; compiled: one each way. Row counts vary under expert parallelism, so dynamic.
+    return torch.compile(weighted_sum_eager, fullgraph=True, dynamic=True)
+
+
+def weighted_sum(y_slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``weighted_sum_eager``, compiled on CUDA (``K3TRAIN_COMPILE=0`` keeps it eager)."""
+    if y_slots.is_cuda and os.environ.get("K3TRAIN_COMPILE", "1") != "0":
+        return _compiled()(y_slots, weights)
+    return weighted_sum_eager(y_slots, weights)
