@@ -87,6 +87,16 @@ class LatentMoE(nn.Module):
     def clear_step_routing(self) -> None:
         self._step_routing = []
 
+    def step_routing_list(self) -> list[RouterOutput]:
+        """The routing recorded by each training forward since ``clear_step_routing``."""
+        return list(self._step_routing)
+
+    def set_step_routing_list(self, routing: list[RouterOutput]) -> None:
+        """Re-attach routing recorded elsewhere (a replayed CUDA graph writes its tensors)."""
+        self._step_routing = list(routing)
+        if routing:
+            self.last_routing = routing[-1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ``[B, T, d]`` or ``[N, d]`` -> same shape and dtype."""
         shape = x.shape

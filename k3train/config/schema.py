@@ -177,6 +177,10 @@ class TrainConfig(_Strict):
     compile_ahead: bool = True
     """On CUDA with fla's kernels: compile every Triton kernel of the step in parallel before
     step 1 (a throwaway forward/backward; weights untouched). No effect on CPU."""
+    cuda_graph: bool = False
+    """CUDA only: capture the step's forward and backward in a CUDA graph after two eager steps
+    and replay it (k3train/trainer/cuda_graph.py): the host no longer launches every kernel.
+    Needs pp = tp = ep = 1 and precision.recipe bf16 or fp32."""
 
 
 class OptimConfig(_Strict):
@@ -286,6 +290,14 @@ class RunConfig(_Strict):
         if m.dense_layers > m.num_layers:
             raise ValueError(f"model.dense_layers ({m.dense_layers}) exceeds model.num_layers ({m.num_layers})")
         pr = self.precision
+        if self.train.cuda_graph:
+            p = self.parallel
+            bad = {k: v for k, v in (("parallel.pp", p.pp), ("parallel.tp", p.tp), ("parallel.ep", p.ep)) if v != 1}
+            if bad or pr.recipe not in ("bf16", "fp32") or self.train.device == "cpu":
+                raise ValueError(
+                    "train.cuda_graph captures a one-device forward/backward: it needs parallel.pp, tp and "
+                    f"ep = 1 (got {bad or 'ok'}), precision.recipe bf16 or fp32 (got {pr.recipe}) and a "
+                    f"CUDA device (train.device={self.train.device}); set train.cuda_graph=false otherwise")
         # scope None is the recipe default, which for the MX recipes is the routed experts.
         if pr.recipe in ("mxfp4_qat", "mxfp8") and any("experts" in pat for pat in pr.scope or ["experts"]):
             bad = {k: v for k, v in (("moe.latent_size", self.moe.latent_size),

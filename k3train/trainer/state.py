@@ -12,6 +12,7 @@ from k3train.model.info import count_parameters
 from k3train.model.layer import AuxLossAttach
 from k3train.ops import use_fla
 from k3train.ops.triton_compile import compile_ahead
+from k3train.trainer.cuda_graph import GraphedForwardBackward
 from k3train.trainer.grads import allreduce_mean, allreduce_sum_then_scale, clip_, grad_norm
 from k3train.trainer.optimizer import build_k3_optimizer
 from k3train.trainer.parts import build_parts
@@ -20,9 +21,10 @@ from pipeline import CommRecorder
 
 
 def autocast_for(cfg: RunConfig, device: torch.device):
-    """The step's autocast context: bf16 on CUDA unless ``precision.recipe=fp32``; none on CPU."""
+    """The step's autocast context: bf16 on CUDA unless ``precision.recipe=fp32``; none on CPU.
+    Without the weight-cast cache under ``train.cuda_graph`` (a cached cast would be recorded)."""
     if device.type == "cuda" and cfg.precision.recipe != "fp32":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+        return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not cfg.train.cuda_graph)
     return contextlib.nullcontext()
 
 
@@ -60,6 +62,12 @@ class TrainState:
         self.sharded = sharding is not None
         self._bytes_logged = 0
         self.autocast = autocast_for(cfg, device)
+        self.graphed = None
+        if cfg.train.cuda_graph:
+            if device.type != "cuda":
+                raise ValueError(f"train.cuda_graph needs a CUDA device, this run is on {device.type}; "
+                                 "set train.cuda_graph=false")
+            self.graphed = GraphedForwardBackward(self._forward_backward, self.params, self.moe_layers)
 
     def describe(self) -> str:
         chunks = list(self.model.values()) if self.engine is not None else [self.model]
@@ -71,7 +79,10 @@ class TrainState:
     def train_step(self, batch: torch.Tensor, poison: bool = False) -> dict:
         """batch: LongTensor [micro_batch_size * microbatches, seq_len + 1] for this DP rank.
         poison: make the loss NaN (fault-injection tests of the skip logic)."""
-        total = self._forward_backward(batch, poison)
+        if self.graphed is not None and not poison:
+            total = self.graphed(batch)
+        else:
+            total = self._forward_backward(batch, poison)
         allreduce_mean([total], self.dp_group, self.info.dp)
         if self.sharded:
             # ZeRO-1 reduces (averages) gradients itself: the expert ones over their replicas only,

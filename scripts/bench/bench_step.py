@@ -78,7 +78,8 @@ def ours(config: str, overrides: list[str], args, peak_tflops: float, microbatch
     from k3train.flops import mfu
     from k3train.trainer.state import TrainState
 
-    cfg = load_config(config, [*overrides, f"train.device={args.device}", f"train.micro_batch_size={args.mbs}",
+    cpu = ["train.cuda_graph=false"] if args.device == "cpu" else []  # graphs are CUDA-only
+    cfg = load_config(config, [*overrides, *cpu, f"train.device={args.device}", f"train.micro_batch_size={args.mbs}",
                                f"train.seq_len={args.seq}", f"train.microbatches={microbatches}",
                                "logging.wandb.mode=disabled"])
     info = init_distributed(device=args.device)
@@ -111,11 +112,14 @@ def ours(config: str, overrides: list[str], args, peak_tflops: float, microbatch
     return row
 
 
-def fla_peer(cfg_overrides: dict, args, attnres_layers: int | None) -> dict:
-    """fla's KDAForCausalLM stepped like ours: bf16 autocast over fp32 weights, clip 1.0, fused AdamW."""
+def fla_peer(cfg_overrides: dict, args, attnres_layers: int | None, graph: bool = False) -> dict:
+    """fla's KDAForCausalLM stepped like ours: bf16 autocast over fp32 weights, clip 1.0, fused AdamW.
+    graph: its forward/backward replayed from a CUDA graph by the same wrapper as ours
+    (``k3train.trainer.cuda_graph``), so that both sides drop the host's launch cost."""
     from fla.models import KDAConfig, KDAForCausalLM
 
     from k3train.ops.triton_compile import compile_ahead
+    from k3train.trainer.cuda_graph import GraphedForwardBackward
 
     c = cfg_overrides
     conf = KDAConfig(hidden_size=c["hidden"], num_heads=c["heads"], head_dim=c["head_dim"],
@@ -131,18 +135,19 @@ def fla_peer(cfg_overrides: dict, args, attnres_layers: int | None) -> dict:
     losses = []
 
     def fwd_bwd(batch):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            model(input_ids=batch, labels=batch).loss.backward()
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not graph):
+            loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        return loss.detach()
 
     # Every Triton kernel and autotune candidate compiled in parallel (a throwaway pass).
     compiled = compile_ahead(lambda: fwd_bwd(batches[0].cuda()), label="fla KDAForCausalLM")
     opt.zero_grad(set_to_none=True)
 
+    run = GraphedForwardBackward(fwd_bwd, list(model.parameters()), []) if graph else fwd_bwd
+
     def step(batch):
-        batch = batch.cuda(non_blocking=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
+        loss = run(batch.cuda(non_blocking=True))
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -168,7 +173,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-peer", action="store_true", help="skip the fla comparison")
-    ap.add_argument("--rows", default="k3_mini,dense,peer", help="comma list of k3_mini, k3_mini_accum, dense, peer")
+    ap.add_argument("--rows", default="k3_mini,dense,peer", help="comma list of k3_mini, k3_mini_eager, k3_mini_accum, dense, peer")
     ap.add_argument("--profile", action="store_true", help="print the top operators of our rows")
     ap.add_argument("--profile-shapes", action="store_true",
                     help="with --profile, also split the operators by input shape")
@@ -189,6 +194,8 @@ def main() -> None:
 
     if "k3_mini" in rows_wanted:
         report("k3_mini", ours(args.config, base, args, peak))
+    if "k3_mini_eager" in rows_wanted:
+        report("k3_mini_eager", ours(args.config, [*base, "train.cuda_graph=false"], args, peak))
     if "k3_mini_accum" in rows_wanted:
         # The same model with a 4x global batch (4 microbatches accumulated per update): the
         # optimizer step, fixed per update, is amortised as in a real run's large batch.
@@ -202,15 +209,19 @@ def main() -> None:
     if "peer" in rows_wanted and not args.no_peer and args.device == "cuda":
         shape = {"hidden": m.hidden_size, "heads": m.kda.num_heads, "head_dim": m.kda.head_dim,
                  "layers": m.num_layers, "ffn": m.ffn.intermediate_size, "vocab": m.vocab_size}
-        for name, block in (("fla_dense", None), ("fla_dense_attnres", m.attnres.block_size)):
+        peers = [("fla_dense", None, False), ("fla_dense_attnres", m.attnres.block_size, False),
+                 ("fla_dense_graph", None, True)]
+        for name, block, graph in peers:
             try:
-                report(name, fla_peer(shape, args, block))
+                report(name, fla_peer(shape, args, block, graph))
             except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported, ours still stand
                 report(name, {"error": repr(exc)[:400]})
-        for suffix in ("", "_attnres"):
-            a, b = rows.get(f"ours_dense{suffix}", {}), rows.get(f"fla_dense{suffix}", {})
+        for ours_row, peer_row, key in (("ours_dense", "fla_dense", "fla_over_ours"),
+                                        ("ours_dense_attnres", "fla_dense_attnres", "fla_over_ours_attnres"),
+                                        ("ours_dense", "fla_dense_graph", "fla_graph_over_ours")):
+            a, b = rows.get(ours_row, {}), rows.get(peer_row, {})
             if "step_ms" in a and "step_ms" in b:
-                result[f"fla_over_ours{suffix}"] = b["step_ms"] / a["step_ms"]
+                result[key] = b["step_ms"] / a["step_ms"]
     print(f"\n{'row':<22}{'params':>9}{'step ms':>10}{'tok/s':>12}{'MFU':>8}{'loss':>14}")
     for name, r in rows.items():
         if "step_ms" in r:
@@ -219,7 +230,7 @@ def main() -> None:
                   f"{r['first_loss']:>7.2f}{r['last_loss']:>7.2f}")
         else:
             print(f"{name:<22} failed: {r.get('error')}")
-    for key in ("fla_over_ours", "fla_over_ours_attnres"):
+    for key in ("fla_over_ours", "fla_over_ours_attnres", "fla_graph_over_ours"):
         if key in result:
             print(f"{key}: {result[key]:.2f}x (fla step time / ours; > 1 means ours is faster)")
     save_json(args.json, result)

@@ -29,6 +29,21 @@ def timeit(fn, warmup: int = 3, iters: int = 10, device: str = "cuda") -> float:
     return statistics.median(times)
 
 
+def graph_ms(fn, iters: int = 10) -> float:
+    """Median milliseconds of ``fn()`` replayed from a CUDA graph: its device time without the
+    host's launch cost (``fn`` runs 3 times on a side stream first, as capture requires)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return timeit(graph.replay, warmup=2, iters=iters)
+
+
 def matmul_tflops(n: int = 8192, dtype=torch.bfloat16) -> float:
     """Measured dense matmul rate (TFLOP/s) of this GPU, the peak the MFU figures use."""
     a = torch.randn(n, n, device="cuda", dtype=dtype)

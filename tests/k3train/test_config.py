@@ -33,8 +33,11 @@ def test_overrides_parse_yaml_scalars():
     (["precision.recipe=mxfp4_qat", "moe.latent_size=48"], "{'moe.latent_size': 48} must be multiples of 32"),
     (["train.steps"], "is not of the form key.sub=value"),
     (["train.steps.x=1"], "'steps' is a value, not a section"),
+    (["train.cuda_graph=true", "parallel.pp=2"], "(got {'parallel.pp': 2})"),
+    (["train.cuda_graph=true", "train.device=cpu"], "a CUDA device (train.device=cpu)"),
+    (["train.cuda_graph=true", "precision.recipe=fp8"], "precision.recipe bf16 or fp32 (got fp8)"),
 ], ids=["unknown-key", "bad-enum", "range", "cross-field", "pattern-letter", "pattern-length",
-        "recipe", "mx-block", "no-equals", "value-as-section"])
+        "recipe", "mx-block", "no-equals", "value-as-section", "graph-pp", "graph-cpu", "graph-recipe"])
 def test_bad_input_names_the_field(override, message):
     with pytest.raises(ConfigError) as err:
         load_config("configs/k3_tiny.yaml", override)

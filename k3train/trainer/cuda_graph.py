@@ -1,0 +1,89 @@
+"""The forward and backward of a training step captured once in a CUDA graph, then replayed.
+
+Why: with fla's Triton kernels the host needs longer to *launch* a K3 step than the GPU needs
+to run it (an H200 profile of k3_mini: ~210 ms of kernels in a ~375 ms step; fla's chunk_kda
+spends ~2 ms of Python per call). A replay launches the whole recorded step at once.
+
+How (PyTorch's whole-network capture recipe):
+* the first ``warmup`` steps run eagerly, so Triton autotuning, ``torch.compile`` and the
+  allocator settle before anything is recorded;
+* the next step is captured with every parameter's ``.grad`` unset, so backward allocates the
+  gradients from the graph's memory pool; after each replay those same tensors hold the new
+  gradients and are handed back to the parameters (the trainer sets ``.grad`` to None after
+  every step, which drops only its own references);
+* the MoE layers' per-step routing (read by the balancer after the step) is re-attached the
+  same way.
+Everything a replay reads lives at a fixed address: the token buffer (copied in before each
+replay), the weights and router biases (the optimizer and balancer update them in place), and
+the activations in the pool. Autocast's weight-cast cache is off during capture, as a cached
+cast would be baked into the graph.
+
+What cannot be captured is refused by the config check (``train.cuda_graph``): pipeline
+parallelism (host-driven schedule), expert parallelism (split sizes read on the host), tensor
+parallelism and the quantisation recipes (not verified under capture).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+class GraphedForwardBackward:
+    """Runs ``fwd_bwd(batch) -> loss`` (a device scalar; gradients land in ``.grad``) eagerly
+    for ``warmup`` calls, captures the next call and replays it for every later one.
+
+    Args:
+        fwd_bwd: the eager forward+backward of one step; ``batch`` is on the device.
+        params: the parameters whose gradients ``fwd_bwd`` produces.
+        moe_layers: layers with ``step_routing_list`` / ``set_step_routing_list`` (routing
+            recorded by a forward, re-attached after each replay).
+        warmup: eager calls before the capture.
+    """
+
+    def __init__(self, fwd_bwd: Callable[[torch.Tensor], torch.Tensor], params: list[torch.nn.Parameter],
+                 moe_layers: list, warmup: int = 2):
+        self.fwd_bwd, self.params, self.moe_layers, self.warmup = fwd_bwd, params, moe_layers, warmup
+        self.calls = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.static_batch: torch.Tensor | None = None
+        self.static_loss: torch.Tensor | None = None
+        self.grads: list[torch.Tensor | None] = []
+        self.routing: list[list] = []
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None
+
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        """batch: ``[B, T+1]`` token ids (any device) -> the step's mean loss, a device scalar."""
+        self.calls += 1
+        if self.graph is None and self.calls <= self.warmup:
+            return self.fwd_bwd(batch.to(self.params[0].device, non_blocking=True))
+        if self.graph is None:
+            self._capture(batch)
+        elif batch.shape != self.static_batch.shape:
+            # A batch of another shape (never the case in the trainer) runs eagerly.
+            return self.fwd_bwd(batch.to(self.static_batch.device, non_blocking=True))
+        self.static_batch.copy_(batch, non_blocking=True)
+        self.graph.replay()
+        for p, g in zip(self.params, self.grads):
+            p.grad = g
+        for layer, routing in zip(self.moe_layers, self.routing):
+            layer.set_step_routing_list(routing)
+        return self.static_loss
+
+    def _capture(self, batch: torch.Tensor) -> None:
+        device = self.params[0].device
+        self.static_batch = batch.to(device).clone()
+        for p in self.params:
+            p.grad = None
+        for layer in self.moe_layers:
+            layer.clear_step_routing()
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.static_loss = self.fwd_bwd(self.static_batch)
+        self.graph = graph
+        self.grads = [p.grad for p in self.params]
+        self.routing = [layer.step_routing_list() for layer in self.moe_layers]
