@@ -35,8 +35,10 @@ def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype:
 @functools.cache
 def _compiled():
     # One kernel forward (read bf16/fp32, write the GEMM dtype) and one or two backward, instead
-    # of an upcast copy, the norm and a downcast copy each way.
-    return torch.compile(rms_norm_eager, fullgraph=True)
+    # of an upcast copy, the norm and a downcast copy each way. Dynamic shapes: a model has
+    # norms of several widths (hidden, MLA ranks, MoE latent), and not fullgraph, so that past
+    # Dynamo's recompile limit (e.g. many models in one process) it runs eagerly, not fails.
+    return torch.compile(rms_norm_eager, dynamic=True)
 
 
 def rms_norm_to(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:

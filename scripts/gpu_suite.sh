@@ -54,7 +54,7 @@ stage bench_step 420 python3 scripts/bench/bench_step.py --steps 5 --warmup 2 --
 # against fla's model (the ratio they report needs both sides in one run).
 stage bench_step_mini 420 python3 scripts/bench/bench_step.py --rows k3_mini,k3_mini_eager,k3_mini_accum --steps 5 --warmup 3 \
   --profile --profile-shapes --json "$OUT/bench_step_mini.json"
-stage bench_moe_layer 90 python3 scripts/bench/bench_moe_layer.py --json "$OUT/bench_moe_layer.json"
+stage bench_moe_layer 120 python3 scripts/bench/bench_moe_layer.py --profile --json "$OUT/bench_moe_layer.json"
 stage bench_step_peer 420 python3 scripts/bench/bench_step.py --rows dense,peer --steps 5 --warmup 3 \
   --json "$OUT/bench_step_peer.json"
 stage bench_fp8 240 python3 scripts/bench/bench_fp8.py --steps 30 --out /tmp/bench_fp8

@@ -20,7 +20,7 @@ from k3train.model.common import (
 )
 from k3train.ops.gated_norm import head_norm_gate
 from k3train.ops.kda import kda_gated
-from k3train.ops.short_conv import short_conv_silu
+from k3train.ops.short_conv import short_conv_silu_split
 
 
 class KimiDeltaAttention(nn.Module):
@@ -54,33 +54,29 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm_weight = sharded_param(torch.ones(num_heads, head_dim), tp, rank)
         self.o_proj = RowLinear(width, hidden_size, out_std or std)
 
-    def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x ``[B, T, D]`` -> (q/k/v pre-conv ``[B, T, 3HK]``, gate logits ``[B, T, HK]``, beta
-        logits ``[B, T, H]``): the five input projections as one GEMM.
+    def _qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[B, T, D]`` -> q/k/v before the conv ``[B, T, 3HK]``: the three projections as one
+        GEMM over concatenated (local) weights.
 
-        Concatenating the (local) weights per call costs a weight-sized copy; it saves reading x
-        five times, four dx GEMMs and their sum in backward, and four kernel launches each way.
-        QAT recipes quantise per projection, so they keep one GEMM each.
+        The concatenation is a weight-sized copy per call; it saves reading x three times, two
+        dx GEMMs and their sum in backward. The output is contiguous, so nothing is split or
+        re-concatenated around the conv. QAT recipes quantise per projection: one GEMM each.
         """
-        projs = (self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.b_proj)
-        W, H = self.num_heads * self.head_dim, self.num_heads
+        projs = (self.q_proj, self.k_proj, self.v_proj)
         if any(p.quant is not None for p in projs):
-            y = torch.cat([p(x) for p in projs], dim=-1)
-        else:
-            # ColumnLinear all-reduces dx over tensor-parallel ranks; one GEMM needs one reduce.
-            y = F.linear(sum_grad_over_tp(x), torch.cat([p.weight for p in projs]))
-        return y.split([3 * W, W, H], dim=-1)
+            return torch.cat([p(x) for p in projs], dim=-1)
+        # ColumnLinear all-reduces dx over tensor-parallel ranks; one GEMM needs one reduce.
+        return F.linear(sum_grad_over_tp(x), torch.cat([p.weight for p in projs]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, D] -> [B, T, D]. Under autocast the projections, KDA and output run in bf16;
         the gate, the norms and the sigmoids in fp32 (inside the kernels on CUDA)."""
         B, T, _ = x.shape
         shape = (B, T, self.num_heads, self.head_dim)
-        qkv, gate, beta = self._projections(x)
-        # One depthwise conv over the 3HK q/k/v channels (fla's kernel reads the strided slice).
-        qkv = short_conv_silu(qkv, torch.cat([self.q_conv, self.k_conv, self.v_conv]))
-        q, k, v = (t.view(shape) for t in qkv.split(self.num_heads * self.head_dim, dim=-1))
+        # One conv over the 3HK q/k/v channels, handing back q, k, v as contiguous tensors.
+        conv = torch.cat([self.q_conv, self.k_conv, self.v_conv])
+        q, k, v = (t.view(shape) for t in short_conv_silu_split(self._qkv(x), conv, 3))
         f = self.f_up(self.f_down(x)).view(shape)
-        o = kda_gated(q, k, v, f, beta, self.A_log, self.dt_bias, self.lower_bound)
-        o = head_norm_gate(o, self.o_norm_weight, gate.view(shape), self.eps)
+        o = kda_gated(q, k, v, f, self.b_proj(x), self.A_log, self.dt_bias, self.lower_bound)
+        o = head_norm_gate(o, self.o_norm_weight, self.g_proj(x).view(shape), self.eps)
         return self.o_proj(o.reshape(B, T, -1).to(x.dtype))

@@ -14,7 +14,8 @@ CPU):
   expert, the fallback), on the permuted batch;
 * ``latent``: the down projection, the RMSNorm and the up projection; ``shared``: the shared
   expert.
-Prints ms and share of the layer for each, the sum of the parts, and grouped over loop.
+Prints ms and share of the layer for each, the sum of the parts, and grouped over loop; on
+CUDA also each part's device time replayed from a CUDA graph (``graph ms``).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import warnings
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import save_json, timeit  # noqa: E402
+from common import graph_ms, profile_table, save_json, timeit  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -41,6 +42,7 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--expert-ffn", type=int, default=512)
     ap.add_argument("--shared-ffn", type=int, default=2048)
+    ap.add_argument("--profile", action="store_true", help="print the top operators of the layer")
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.small:
@@ -54,7 +56,8 @@ def main() -> None:
     torch.manual_seed(0)
     layer = LatentMoE(args.hidden, args.latent, args.experts, args.topk, args.expert_ffn,
                       num_shared_experts=1, shared_ffn_size=args.shared_ffn).to(dev)
-    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda")
+    # No weight-cast cache: the CUDA-graph timings below record the casts, as train.cuda_graph does.
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda", cache_enabled=False)
     x = torch.randn(args.tokens, args.hidden, device=dev, requires_grad=True)
 
     def fwd_bwd(fn):
@@ -89,18 +92,29 @@ def main() -> None:
         "shared": lambda: layer.shared(x),
     }
     times = {name: timeit(fwd_bwd(fn), warmup=3, iters=10, device=dev.type) for name, fn in parts.items()}
+    # Device time alone (replayed from a CUDA graph, as train.cuda_graph runs the step): eager
+    # timings of these small kernels also count the host's launch cost. The loop reads counts on
+    # the host, which a graph cannot, so it has no graphed figure.
+    graphed = ({name: graph_ms(fwd_bwd(fn)) for name, fn in parts.items() if name != "experts_loop"}
+               if dev.type == "cuda" else {})
     total = times["layer"]
     summed = sum(v for k, v in times.items() if k not in ("layer", "experts_loop"))
     result = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
               "shape": vars(args), "ms": times, "share_of_layer": {k: v / total for k, v in times.items()},
-              "sum_of_parts_ms": summed, "grouped_over_loop": times["experts_loop"] / times["experts"]}
+              "sum_of_parts_ms": summed, "grouped_over_loop": times["experts_loop"] / times["experts"],
+              "graph_ms": graphed}
+    if graphed:
+        result["graph_sum_of_parts_ms"] = sum(v for k, v in graphed.items() if k != "layer")
     print(f"LatentMoE fwd+bwd, {args.tokens} tokens, d={args.hidden} latent={args.latent} "
           f"E={args.experts} top-{args.topk} ffn={args.expert_ffn} shared={args.shared_ffn} ({result['device']})")
-    print(f"{'part':<14}{'ms':>10}{'of layer':>10}")
+    print(f"{'part':<14}{'ms':>10}{'of layer':>10}{'graph ms':>10}")
     for name, ms in times.items():
-        print(f"{name:<14}{ms:>10.3f}{ms / total:>10.1%}")
+        g = f"{graphed[name]:>10.3f}" if name in graphed else ""
+        print(f"{name:<14}{ms:>10.3f}{ms / total:>10.1%}{g}")
     print(f"{'sum of parts':<14}{summed:>10.3f}{summed / total:>10.1%}   (without experts_loop)")
     print(f"grouped experts {result['grouped_over_loop']:.2f}x faster than the per-expert loop")
+    if args.profile:
+        print(profile_table(fwd_bwd(parts["layer"]), device=dev.type), flush=True)
     save_json(args.json, result)
 
 
