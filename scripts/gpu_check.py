@@ -4,9 +4,10 @@ Checks (prints JSON; exit 1 on failure):
 * KDA layer: CUDA (fla chunk_kda when installed, bf16 autocast) vs CPU fp32 pure-torch chunked form;
 * AttnRes depth mixing: the dispatched kernel vs the torch form (fp32 math: rel err < 1e-4);
 * k3_tiny: loss, CUDA bf16 autocast vs CPU fp32; its dense twin: loss and every gradient;
-* ``train.cuda_graph``: 6 k3_tiny training steps replayed from a CUDA graph (captured at step 3)
-  against the same 6 steps run eagerly: every step's loss within 1e-2 (MoE, AttnRes, Muon, the
-  Quantile Balancing bias update in between).
+* ``train.cuda_graph`` on k3_tiny (MoE, AttnRes, Muon, Quantile Balancing): after the capture,
+  a replay against an eager forward/backward on the same weights and batch (loss within 1e-3,
+  all gradients together rel err < 2e-2); and 6 graphed and 6 eager training steps both learn
+  (loss drops by > 0.5).
 Tolerances are bf16-level: relative L2 error of outputs < 2e-2, |loss difference| < 2e-2,
 gradient cosine > 0.99 over all parameters together and for every matrix of >= 4096 elements
 (small vectors are reported: see the comment in main).
@@ -36,23 +37,42 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def graph_check(tokens: torch.Tensor, steps: int = 6) -> dict:
-    """Losses of ``steps`` k3_tiny training steps, eager vs ``train.cuda_graph=true``."""
+    """``train.cuda_graph`` against eager on k3_tiny (MoE, AttnRes, Muon, Quantile Balancing).
+
+    Sharp part: after the capture, one replay and one eager forward/backward on the same weights
+    and batch: the loss and every gradient must agree to bf16 atomics noise. Training part:
+    ``steps`` graphed and eager steps both learn (bf16 runs drift apart step by step, so their
+    losses are reported, not compared)."""
     from k3train.config import load_config
     from k3train.distributed import init_distributed
     from k3train.trainer.state import TrainState
 
-    losses = {}
+    out, losses = {}, {}
+    batches = [tokens.roll(i, dims=1) for i in range(steps)]
     for graph in (False, True):
         cfg = load_config("configs/k3_tiny.yaml", ["train.device=cuda", f"train.cuda_graph={graph}",
                                                   "train.micro_batch_size=2", "train.microbatches=2"])
         torch.manual_seed(0)
         state = TrainState(cfg, init_distributed(device="cuda"), torch.device("cuda"))
-        batches = [tokens.roll(i, dims=1) for i in range(steps)]
         losses[graph] = [state.train_step(b)["loss"] for b in batches]
-        captured = state.graphed is not None and state.graphed.captured
-    diffs = [abs(a - b) for a, b in zip(losses[False], losses[True])]
-    return {"graph_losses_eager": losses[False], "graph_losses_graphed": losses[True],
-            "graph_max_loss_diff": max(diffs), "graph_captured": captured}
+    out["graph_captured"] = state.graphed.captured
+    # The same weights, one batch: replay vs eager (no optimizer step in between).
+    probe = tokens.roll(-1, dims=1)
+    replay_loss = state.graphed(probe).item()
+    replay = [p.grad.clone() for p in state.params]
+    state.optimizer.zero_grad(set_to_none=True)
+    for layer in state.moe_layers:
+        layer.clear_step_routing()
+    eager_loss = state._forward_backward(probe).item()
+    eager = [p.grad for p in state.params]
+    out["graph_replay_loss_diff"] = abs(replay_loss - eager_loss)
+    out["graph_replay_grad_rel_err"] = rel_err(torch.cat([g.flatten() for g in replay]),
+                                               torch.cat([g.flatten() for g in eager]))
+    out["graph_losses_eager"], out["graph_losses_graphed"] = losses[False], losses[True]
+    out["graph_ok"] = (out["graph_captured"] and out["graph_replay_loss_diff"] < 1e-3
+                       and out["graph_replay_grad_rel_err"] < 2e-2
+                       and all(v[-1] < v[0] - 0.5 for v in losses.values()))
+    return out
 
 
 def main() -> int:
@@ -137,8 +157,7 @@ def main() -> int:
     out["dense_worst_matrix_grad_cosine"] = min(big)
     if dev == "cuda":
         out.update(graph_check(tokens))
-    ok = (out.get("graph_max_loss_diff", 0.0) < 1e-2 and out.get("graph_captured", True)
-          and out["kda_layer_rel_err"] < 2e-2 and out["attnres_rel_err"] < 1e-4
+    ok = (out.get("graph_ok", True) and out["kda_layer_rel_err"] < 2e-2 and out["attnres_rel_err"] < 1e-4
           and out["attnres_worst_grad_cosine"] > 0.9999
           and abs(out["model_loss_gpu"] - out["model_loss_cpu"]) < 2e-2
           and abs(out["dense_loss_gpu"] - out["dense_loss_cpu"]) < 2e-2

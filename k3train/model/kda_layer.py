@@ -20,7 +20,7 @@ from k3train.model.common import (
 )
 from k3train.ops.gated_norm import head_norm_gate
 from k3train.ops.kda import kda_gated
-from k3train.ops.short_conv import short_conv_silu_split
+from k3train.ops.short_conv import short_conv_silu
 
 
 class KimiDeltaAttention(nn.Module):
@@ -59,8 +59,8 @@ class KimiDeltaAttention(nn.Module):
         GEMM over concatenated (local) weights.
 
         The concatenation is a weight-sized copy per call; it saves reading x three times, two
-        dx GEMMs and their sum in backward. The output is contiguous, so nothing is split or
-        re-concatenated around the conv. QAT recipes quantise per projection: one GEMM each.
+        dx GEMMs and their sum in backward. The output is contiguous, so the conv reads it as
+        is. QAT recipes quantise per projection: one GEMM each.
         """
         projs = (self.q_proj, self.k_proj, self.v_proj)
         if any(p.quant is not None for p in projs):
@@ -73,9 +73,9 @@ class KimiDeltaAttention(nn.Module):
         the gate, the norms and the sigmoids in fp32 (inside the kernels on CUDA)."""
         B, T, _ = x.shape
         shape = (B, T, self.num_heads, self.head_dim)
-        # One conv over the 3HK q/k/v channels, handing back q, k, v as contiguous tensors.
-        conv = torch.cat([self.q_conv, self.k_conv, self.v_conv])
-        q, k, v = (t.view(shape) for t in short_conv_silu_split(self._qkv(x), conv, 3))
+        # One conv over the 3HK q/k/v channels (contiguous in and out); q, k, v are views of it.
+        qkv = short_conv_silu(self._qkv(x), torch.cat([self.q_conv, self.k_conv, self.v_conv]))
+        q, k, v = (t.view(shape) for t in qkv.split(self.num_heads * self.head_dim, dim=-1))
         f = self.f_up(self.f_down(x)).view(shape)
         o = kda_gated(q, k, v, f, self.b_proj(x), self.A_log, self.dt_bias, self.lower_bound)
         o = head_norm_gate(o, self.o_norm_weight, self.g_proj(x).view(shape), self.eps)

@@ -13,7 +13,7 @@ from k3train.ops import use_fla
 from k3train.ops.attnres import attnres_backend, depth_mix, depth_mix_torch
 from k3train.ops.gated_norm import head_norm_gate
 from k3train.ops.kda import kda_backend, kda_gated, naive_recurrent_kda
-from k3train.ops.short_conv import short_conv_silu, short_conv_silu_split, short_conv_silu_torch
+from k3train.ops.short_conv import short_conv_silu
 
 F64 = dict(dtype=torch.float64)
 
@@ -27,28 +27,6 @@ def test_short_conv_silu_matches_per_token_loop():
             if t - 3 + j >= 0:
                 ref[:, t] += w[:, j] * x[:, t - 3 + j]
     torch.testing.assert_close(short_conv_silu(x, w), torch.nn.functional.silu(ref), rtol=1e-10, atol=1e-10)
-
-
-def test_short_conv_split_matches_conv1d_form_and_its_gradients():
-    # The layer's form (shifted multiply-adds, three contiguous outputs, strided input) against
-    # torch's grouped conv1d, value and gradients of input and taps.
-    gen = torch.Generator().manual_seed(5)
-    base = torch.randn(2, 11, 8, generator=gen, **F64)
-    w = torch.randn(6, 4, generator=gen, **F64)
-    dys = [torch.randn(2, 11, 2, generator=gen, **F64) for _ in range(3)]
-    grads = []
-    for split in (True, False):
-        xb, wl = base.clone().requires_grad_(), w.clone().requires_grad_()
-        x = xb[..., 1:7]  # a strided view, as the q/k/v slice of a wider projection
-        outs = short_conv_silu_split(x, wl, 3) if split else short_conv_silu_torch(x, wl).chunk(3, -1)
-        if split:
-            assert all(o.is_contiguous() for o in outs)
-        sum((o * dy).sum() for o, dy in zip(outs, dys)).backward()
-        grads.append((torch.cat(outs, -1).detach(), xb.grad, wl.grad))
-    for got, ref in zip(*grads):
-        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
-    with pytest.raises(ValueError, match="do not split into 4 parts"):
-        short_conv_silu_split(base[..., :6], w, 4)
 
 
 def test_kda_gated_matches_oracle_with_gate_written_out():
