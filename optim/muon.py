@@ -27,12 +27,18 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["NS_COEFFICIENTS", "newton_schulz", "muon_scale", "muon_update", "muon_updates", "Muon"]
+__all__ = ["NS_COEFFICIENTS", "apply_muon_updates", "newton_schulz", "muon_scale", "muon_update",
+           "muon_updates", "Muon"]
 
 # Quintic p(x) = a x + b x^3 + c x^5 applied to the singular values. The large slope a at 0
 # pulls small singular values up fast; the price is that 1 is not a fixed point (p(1) ~ 0.70),
 # so after a few steps singular values sit in a band around 1 rather than at 1.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def _ns_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype the Newton-Schulz iteration runs in for a tensor on ``t``'s device."""
+    return torch.bfloat16 if t.is_cuda else torch.float32
 
 
 def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
@@ -46,7 +52,7 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.T
     if G.ndim < 2:
         raise ValueError(f"newton_schulz needs a [..., A, B] tensor, got shape {tuple(G.shape)}")
     a, b, c = NS_COEFFICIENTS
-    X = G.to(torch.bfloat16 if G.is_cuda else torch.float32)
+    X = G.to(_ns_dtype(G))
     # Iterate on the wide orientation so the Gram matrix X X^T is the smaller min(A, B)^2 one.
     tall = X.size(-2) > X.size(-1)
     if tall:
@@ -101,8 +107,9 @@ def muon_update(
     """Advance the momentum ``buf`` in place and return the scaled Muon update for one matrix
     (or one stack of matrices).
 
-    ``grad, buf: [A, B]`` or ``[S, A, B]``. Returns ``update`` of that shape (dtype of
-    ``grad + buf``) such that the caller applies ``p -= lr * update`` after weight decay. With
+    ``grad, buf: [A, B]`` or ``[S, A, B]``. Returns ``update`` of that shape, in the
+    Newton-Schulz dtype (bf16 on CUDA, fp32 elsewhere), such that the caller applies
+    ``p -= lr * update`` after weight decay (``apply_muon_updates``). With
     ``heads=H`` (2-D only) the rows are split into ``H`` blocks ``[H, A/H, B]`` orthogonalised
     separately. Standalone so that a sharded optimizer step can call it on whole matrices
     owned by one rank.
@@ -131,11 +138,28 @@ def muon_updates(
     torch._foreach_mul_(bufs, momentum)
     torch._foreach_add_(bufs, grads)
     us = torch._foreach_add(grads, bufs, alpha=momentum) if nesterov else bufs
-    u = torch.stack(us)                      # [n, (S,) A, B]
+    # Stacked in the Newton-Schulz dtype (bf16 on CUDA): each matrix is cast once on the way in,
+    # and the update stays in it on the way out; apply_muon_updates adds it with type promotion.
+    ns_dtype = _ns_dtype(us[0])
+    u = torch.stack([t.to(ns_dtype) for t in us])  # [n, (S,) A, B]
     rows, cols = u.shape[-2:]
     h = heads or 1
     ortho = newton_schulz(u.reshape(-1, rows // h, cols), ns_steps).reshape(u.shape)
     return list((ortho * muon_scale(rows // h, cols)).unbind(0))
+
+
+def apply_muon_updates(params: list[torch.Tensor], updates: list[torch.Tensor], lr: float,
+                       weight_decay: float) -> None:
+    """``p *= 1 - lr * weight_decay; p -= lr * u`` for each parameter and its update (of the
+    same shape; the update may be in a narrower dtype, e.g. bf16, and is promoted on the fly
+    instead of copied to the parameter's dtype first)."""
+    if weight_decay != 0:
+        torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+    if all(u.dtype == p.dtype for u, p in zip(updates, params)):
+        torch._foreach_add_(params, updates, alpha=-lr)
+    else:
+        for p, u in zip(params, updates):
+            p.add_(u, alpha=-lr)
 
 
 # Matrices per batched Newton-Schulz call are capped at this many stacked elements (a 256 MiB
@@ -226,7 +250,5 @@ class Muon(torch.optim.Optimizer):
                         [p.grad for p in ps], [self.state[p]["momentum_buffer"] for p in ps],
                         momentum=group["momentum"], nesterov=group["nesterov"], heads=heads,
                         ns_steps=group["ns_steps"])
-                    if wd != 0:
-                        torch._foreach_mul_(ps, 1.0 - lr * wd)
-                    torch._foreach_add_(ps, [u.to(p.dtype) for u, p in zip(updates, ps)], alpha=-lr)
+                    apply_muon_updates(ps, updates, lr, wd)
         return loss

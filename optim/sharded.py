@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from .muon import _batches, _check_matrix, muon_updates
+from .muon import _batches, _check_matrix, apply_muon_updates, muon_updates
 from .param_table import ParamEntry
 
 __all__ = ["ShardedOptimizer", "plan_muon_owners"]
@@ -295,9 +295,7 @@ class ShardedOptimizer:
                     updates = muon_updates([p.grad for p in ps], [d.momentum[e.name] for e in es],
                                            momentum=self.muon_momentum, nesterov=True, heads=heads,
                                            ns_steps=self.ns_steps)
-                    if wd != 0:
-                        torch._foreach_mul_(ps, 1.0 - lr * wd)
-                    torch._foreach_add_(ps, [u.to(p.dtype) for u, p in zip(updates, ps)], alpha=-lr)
+                    apply_muon_updates(ps, updates, lr, wd)
         self._share_params()
         for d in self.domains:
             for b in d.buckets:

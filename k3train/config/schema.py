@@ -180,7 +180,7 @@ class TrainConfig(_Strict):
     cuda_graph: bool = False
     """CUDA only: capture the step's forward and backward in a CUDA graph after two eager steps
     and replay it (k3train/trainer/cuda_graph.py): the host no longer launches every kernel.
-    Needs pp = tp = ep = 1 and precision.recipe bf16 or fp32."""
+    One GPU only (pp = tp = ep = dp = 1) and precision.recipe bf16 or fp32."""
 
 
 class OptimConfig(_Strict):

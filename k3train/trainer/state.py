@@ -67,6 +67,11 @@ class TrainState:
             if device.type != "cuda":
                 raise ValueError(f"train.cuda_graph needs a CUDA device, this run is on {device.type}; "
                                  "set train.cuda_graph=false")
+            if info.dp > 1:
+                # Nothing data-parallel is recorded (gradients are reduced after the replay), but
+                # only the one-GPU path has been run on hardware so far.
+                raise ValueError(f"train.cuda_graph runs on one GPU only (this run has dp={info.dp}); "
+                                 "set train.cuda_graph=false for data-parallel runs")
             self.graphed = GraphedForwardBackward(self._forward_backward, self.params, self.moe_layers)
 
     def describe(self) -> str:
