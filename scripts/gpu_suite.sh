@@ -46,7 +46,8 @@ stage() {
 FIXED=(env K3TRAIN_AUTOTUNE=fixed)
 stage gpu_check 300 "${FIXED[@]}" python3 scripts/gpu_check.py --json "$OUT/gpu_check.json"
 stage train_cuda 150 "${FIXED[@]}" python3 -m k3train train --config configs/k3_tiny.yaml --run-dir /tmp/run_tiny \
-  train.device=cuda train.steps=150 train.micro_batch_size=32 train.seq_len=256 logging.progress_bar=false
+  train.device=cuda train.cuda_graph=true train.steps=150 train.micro_batch_size=32 train.seq_len=256 \
+  logging.progress_bar=false
 cp /tmp/run_tiny/metrics.jsonl "$OUT/train_cuda_metrics.jsonl" 2>/dev/null
 stage bench_kda 240 python3 scripts/bench/bench_kda_layer.py --profile --json "$OUT/bench_kda.json"
 stage bench_step 420 python3 scripts/bench/bench_step.py --steps 5 --warmup 2 --profile --json "$OUT/bench_step.json"
