@@ -82,6 +82,9 @@ def main() -> None:
         xs, _counts, state = layer.dispatcher.dispatch(latent, routing.indices, weights)
         return layer.dispatcher.combine(xs, state)
 
+    from moe.permute import weighted_sum, weighted_sum_eager
+
+    slots = layer.experts(x_sorted, counts).detach().requires_grad_()  # [N*k, latent], slot order
     parts = {
         "layer": lambda: layer(x),
         "router": lambda: layer.router(x).weights,
@@ -90,6 +93,9 @@ def main() -> None:
         "experts_loop": lambda: layer.experts.forward_loop(x_sorted, counts),
         "latent": lambda: (layer.down(x), layer.up(layer.norm(routed))),
         "shared": lambda: layer.shared(x),
+        # The weighted k-way sum of combine alone, compiled (as the layer runs it) and eager.
+        "combine_sum": lambda: weighted_sum(slots, weights),
+        "combine_sum_eager": lambda: weighted_sum_eager(slots, weights),
     }
     times = {name: timeit(fwd_bwd(fn), warmup=3, iters=10, device=dev.type) for name, fn in parts.items()}
     # Device time alone (replayed from a CUDA graph, as train.cuda_graph runs the step): eager
@@ -98,13 +104,14 @@ def main() -> None:
     graphed = ({name: graph_ms(fwd_bwd(fn)) for name, fn in parts.items() if name != "experts_loop"}
                if dev.type == "cuda" else {})
     total = times["layer"]
-    summed = sum(v for k, v in times.items() if k not in ("layer", "experts_loop"))
+    not_parts = ("layer", "experts_loop", "combine_sum", "combine_sum_eager")  # the sum is inside permute
+    summed = sum(v for k, v in times.items() if k not in not_parts)
     result = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
               "shape": vars(args), "ms": times, "share_of_layer": {k: v / total for k, v in times.items()},
               "sum_of_parts_ms": summed, "grouped_over_loop": times["experts_loop"] / times["experts"],
               "graph_ms": graphed}
     if graphed:
-        result["graph_sum_of_parts_ms"] = sum(v for k, v in graphed.items() if k != "layer")
+        result["graph_sum_of_parts_ms"] = sum(v for k, v in graphed.items() if k not in not_parts)
     print(f"LatentMoE fwd+bwd, {args.tokens} tokens, d={args.hidden} latent={args.latent} "
           f"E={args.experts} top-{args.topk} ffn={args.expert_ffn} shared={args.shared_ffn} ({result['device']})")
     print(f"{'part':<14}{'ms':>10}{'of layer':>10}{'graph ms':>10}")
