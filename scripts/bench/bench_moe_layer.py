@@ -84,7 +84,9 @@ def main() -> None:
 
     from moe.permute import weighted_sum, weighted_sum_eager
 
-    slots = layer.experts(x_sorted, counts).detach().requires_grad_()  # [N*k, latent], slot order
+    with torch.no_grad(), autocast:
+        slots = layer.experts(x_sorted, counts)  # [N*k, latent] expert outputs, as combine sees them
+    slots = slots.detach().requires_grad_()
     parts = {
         "layer": lambda: layer(x),
         "router": lambda: layer.router(x).weights,
