@@ -125,3 +125,13 @@ def test_grad_norm_and_clip_match_per_tensor_reference():
         if b is not None:
             torch.testing.assert_close(p.grad.float(), (b.float() * (1.0 / (norm + 1e-6))).to(b.dtype).float(),
                                        rtol=1e-2 if b.dtype == torch.bfloat16 else 1e-6, atol=1e-6)
+
+
+def test_cuda_graph_refuses_a_cpu_device(world1):
+    # train.device=auto resolves to the CPU here: the config cannot know, the trainer must say so.
+    from k3train.distributed import init_distributed
+    from k3train.trainer.state import TrainState
+
+    cfg = load_config("configs/k3_tiny.yaml", ["train.cuda_graph=true", "train.device=auto"])
+    with pytest.raises(ValueError, match="train.cuda_graph needs a CUDA device, this run is on cpu"):
+        TrainState(cfg, init_distributed(device="cpu"), torch.device("cpu"))
