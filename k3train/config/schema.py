@@ -6,7 +6,7 @@ never silently fall back to a default).
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -177,10 +177,11 @@ class TrainConfig(_Strict):
     compile_ahead: bool = True
     """On CUDA with fla's kernels: compile every Triton kernel of the step in parallel before
     step 1 (a throwaway forward/backward; weights untouched). No effect on CPU."""
-    cuda_graph: bool = False
-    """CUDA only: capture the step's forward and backward in a CUDA graph after two eager steps
-    and replay it (k3train/trainer/cuda_graph.py): the host no longer launches every kernel.
-    One GPU only (pp = tp = ep = dp = 1) and precision.recipe bf16 or fp32."""
+    cuda_graph: Union[bool, Literal["auto"]] = False
+    """Capture the step's forward and backward in a CUDA graph after two eager steps and replay
+    it (k3train/trainer/cuda_graph.py): the host no longer launches every kernel. Needs one
+    CUDA device (pp = tp = ep = dp = 1) and precision.recipe bf16 or fp32. true: required (an
+    error otherwise); "auto": on exactly when those hold; false: off."""
 
 
 class OptimConfig(_Strict):
@@ -290,7 +291,7 @@ class RunConfig(_Strict):
         if m.dense_layers > m.num_layers:
             raise ValueError(f"model.dense_layers ({m.dense_layers}) exceeds model.num_layers ({m.num_layers})")
         pr = self.precision
-        if self.train.cuda_graph:
+        if self.train.cuda_graph is True:
             p = self.parallel
             bad = {k: v for k, v in (("parallel.pp", p.pp), ("parallel.tp", p.tp), ("parallel.ep", p.ep)) if v != 1}
             if bad or pr.recipe not in ("bf16", "fp32") or self.train.device == "cpu":

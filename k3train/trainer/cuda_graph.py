@@ -18,10 +18,11 @@ replay), the weights and router biases (the optimizer and balancer update them i
 the activations in the pool. Autocast's weight-cast cache is off during capture, as a cached
 cast would be baked into the graph.
 
-What is not supported is refused with a clear error: pipeline parallelism (host-driven
-schedule) and expert parallelism (split sizes read on the host) cannot be captured; tensor and
-data parallelism and the quantisation recipes are refused because they have not been run
-under capture on hardware yet (the config check; ``TrainState`` for dp > 1 and a CPU device).
+Not supported (``train.cuda_graph: auto`` leaves the graph off there, ``true`` is refused with
+an error naming the cause): pipeline parallelism (host-driven schedule) and expert parallelism
+(split sizes read on the host) cannot be captured; tensor and data parallelism and the
+quantisation recipes have not been run under capture on hardware yet (the config check, and
+``k3train.trainer.state.use_cuda_graph`` for dp > 1 and a CPU device).
 ``scripts/gpu_check.py`` compares a replay with an eager pass on the same weights.
 """
 from __future__ import annotations

@@ -20,12 +20,34 @@ from moe import Balancer, LoadTracker, expert_load
 from pipeline import CommRecorder
 
 
-def autocast_for(cfg: RunConfig, device: torch.device):
+def autocast_for(cfg: RunConfig, device: torch.device, graph: bool = False):
     """The step's autocast context: bf16 on CUDA unless ``precision.recipe=fp32``; none on CPU.
-    Without the weight-cast cache under ``train.cuda_graph`` (a cached cast would be recorded)."""
+    Without the weight-cast cache when the step is CUDA-graphed (a cached cast would be recorded)."""
     if device.type == "cuda" and cfg.precision.recipe != "fp32":
-        return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not cfg.train.cuda_graph)
+        return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not graph)
     return contextlib.nullcontext()
+
+
+def use_cuda_graph(cfg: RunConfig, info: ParallelInfo, device: torch.device) -> bool:
+    """``train.cuda_graph`` resolved for this run: false, "auto" (on exactly when supported) or
+    true (on; raises naming what stops it). The config check already refused true with pp, tp,
+    ep > 1 or another precision recipe; the device and dp are only known here."""
+    want = cfg.train.cuda_graph
+    if want is False:
+        return False
+    p = cfg.parallel
+    if want == "auto":
+        return (device.type == "cuda" and info.dp == 1 and p.pp == p.tp == p.ep == 1
+                and cfg.precision.recipe in ("bf16", "fp32"))
+    if device.type != "cuda":
+        raise ValueError(f"train.cuda_graph needs a CUDA device, this run is on {device.type}; "
+                         "set train.cuda_graph=false (or auto)")
+    if info.dp > 1:
+        # Nothing data-parallel is recorded (gradients are reduced after the replay), but only
+        # the one-GPU path has been run on hardware so far.
+        raise ValueError(f"train.cuda_graph runs on one GPU only (this run has dp={info.dp}); "
+                         "set train.cuda_graph=false (or auto) for data-parallel runs")
+    return True
 
 
 class TrainState:
@@ -61,18 +83,10 @@ class TrainState:
         self.optimizer, self.param_table = build_k3_optimizer(self.model, cfg.optim, sharding)
         self.sharded = sharding is not None
         self._bytes_logged = 0
-        self.autocast = autocast_for(cfg, device)
-        self.graphed = None
-        if cfg.train.cuda_graph:
-            if device.type != "cuda":
-                raise ValueError(f"train.cuda_graph needs a CUDA device, this run is on {device.type}; "
-                                 "set train.cuda_graph=false")
-            if info.dp > 1:
-                # Nothing data-parallel is recorded (gradients are reduced after the replay), but
-                # only the one-GPU path has been run on hardware so far.
-                raise ValueError(f"train.cuda_graph runs on one GPU only (this run has dp={info.dp}); "
-                                 "set train.cuda_graph=false for data-parallel runs")
-            self.graphed = GraphedForwardBackward(self._forward_backward, self.params, self.moe_layers)
+        graph = use_cuda_graph(cfg, info, device)
+        self.autocast = autocast_for(cfg, device, graph)
+        self.graphed = (GraphedForwardBackward(self._forward_backward, self.params, self.moe_layers)
+                        if graph else None)
 
     def describe(self) -> str:
         chunks = list(self.model.values()) if self.engine is not None else [self.model]
