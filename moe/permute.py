@@ -7,6 +7,8 @@ on the order of the atomics. Dispatch indices have structure that makes the back
 * "each token k times" (``order // k`` with ``order`` a permutation of the ``N*k`` slots):
   the gradient of token ``i`` is the sum over its k slots, a gather by ``row_of_slot`` (the
   inverse of ``order``) and a sum over k. Deterministic, no atomics.
+The static-capacity expert-parallel combine gathers with a "trash" row for dropped slots, which
+is not a permutation; it keeps ``index_select``.
 """
 from __future__ import annotations
 
@@ -68,7 +70,8 @@ def weighted_sum_eager(y_slots: torch.Tensor, weights: torch.Tensor) -> torch.Te
 @functools.cache
 def _compiled():
     # Eager: upcast, multiply, reduce and downcast, four passes over [N*k, d] forward and more
-    # backward; compiled: one each way. Static shapes first (dynamic=True compiled a reduction
+    # backward; compiled: one each way (H200, replayed from a CUDA graph: 0.27 ms forward +
+    # backward against 0.78 ms eager at k3_mini's shape). Static shapes first (dynamic=True compiled a reduction
     # that took ~385 us per call on an H200 at N*k = 65536, d = 512); Dynamo turns dynamic
     # by itself once the row count changes (expert parallelism). Not fullgraph: past the
     # recompile limit it runs eagerly instead of failing.
