@@ -71,10 +71,10 @@ def weighted_sum_eager(y_slots: torch.Tensor, weights: torch.Tensor) -> torch.Te
 def _compiled():
     # Eager: upcast, multiply, reduce and downcast, four passes over [N*k, d] forward and more
     # backward; compiled: one each way (H200, replayed from a CUDA graph: 0.27 ms forward +
-    # backward against 0.78 ms eager at k3_mini's shape). Static shapes first (dynamic=True compiled a reduction
-    # that took ~385 us per call on an H200 at N*k = 65536, d = 512); Dynamo turns dynamic
-    # by itself once the row count changes (expert parallelism). Not fullgraph: past the
-    # recompile limit it runs eagerly instead of failing.
+    # backward against 0.78 ms eager at k3_mini's shape). Static shapes first (dynamic=True
+    # compiled a reduction that took ~385 us per call at N*k = 65536, d = 512); Dynamo turns
+    # dynamic by itself once the row count changes (expert parallelism). Not fullgraph: past
+    # the recompile limit it runs eagerly instead of failing.
     return torch.compile(weighted_sum_eager)
 
 
