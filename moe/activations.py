@@ -6,10 +6,9 @@ activations so that low-precision (MXFP8) activation quantisation has a fixed ra
 """
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
+
+from .compile import compile_on_cuda
 
 DEFAULT_BETA = 4.0
 DEFAULT_BETA_LIN = 25.0
@@ -29,19 +28,15 @@ def situ_glu_eager(gate: torch.Tensor, up: torch.Tensor, beta: float = DEFAULT_B
     return situ(gate, beta) * (beta_lin * torch.tanh(up / beta_lin))
 
 
-@functools.cache
-def _compiled():
-    # Eager, this is 9 elementwise kernels forward and about 15 backward, each a full pass over
-    # [tokens, F]: on an H200 profile of a dense 16-layer model, ~80 us each, about a tenth of
-    # the step. Compiled: one kernel each way. dynamic=None lets torch recompile once for
-    # varying row counts (expert batches under expert parallelism) and then stay dynamic.
-    return torch.compile(situ_glu_eager, fullgraph=True)
+# Eager, this is 9 elementwise kernels forward and about 15 backward, each a full pass over
+# [tokens, F]: on an H200 profile of a dense 16-layer model, ~80 us each, about a tenth of the
+# step. Compiled: one kernel each way. dynamic=None lets torch recompile once for varying row
+# counts (expert batches under expert parallelism) and then stay dynamic.
+_situ_glu = compile_on_cuda(situ_glu_eager, fullgraph=True)
 
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = DEFAULT_BETA,
              beta_lin: float = DEFAULT_BETA_LIN) -> torch.Tensor:
     """SiTU(gate) * beta_lin * tanh(up / beta_lin): ``situ_glu_eager``, compiled into one kernel
     on CUDA (``K3TRAIN_COMPILE=0`` turns that off). gate, up: ``[..., F]`` -> ``[..., F]``."""
-    if gate.is_cuda and os.environ.get("K3TRAIN_COMPILE", "1") != "0":
-        return _compiled()(gate, up, beta, beta_lin)
-    return situ_glu_eager(gate, up, beta, beta_lin)
+    return _situ_glu(gate, up, beta, beta_lin)

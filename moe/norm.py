@@ -8,11 +8,10 @@ CPU runs and fp32 reference runs are unchanged.
 """
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 from torch import nn
+
+from .compile import compile_on_cuda
 
 
 def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
@@ -23,29 +22,24 @@ def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     return None
 
 
-def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
-    """x ``[..., D]``, weight ``[D]`` -> ``x / rms(x) * weight`` ``[..., D]`` in ``out_dtype``;
-    the mean of squares and the scaling run in fp32 (or wider, for fp64 inputs)."""
+def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """x ``[..., D]``, weight ``[D]`` or None -> ``x / rms(x) * weight`` ``[..., D]`` in
+    ``out_dtype``; the mean of squares and the scaling run in fp32 (or wider, for fp64 inputs,
+    as bf16 sums of squares drift)."""
     ct = torch.promote_types(x.dtype, torch.float32)
     xf = x.to(ct)
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(ct)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.to(ct)
     return y.to(out_dtype)
 
 
-@functools.cache
-def _compiled():
-    # One kernel forward (read bf16/fp32, write the GEMM dtype) and one or two backward, instead
-    # of an upcast copy, the norm and a downcast copy each way. Dynamic shapes: a model has
-    # norms of several widths (hidden, MLA ranks, MoE latent), and not fullgraph, so that past
-    # Dynamo's recompile limit (e.g. many models in one process) it runs eagerly, not fails.
-    return torch.compile(rms_norm_eager, dynamic=True)
-
-
-def rms_norm_to(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
-    """``rms_norm_eager``, compiled on CUDA (``K3TRAIN_COMPILE=0`` keeps it eager)."""
-    if x.is_cuda and os.environ.get("K3TRAIN_COMPILE", "1") != "0":
-        return _compiled()(x, weight, eps, out_dtype)
-    return rms_norm_eager(x, weight, eps, out_dtype)
+# One kernel forward (read bf16/fp32, write the GEMM dtype) and one or two backward, instead of
+# an upcast copy, the norm and a downcast copy each way. Dynamic shapes: a model has norms of
+# several widths (hidden, MLA ranks, MoE latent), and not fullgraph, so that past Dynamo's
+# recompile limit (e.g. many models in one process) it runs eagerly, not fails.
+_rms_norm = compile_on_cuda(rms_norm_eager, dynamic=True)
 
 
 class RMSNorm(nn.Module):
@@ -61,4 +55,4 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm_to(x, self.weight, self.eps, autocast_dtype(x) or x.dtype)
+        return _rms_norm(x, self.weight, self.eps, autocast_dtype(x) or x.dtype)

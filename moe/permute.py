@@ -12,10 +12,9 @@ is not a permutation; it keeps ``index_select``.
 """
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
+
+from .compile import compile_on_cuda
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -67,19 +66,15 @@ def weighted_sum_eager(y_slots: torch.Tensor, weights: torch.Tensor) -> torch.Te
     return (y * weights.to(acc).unsqueeze(-1)).sum(dim=1).to(y_slots.dtype)
 
 
-@functools.cache
-def _compiled():
-    # Eager: upcast, multiply, reduce and downcast, four passes over [N*k, d] forward and more
-    # backward; compiled: one each way (H200, replayed from a CUDA graph: 0.27 ms forward +
-    # backward against 0.78 ms eager at k3_mini's shape). Static shapes first (dynamic=True
-    # compiled a reduction that took ~385 us per call at N*k = 65536, d = 512); Dynamo turns
-    # dynamic by itself once the row count changes (expert parallelism). Not fullgraph: past
-    # the recompile limit it runs eagerly instead of failing.
-    return torch.compile(weighted_sum_eager)
+# Eager: upcast, multiply, reduce and downcast, four passes over [N*k, d] forward and more
+# backward; compiled: one each way (H200, replayed from a CUDA graph: 0.27 ms forward + backward
+# against 0.78 ms eager at k3_mini's shape). Static shapes first (dynamic=True compiled a
+# reduction that took ~385 us per call at N*k = 65536, d = 512); Dynamo turns dynamic by itself
+# once the row count changes (expert parallelism). Not fullgraph: past the recompile limit it
+# runs eagerly instead of failing.
+_weighted_sum = compile_on_cuda(weighted_sum_eager)
 
 
 def weighted_sum(y_slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``weighted_sum_eager``, compiled on CUDA (``K3TRAIN_COMPILE=0`` keeps it eager)."""
-    if y_slots.is_cuda and os.environ.get("K3TRAIN_COMPILE", "1") != "0":
-        return _compiled()(y_slots, weights)
-    return weighted_sum_eager(y_slots, weights)
+    return _weighted_sum(y_slots, weights)

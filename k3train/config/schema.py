@@ -282,6 +282,19 @@ class RunConfig(_Strict):
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
 
+    def cuda_graph_blockers(self) -> dict[str, object]:
+        """The settings that rule out ``train.cuda_graph`` (name -> value), empty when none do.
+        The device count and a resolved ``train.device=auto`` are known only at run time
+        (``k3train.trainer.state.use_cuda_graph``)."""
+        p = self.parallel
+        out: dict[str, object] = {k: v for k, v in (("parallel.pp", p.pp), ("parallel.tp", p.tp),
+                                                    ("parallel.ep", p.ep)) if v != 1}
+        if self.precision.recipe not in ("bf16", "fp32"):
+            out["precision.recipe"] = self.precision.recipe
+        if self.train.device == "cpu":
+            out["train.device"] = "cpu"
+        return out
+
     @model_validator(mode="after")
     def _cross_field_checks(self) -> "RunConfig":
         from k3train.model.layout import expand_layer_pattern
@@ -291,14 +304,13 @@ class RunConfig(_Strict):
         if m.dense_layers > m.num_layers:
             raise ValueError(f"model.dense_layers ({m.dense_layers}) exceeds model.num_layers ({m.num_layers})")
         pr = self.precision
-        if self.train.cuda_graph is True:
-            p = self.parallel
-            bad = {k: v for k, v in (("parallel.pp", p.pp), ("parallel.tp", p.tp), ("parallel.ep", p.ep)) if v != 1}
-            if bad or pr.recipe not in ("bf16", "fp32") or self.train.device == "cpu":
-                raise ValueError(
-                    "train.cuda_graph captures a one-device forward/backward: it needs parallel.pp, tp and "
-                    f"ep = 1 (got {bad or 'ok'}), precision.recipe bf16 or fp32 (got {pr.recipe}) and a "
-                    f"CUDA device (train.device={self.train.device}); set train.cuda_graph=false otherwise")
+        blockers = self.cuda_graph_blockers() if self.train.cuda_graph is True else {}
+        if blockers:
+            bad = {k: v for k, v in blockers.items() if k.startswith("parallel.")}
+            raise ValueError(
+                "train.cuda_graph captures a one-device forward/backward: it needs parallel.pp, tp and "
+                f"ep = 1 (got {bad or 'ok'}), precision.recipe bf16 or fp32 (got {pr.recipe}) and a "
+                f"CUDA device (train.device={self.train.device}); set train.cuda_graph=false otherwise")
         # scope None is the recipe default, which for the MX recipes is the routed experts.
         if pr.recipe in ("mxfp4_qat", "mxfp8") and any("experts" in pat for pat in pr.scope or ["experts"]):
             bad = {k: v for k, v in (("moe.latent_size", self.moe.latent_size),

@@ -22,15 +22,13 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 from moe.layer import RMSNorm  # noqa: F401 - one RMSNorm module for the model and the MoE layer
+from moe.norm import rms_norm_eager
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMS normalisation over the last dim, computed in fp32 or wider (bf16 sums of squares drift)."""
-    xf = x.to(torch.promote_types(x.dtype, torch.float32))
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        y = y * weight.to(xf.dtype)
-    return y.to(x.dtype)
+    """RMS normalisation over the last dim in x's dtype, computed in fp32 or wider
+    (``moe.norm.rms_norm_eager``, the same math the RMSNorm module compiles)."""
+    return rms_norm_eager(x, weight, eps, x.dtype)
 
 
 def tp_size() -> int:

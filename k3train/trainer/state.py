@@ -30,15 +30,13 @@ def autocast_for(cfg: RunConfig, device: torch.device, graph: bool = False):
 
 def use_cuda_graph(cfg: RunConfig, info: ParallelInfo, device: torch.device) -> bool:
     """``train.cuda_graph`` resolved for this run: false, "auto" (on exactly when supported) or
-    true (on; raises naming what stops it). The config check already refused true with pp, tp,
-    ep > 1 or another precision recipe; the device and dp are only known here."""
+    true (on; raises naming what stops it). The config check already refused true for what
+    ``RunConfig.cuda_graph_blockers`` lists; the device and dp are only known here."""
     want = cfg.train.cuda_graph
     if want is False:
         return False
-    p = cfg.parallel
     if want == "auto":
-        return (device.type == "cuda" and info.dp == 1 and p.pp == p.tp == p.ep == 1
-                and cfg.precision.recipe in ("bf16", "fp32"))
+        return device.type == "cuda" and info.dp == 1 and not cfg.cuda_graph_blockers()
     if device.type != "cuda":
         raise ValueError(f"train.cuda_graph needs a CUDA device, this run is on {device.type}; "
                          "set train.cuda_graph=false (or auto)")
