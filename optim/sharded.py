@@ -294,8 +294,8 @@ class ShardedOptimizer:
                     ps = [e.param for e in es]
                     updates = muon_updates([p.grad for p in ps], [d.momentum[e.name] for e in es],
                                            momentum=self.muon_momentum, nesterov=True, heads=heads,
-                                           ns_steps=self.ns_steps)
-                    apply_muon_updates(ps, updates, lr, wd)
+                                           ns_steps=self.ns_steps, alpha=-lr)
+                    apply_muon_updates(ps, updates, 1.0 - lr * wd)
         self._share_params()
         for d in self.domains:
             for b in d.buckets:

@@ -216,3 +216,26 @@ def test_batched_step_equals_one_matrix_at_a_time(nesterov, monkeypatch):
     for p, r, buf in zip(params, ref, bufs):
         torch.testing.assert_close(p.detach(), r, atol=2e-6, rtol=1e-5)
         torch.testing.assert_close(opt.state[p]["momentum_buffer"], buf, atol=0, rtol=0)
+
+
+def test_out_scale_rides_on_the_last_gemm():
+    """``out_scale`` is a plain factor on the result (applied in the last GEMM, not a pass)."""
+    torch.manual_seed(8)
+    G = torch.randn(3, 24, 40)
+    torch.testing.assert_close(newton_schulz(G, out_scale=-0.37), -0.37 * newton_schulz(G),
+                               atol=1e-6, rtol=1e-5)
+
+
+def test_apply_updates_promotes_a_narrow_update():
+    """``p = decay * p + u`` in one pass, with a bf16 update added to fp32 weights in fp32
+    (reference: the update cast up first, then the two terms)."""
+    from optim import apply_muon_updates
+
+    torch.manual_seed(9)
+    ps = [torch.randn(16, 8), torch.randn(4, 16, 8)]
+    us = [torch.randn(16, 8).bfloat16(), torch.randn(4, 16, 8).bfloat16()]
+    for decay in (1.0, 0.99):
+        got = [p.clone() for p in ps]
+        apply_muon_updates(got, us, decay)
+        for g, p, u in zip(got, ps, us):
+            torch.testing.assert_close(g, decay * p + u.float(), atol=1e-6, rtol=1e-6)
