@@ -2,6 +2,8 @@
 
 Checks (prints JSON; exit 1 on failure):
 * KDA layer: CUDA (fla chunk_kda when installed, bf16 autocast) vs CPU fp32 pure-torch chunked form;
+* short convolution: our Triton kernels (bf16, autotuned tiles) vs the torch form in fp32 on
+  the same inputs: output, input and weight gradients (rel err < 2e-2);
 * Muon: two steps on CUDA (bf16 Newton-Schulz, fused momentum and update passes) vs on CPU
   (fp32) from the same weights and gradients, a 2-D matrix and an expert stack (rel err of the
   weight change < 2e-2);
@@ -37,6 +39,26 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double().cpu().flatten(), b.double().cpu().flatten()  # fp32 sums drift past 1.0
     return torch.nn.functional.cosine_similarity(a, b, dim=0).item()
+
+
+def conv_check() -> dict:
+    """Our Triton short convolution on CUDA vs the torch form in fp32 (k3_mini's q/k/v width)."""
+    from k3train.ops.short_conv import _triton_conv, short_conv_silu_torch
+
+    conv = _triton_conv()
+    if conv is None:
+        return {"conv_error": "Triton is not importable"}
+    gen = torch.Generator().manual_seed(0)
+    x, w, dy = torch.randn(2, 1000, 1024, generator=gen), torch.randn(1024, 4, generator=gen) * 0.5, \
+        torch.randn(2, 1000, 1024, generator=gen)
+    xg, wg = x.cuda().bfloat16().requires_grad_(), w.cuda().requires_grad_()
+    y = conv(xg, wg)
+    y.backward(dy.cuda().bfloat16())
+    xr, wr = x.cuda().bfloat16().float().requires_grad_(), w.cuda().requires_grad_()
+    ref = short_conv_silu_torch(xr, wr)
+    ref.backward(dy.cuda().bfloat16().float())
+    return {"conv_rel_err": rel_err(y, ref), "conv_dx_rel_err": rel_err(xg.grad, xr.grad),
+            "conv_dw_rel_err": rel_err(wg.grad, wr.grad)}
 
 
 def muon_check() -> dict:
@@ -180,10 +202,13 @@ def main() -> int:
     big = [c for c, _, numel in per if numel >= 4096]
     out["dense_worst_matrix_grad_cosine"] = min(big)
     if dev == "cuda":
+        out.update(conv_check())
         out.update(muon_check())
         out.update(graph_check(tokens))
     ok = (out.get("graph_ok", True) and out["kda_layer_rel_err"] < 2e-2
-          and out.get("muon_rel_err", 0.0) < 2e-2 and out["attnres_rel_err"] < 1e-4
+          and all(out.get(k, 0.0) < 2e-2 for k in ("conv_rel_err", "conv_dx_rel_err", "conv_dw_rel_err",
+                                                     "muon_rel_err"))
+          and "conv_error" not in out and out["attnres_rel_err"] < 1e-4
           and out["attnres_worst_grad_cosine"] > 0.9999
           and abs(out["model_loss_gpu"] - out["model_loss_cpu"]) < 2e-2
           and abs(out["dense_loss_gpu"] - out["dense_loss_cpu"]) < 2e-2

@@ -8,7 +8,10 @@ Both layers run with bf16 weights (no autocast), the K3 safe gate (lower bound -
 Each figure twice: timed eagerly, and replayed from a CUDA graph (``graph_*``: device time
 alone, as ``train.cuda_graph`` runs the step; eagerly the host's launch cost of fla's Python
 wrappers is counted too, and at this shape it exceeds the kernels' device time). Plus an
-ablation of our layer with one fused q/k/v GEMM and conv (``graph_ours_fused_qkv_ms``).
+ablation of our layer with one fused q/k/v GEMM and conv (``graph_ours_fused_qkv_ms``), and
+the short convolution side by side: ours (``k3train/ops/short_conv_triton.py``) against fla's
+``causal_conv1d``, alone on one ``[B, T, H*K]`` input (``graph_conv_*_ms``) and inside our layer
+(``graph_ours_fla_conv_ms``: the layer with fla's conv).
 
     python scripts/bench/bench_kda_layer.py [--batch 4 --seq 4096 --hidden 2048 --heads 16 --head-dim 128]
 """
@@ -74,6 +77,29 @@ def main() -> None:
     def run_ours():
         ours(x).backward(dy)
 
+    from k3train.ops import short_conv as sc
+
+    def run_ours_fla_conv():
+        # The same layer with fla's causal_conv1d for its three convolutions.
+        sc.BACKEND = "fla"
+        try:
+            run_ours()
+        finally:
+            sc.BACKEND = "k3train"
+
+    xc = torch.randn(B, T, H * K, device=dev, dtype=bf16, requires_grad=True)
+    wc = torch.randn(H * K, 4, device=dev, dtype=bf16, requires_grad=True)
+    dyc = torch.randn_like(xc)
+
+    def conv_with(backend):
+        def run():
+            sc.BACKEND = backend
+            try:
+                sc.short_conv_silu(xc, wc).backward(dyc)
+            finally:
+                sc.BACKEND = "k3train"
+        return run
+
     def run_fused():
         # Ablation: the q/k/v projections as one GEMM over concatenated weights and one conv over
         # the 3HK channels, q/k/v then strided views (the layer runs three of each, as fla does).
@@ -103,7 +129,8 @@ def main() -> None:
         peer(x)[0].backward(dy)
 
     # Every kernel and autotune candidate of the three, compiled in parallel before timing.
-    runs = [kernel, run_ours, run_fused] + ([run_peer] if peer is not None else [])
+    runs = ([kernel, run_ours, run_fused, run_ours_fla_conv, conv_with("k3train"), conv_with("fla")]
+            + ([run_peer] if peer is not None else []))
     result["compile_ahead"] = compile_ahead(lambda: [run() for run in runs], label="bench_kda_layer")
     kernel_ms = timeit(kernel, warmup=3, iters=10)
     floor_ms = kernel_ms + proj_flops / (peak * 1e12) * 1e3
@@ -121,7 +148,11 @@ def main() -> None:
     kernel_g = graph_ms(kernel)
     floor_g = kernel_g + proj_flops / (peak * 1e12) * 1e3
     result.update({"graph_kernel_ms": kernel_g, "graph_floor_ms": floor_g, "graph_ours_ms": graph_ms(run_ours),
-                   "graph_ours_fused_qkv_ms": graph_ms(run_fused)})
+                   "graph_ours_fused_qkv_ms": graph_ms(run_fused),
+                   "graph_ours_fla_conv_ms": graph_ms(run_ours_fla_conv),
+                   "graph_conv_ours_ms": graph_ms(conv_with("k3train")),
+                   "graph_conv_fla_ms": graph_ms(conv_with("fla"))})
+    result["conv_fla_over_ours"] = result["graph_conv_fla_ms"] / result["graph_conv_ours_ms"]
     result["graph_ours_over_floor"] = result["graph_ours_ms"] / floor_g
     if peer is not None:
         result["graph_fla_layer_ms"] = graph_ms(run_peer)
