@@ -1,8 +1,9 @@
-"""Kernels with backend dispatch: fla's Triton kernels on CUDA when importable, torch elsewhere.
+"""Kernels with backend dispatch: Triton kernels on CUDA when importable (fla's, and our own
+short convolution), torch elsewhere.
 
 ``K3TRAIN_KERNELS=torch`` forces the pure-torch forms on every device (debugging, comparing
 backends, or a GPU machine where Triton compilation is too slow to wait for); the default
-``auto`` picks fla on CUDA.
+``auto`` picks the Triton kernels on CUDA.
 """
 from __future__ import annotations
 
