@@ -31,7 +31,7 @@ import warnings
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import matmul_tflops, profile_table, save_json, timeit  # noqa: E402
+from common import matmul_tflops, op_table, profile_table, save_json, timeit  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -108,6 +108,9 @@ def ours(config: str, overrides: list[str], args, peak_tflops: float, microbatch
         if args.profile_shapes:
             print("the same, split by input shapes:\n" + profile_table(
                 lambda: state.train_step(batches[0]), rows=40, device=args.device, shapes=True), flush=True)
+        if args.profile_ops and args.device == "cuda":
+            print("aten operators by the device time of their kernels (eager steps only):\n"
+                  + op_table(lambda: state.train_step(batches[0]), rows=60), flush=True)
     del state
     return row
 
@@ -175,6 +178,9 @@ def main() -> None:
     ap.add_argument("--no-peer", action="store_true", help="skip the fla comparison")
     ap.add_argument("--rows", default="k3_mini,dense,peer", help="comma list of k3_mini, k3_mini_eager, k3_mini_accum, dense, peer")
     ap.add_argument("--profile", action="store_true", help="print the top operators of our rows")
+    ap.add_argument("--profile-ops", action="store_true",
+                    help="with --profile, also list aten operators and their shapes by device time "
+                         "(use on an eager row: a replayed graph shows kernels only)")
     ap.add_argument("--profile-shapes", action="store_true",
                     help="with --profile, also split the operators by input shape")
     ap.add_argument("--json")

@@ -71,6 +71,24 @@ def profile_table(fn, iters: int = 2, rows: int = 25, device: str = "cuda", shap
         sort_by=key, row_limit=rows, max_name_column_width=60, max_shapes_column_width=width)
 
 
+def op_table(fn, iters: int = 2, rows: int = 40) -> str:
+    """The ``aten::`` operators of ``iters`` eager calls of ``fn`` on CUDA, split by input
+    shapes, by the device time of the kernels each launched: which op and tensor an anonymous
+    elementwise kernel of ``profile_table`` belongs to (a replayed CUDA graph shows kernels only)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.key.startswith("aten::")]
+    ops.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    lines = [f"{'device ms':>10} {'calls':>6}  op  input shapes"]
+    for e in ops[:rows]:
+        lines.append(f"{e.self_device_time_total / 1e3:>10.2f} {e.count:>6}  {e.key}  {e.input_shapes}"[:200])
+    return "\n".join(lines)
+
+
 def save_json(path: str | None, result: dict) -> None:
     """Write a benchmark's result dict to ``path`` (the ``--json`` option); nothing when None."""
     if path:
