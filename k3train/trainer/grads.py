@@ -26,9 +26,14 @@ def allreduce_sum_then_scale(tensors: list[torch.Tensor], group, scale: float) -
     the expert-data-parallel replicas, divided by the full data-parallel size)."""
     if not tensors:
         return
+    if group is None or dist.get_world_size(group) == 1:
+        # Nothing to sum: scale in place (flattening all expert gradients into one buffer and
+        # back cost ~5 ms per k3_mini step on an H200 for a multiply by 1).
+        if scale != 1.0:
+            torch._foreach_mul_(tensors, scale)
+        return
     flat = _flatten_dense_tensors(tensors)
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(flat, group=group)
+    dist.all_reduce(flat, group=group)
     flat.mul_(scale)
     for t, synced in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
         t.copy_(synced)

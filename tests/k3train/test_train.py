@@ -154,3 +154,18 @@ def test_cuda_graph_auto_turns_on_exactly_where_supported():
     assert use_cuda_graph(on, one, cuda)
     with pytest.raises(ValueError, match="runs on one GPU only \\(this run has dp=2\\)"):
         use_cuda_graph(on, two, cuda)
+
+
+def test_expert_grad_scale_without_a_group_scales_in_place():
+    """One rank: no flatten/all-reduce round trip; the tensors themselves are scaled (or left
+    exactly as they are for a scale of 1)."""
+    from k3train.trainer.grads import allreduce_sum_then_scale
+
+    gen = torch.Generator().manual_seed(0)
+    ts = [torch.randn(3, 4, 5, generator=gen), torch.randn(7, generator=gen)]
+    before = [t.clone() for t in ts]
+    allreduce_sum_then_scale(ts, None, 1.0)
+    assert all(torch.equal(t, b) for t, b in zip(ts, before))
+    allreduce_sum_then_scale(ts, None, 0.25)
+    for t, b in zip(ts, before):
+        torch.testing.assert_close(t, b * 0.25, rtol=0, atol=0)
