@@ -1,3 +1,5 @@
+"""The sigmoid top-k router under autocast."""
+import torch
 
 
 def test_autocast_logits_equal_the_explicit_upcast_path():
