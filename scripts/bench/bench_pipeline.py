@@ -114,6 +114,12 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
+    # Tear the groups down explicitly: on 2x H200 the process printed its results, then did not
+    # exit until killed (NCCL communicators with p2p history left to interpreter exit).
+    from k3train.distributed import shutdown_distributed
+
+    torch.distributed.barrier()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":
