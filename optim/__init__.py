@@ -25,7 +25,8 @@ from .sharded import ShardedOptimizer, plan_muon_owners
 
 __all__ = [
     "OPTIMIZER_NAMES", "CombinedOptimizer", "build_optimizer",
-    "NS_COEFFICIENTS", "Muon", "apply_muon_updates", "muon_scale", "muon_update", "muon_updates", "newton_schulz",
+    "NS_COEFFICIENTS", "Muon", "apply_muon_updates", "muon_scale", "muon_update", "muon_updates",
+    "newton_schulz",
     "OPTIMIZERS", "ParamEntry", "ParamRule", "build_param_table", "format_table",
     "SCHEDULES", "apply_lr", "lr_factor",
     "ShardedOptimizer", "plan_muon_owners",
