@@ -169,3 +169,27 @@ def test_expert_grad_scale_without_a_group_scales_in_place():
     allreduce_sum_then_scale(ts, None, 0.25)
     for t, b in zip(ts, before):
         torch.testing.assert_close(t, b * 0.25, rtol=0, atol=0)
+
+
+def _one_step_params(overrides: list[str]) -> tuple[list[torch.Tensor], float]:
+    from k3train.distributed import init_distributed
+    from k3train.trainer.state import TrainState
+
+    cfg = load_config("configs/k3_tiny.yaml", ["model.num_layers=4", "train.seq_len=32",
+                                               "train.micro_batch_size=2", *overrides])
+    torch.manual_seed(0)
+    state = TrainState(cfg, init_distributed(device="cpu"), torch.device("cpu"))
+    batch = torch.randint(0, cfg.model.vocab_size, (2, 33), generator=torch.Generator().manual_seed(1))
+    stats = state.train_step(batch)
+    return [p.detach().clone() for p in state.params], stats["grad_norm"]
+
+
+def test_clip_applies_exactly_when_the_norm_exceeds_the_limit(world1):
+    """train_step skips the clip pass when clip_'s factor would be 1: a limit far above the
+    norm gives bit-identical weights to clipping off (grad_clip=0), and a limit below the norm
+    changes them."""
+    off, norm = _one_step_params(["train.grad_clip=0"])
+    loose, _ = _one_step_params([f"train.grad_clip={norm * 100}"])
+    tight, _ = _one_step_params([f"train.grad_clip={norm / 100}"])
+    assert all(torch.equal(a, b) for a, b in zip(off, loose))
+    assert any(not torch.equal(a, b) for a, b in zip(off, tight))
