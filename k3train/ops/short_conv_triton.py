@@ -142,6 +142,7 @@ def _bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, T, C, W: tl.constexpr, BC:
 _fwd_tuned = triton.autotune(configs=_CONFIGS, key=["C", "W"], cache_results=True)(_fwd_kernel)
 _bwd_tuned = triton.autotune(configs=_CONFIGS, key=["C", "W"], cache_results=True)(_bwd_kernel)
 _INTERPRET_CONFIG = {"BC": 32, "ROWS": 16}
+_MIN_ROWS = min(cfg.kwargs["ROWS"] for cfg in _CONFIGS)
 
 
 def _interpreting() -> bool:
@@ -158,7 +159,7 @@ def _launch(kernel, tuned, B: int, T: int, C: int, *args, **kwargs) -> int:
     # Set by the launch just made; absent when nothing ran (compile_ahead's compile-only
     # launches, whose outputs are discarded): then any count within the buffer will do.
     best = getattr(tuned, "best_config", None)
-    return best.kwargs["ROWS"] if best is not None else min(c.kwargs["ROWS"] for c in _CONFIGS)
+    return best.kwargs["ROWS"] if best is not None else _MIN_ROWS
 
 
 class _ShortConvSiLU(torch.autograd.Function):
@@ -181,8 +182,7 @@ class _ShortConvSiLU(torch.autograd.Function):
         dx = torch.empty_like(x)
         # One partial per (batch, strip), every one written; the strip count depends on the
         # autotuned ROWS, so size for the smallest and sum the strips that ran.
-        min_rows = (_INTERPRET_CONFIG["ROWS"] if _interpreting()
-                    else min(cfg.kwargs["ROWS"] for cfg in _CONFIGS))
+        min_rows = _INTERPRET_CONFIG["ROWS"] if _interpreting() else _MIN_ROWS
         dw = torch.empty(B * triton.cdiv(T, min_rows), W, C, dtype=torch.float32, device=x.device)
         rows = _launch(_bwd_kernel, _bwd_tuned, B, T, C, x, w, dy, dx, dw, T, C, W=W)
         return dx, dw[:B * triton.cdiv(T, rows)].sum(0).t().to(ctx.weight_dtype)
