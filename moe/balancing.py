@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .metrics import expert_load
+from .topk import row_topk
 
 BALANCER_NAMES = ("quantile", "aux_free", "aux_loss", "none")
 
@@ -38,7 +39,7 @@ def _margins(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
         raise ValueError(f"quantile balancing needs 0 < k < num_experts={num_experts}, got {k}")
     dtype = torch.promote_types(scores.dtype, bias.dtype)
     s = scores.to(dtype)
-    cutoff = torch.topk(s + bias.to(dtype), k + 1, dim=-1).values[:, -1:]
+    cutoff = row_topk(s, k + 1, bias.to(dtype))[0][:, -1:]
     return s - cutoff
 
 

@@ -7,6 +7,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from .topk import row_topk
+
 
 @dataclass
 class RouterOutput:
@@ -83,7 +85,7 @@ class SigmoidTopKRouter(nn.Module):
             logits = F.linear(x.to(dtype), self.weight.to(dtype))
         scores = torch.sigmoid(logits)
         # The bias only picks experts; no gradient flows through the selection.
-        indices = torch.topk(scores.detach() + self.bias, self.topk, dim=-1).indices
+        indices = row_topk(scores.detach(), self.topk, self.bias)[1]
         picked = scores.gather(-1, indices)
         weights = picked / picked.sum(dim=-1, keepdim=True)
         return RouterOutput(scores=scores, indices=indices, weights=weights, logits=logits)

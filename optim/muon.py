@@ -22,7 +22,9 @@ hence the whole matrix's, still has RMS ~0.2.
 """
 from __future__ import annotations
 
+import functools
 import math
+import os
 from typing import Any, Iterable
 
 import torch
@@ -74,6 +76,22 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7, *,
     if tall:
         X = X.mT
     return X.reshape(G.shape).to(G.dtype)
+
+
+@functools.cache
+def _momentum_kernel():
+    try:  # Triton ships with CUDA builds of torch; CPU-only installs may lack it.
+        from .momentum_triton import momentum_nesterov_triton
+    except ImportError:
+        return None
+    return momentum_nesterov_triton
+
+
+def _fused_momentum(g: torch.Tensor):
+    """The fused momentum kernel for gradients like ``g``, or None (then two torch passes)."""
+    if not g.is_cuda or os.environ.get("K3TRAIN_KERNELS", "auto") == "torch":
+        return None
+    return _momentum_kernel()
 
 
 def muon_scale(rows: int, cols: int) -> float:
@@ -144,9 +162,13 @@ def muon_updates(
     """
     ns_dtype = _ns_dtype(grads[0])
     u = torch.empty((len(grads), *grads[0].shape), dtype=ns_dtype, device=grads[0].device)
-    # Memory passes (fp32 state): the momentum is one read-modify-write, and the Nesterov
-    # input is written straight into its slot of the Newton-Schulz stack, cast on the store.
+    # The Nesterov input is written straight into its slot of the Newton-Schulz stack, cast on
+    # the store; on CUDA one Triton pass also advances the momentum (torch needs two).
+    fused = _fused_momentum(grads[0])
     for i, (g, buf) in enumerate(zip(grads, bufs)):
+        if fused is not None and g.is_contiguous() and buf.is_contiguous():
+            fused(g, buf, u[i], momentum, nesterov)
+            continue
         torch.add(g, buf, alpha=momentum, out=buf)          # buf = mu * buf + g
         if nesterov:
             torch.add(g, buf, alpha=momentum, out=u[i])     # u = g + mu * buf

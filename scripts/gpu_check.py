@@ -82,6 +82,25 @@ def muon_check() -> dict:
                                 for g, c, p0 in zip(after["cuda"], after["cpu"], init))}
 
 
+def topk_check() -> dict:
+    """Our Triton row top-k on CUDA vs torch.topk on CUDA (k3_mini's router shape, bf16 scores
+    and an fp32 bias as under autocast): equal values; indices equal wherever no tie decides."""
+    from moe.topk import _triton_topk
+
+    mod = _triton_topk()
+    if mod is None:
+        return {"topk_error": "Triton is not importable"}
+    gen = torch.Generator().manual_seed(2)
+    scores = torch.rand(16384, 64, generator=gen).cuda().bfloat16()
+    bias = (torch.randn(64, generator=gen) * 0.01).cuda()
+    values, indices = mod.row_topk_triton(scores, 5, bias)
+    ref = torch.topk(scores + bias, 5, dim=-1)
+    untied = (ref.values[:, :-1] != ref.values[:, 1:]).all(-1)
+    return {"topk_values_equal": bool(torch.equal(values, ref.values)),
+            "topk_indices_equal_untied": bool(torch.equal(indices[untied], ref.indices[untied])),
+            "topk_untied_rows": int(untied.sum())}
+
+
 def graph_check(tokens: torch.Tensor, steps: int = 6) -> dict:
     """``train.cuda_graph`` against eager on k3_tiny (MoE, AttnRes, Muon, Quantile Balancing).
 
@@ -204,11 +223,14 @@ def main() -> int:
     if dev == "cuda":
         out.update(conv_check())
         out.update(muon_check())
+        out.update(topk_check())
         out.update(graph_check(tokens))
     ok = (out.get("graph_ok", True) and out["kda_layer_rel_err"] < 2e-2
           and all(out.get(k, 0.0) < 2e-2 for k in ("conv_rel_err", "conv_dx_rel_err", "conv_dw_rel_err",
                                                      "muon_rel_err"))
-          and "conv_error" not in out and out["attnres_rel_err"] < 1e-4
+          and "conv_error" not in out and "topk_error" not in out
+          and out.get("topk_values_equal", True) and out.get("topk_indices_equal_untied", True)
+          and out["attnres_rel_err"] < 1e-4
           and out["attnres_worst_grad_cosine"] > 0.9999
           and abs(out["model_loss_gpu"] - out["model_loss_cpu"]) < 2e-2
           and abs(out["dense_loss_gpu"] - out["dense_loss_cpu"]) < 2e-2

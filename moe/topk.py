@@ -1,0 +1,52 @@
+"""Row-wise top-k of routing scores, with an optional per-column bias added first.
+
+On CUDA it runs one Triton kernel (``topk_triton``; ~80 us -> a few us per call on k3_mini's
+``[16384, 64]``); elsewhere, for other dtypes, or with ``K3TRAIN_KERNELS=torch``, it is
+``torch.topk(scores + bias, k, dim=-1)``. Triton comes with CUDA builds of torch; it is
+imported only when a CUDA tensor arrives.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+__all__ = ["row_topk"]
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def _triton_topk():
+    try:
+        from . import topk_triton
+    except ImportError:
+        return None
+    return topk_triton
+
+
+def _use_kernel(scores: torch.Tensor, k: int, bias: torch.Tensor | None) -> bool:
+    if not scores.is_cuda or os.environ.get("K3TRAIN_KERNELS", "auto") == "torch":
+        return False
+    if scores.ndim != 2 or scores.dtype not in _KERNEL_DTYPES:
+        return False
+    if bias is not None and (bias.dtype not in _KERNEL_DTYPES or bias.shape != scores.shape[-1:]
+                             or not bias.is_contiguous()):
+        return False
+    mod = _triton_topk()
+    return mod is not None and 0 < k <= mod.MAX_K and scores.shape[1] <= mod.MAX_COLUMNS
+
+
+def row_topk(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores ``[N, E]``, bias ``[E]`` or None -> (values ``[N, k]``, indices ``[N, k]`` int64)
+    of ``scores + bias``, largest first (values in ``promote(scores, bias)``)."""
+    if not 0 < k <= scores.shape[-1]:
+        raise ValueError(f"row_topk: k={k} must be in [1, {scores.shape[-1]}] (the number of "
+                         f"columns of scores {tuple(scores.shape)})")
+    if _use_kernel(scores, k, bias):
+        return _triton_topk().row_topk_triton(scores.contiguous(), k, bias)
+    keyed = scores if bias is None else scores + bias
+    values, indices = torch.topk(keyed, k, dim=-1)
+    return values, indices

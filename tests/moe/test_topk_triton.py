@@ -1,0 +1,107 @@
+"""The router's Triton top-k (``moe/topk_triton.py``), run by Triton's CPU interpreter, against
+a stable descending sort of ``scores + bias``: the same values bit for bit and the same indices,
+ties going to the lowest column and NaN ranking above +inf (torch's order).
+
+The GPU run is checked by ``scripts/gpu_check.py`` against ``torch.topk`` on CUDA.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe.topk import row_topk
+
+pytest.importorskip("triton")
+
+# Triton must be imported with TRITON_INTERPRET=1 for its library functions to be interpreted,
+# so the kernel runs in a child process that saves its results for the checks here.
+_CHILD = """
+import sys, torch
+from moe.topk_triton import row_topk_triton
+cases, path = eval(sys.argv[1]), sys.argv[2]
+out = {}
+for case in cases:
+    scores, bias = _inputs(*case)
+    out[case] = row_topk_triton(scores, case[2], bias)
+for bad in ((torch.randn(4, 8), 9), (torch.randn(4, 8).t(), 2)):
+    try:
+        row_topk_triton(*bad)
+    except ValueError as e:
+        out.setdefault("errors", []).append(str(e))
+torch.save(out, path)
+"""
+
+
+def _inputs(n: int, e: int, k: int, dtype: str, bias: bool, special: bool):
+    """scores ``[n, e]`` in ``dtype`` (bf16 scores are coarse, so they tie often) and an fp32
+    bias or None; ``special`` plants exact ties, +-inf and NaN in the first rows."""
+    gen = torch.Generator().manual_seed(n * 131 + e * 7 + k)
+    scores = torch.rand(n, e, generator=gen).to(getattr(torch, dtype))
+    if special:
+        scores[0] = 0.5                                  # all tied: columns 0..k-1
+        scores[1, ::3] = float("-inf")
+        scores[2, 1] = float("nan")
+        scores[2, 4] = float("inf")
+        scores[3] = float("-inf")                        # k distinct picks from a row of -inf
+    b = torch.randn(e, generator=gen) * 0.1 if bias else None
+    if special and b is not None:
+        b = -b.abs()                                     # keep row 0's tie on top:
+        b[: e // 2] = 0.0                                # unbiased columns 0..k-1 win it
+    return scores, b
+
+
+# E not a power of two (padding columns), N not a multiple of the row block, k = 1 and 16.
+CASES = [(300, 64, 4, "float32", True, True), (300, 64, 5, "bfloat16", True, True),
+         (97, 10, 3, "float32", False, True), (70, 70, 16, "float16", True, False),
+         (5, 64, 1, "float32", True, False)]
+
+
+@pytest.fixture(scope="module")
+def kernel_results(tmp_path_factory):
+    import inspect
+
+    path = tmp_path_factory.mktemp("topk") / "out.pt"
+    code = inspect.getsource(_inputs) + _CHILD
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", code, repr(CASES), str(path)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(path)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "N{}E{}k{}-{}".format(*c[:4]))
+def test_matches_stable_descending_sort(kernel_results, case):
+    values, indices = kernel_results[case]
+    scores, bias = _inputs(*case)
+    keyed = scores if bias is None else scores + bias
+    ref_v, ref_i = torch.sort(keyed, dim=-1, descending=True, stable=True)
+    k = case[2]
+    assert values.dtype == keyed.dtype and indices.dtype == torch.int64
+    torch.testing.assert_close(values, ref_v[:, :k], rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(indices, ref_i[:, :k])
+
+
+def test_special_rows_follow_torch_order(kernel_results):
+    values, indices = kernel_results[CASES[0]]
+    assert indices[0].tolist() == [0, 1, 2, 3]          # ties: lowest column first
+    assert torch.isnan(values[2, 0]) and indices[2, 0] == 1 and indices[2, 1] == 4
+    assert indices[3].unique().numel() == 4             # a row of -inf: 4 distinct columns
+
+
+def test_bad_shapes_are_named(kernel_results):
+    too_many, strided = kernel_results["errors"]
+    assert "k=9" in too_many and "E=8" in too_many
+    assert "unit column stride" in strided
+
+
+def test_cpu_dispatch_is_torch_topk():
+    scores, bias = torch.rand(50, 64, dtype=torch.float64), torch.randn(64, dtype=torch.float64)
+    values, indices = row_topk(scores, 4, bias)
+    ref = torch.topk(scores + bias, 4, dim=-1)
+    assert torch.equal(values, ref.values) and torch.equal(indices, ref.indices)
+    with pytest.raises(ValueError, match="k=65"):
+        row_topk(scores, 65)
