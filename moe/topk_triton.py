@@ -63,7 +63,9 @@ def row_topk_triton(scores: torch.Tensor, k: int, bias: torch.Tensor | None = No
                          f"E <= {MAX_COLUMNS}")
     dtype = scores.dtype if bias is None else torch.promote_types(scores.dtype, bias.dtype)
     values = torch.empty(n, k, dtype=dtype, device=scores.device)
-    indices = torch.empty(n, k, dtype=torch.int64, device=scores.device)
+    # Zeros, not empty: k3train.ops.triton_compile.compile_ahead dry-runs a step with Triton
+    # launches replaced by compiles, and uninitialised indices would then reach gathers.
+    indices = torch.zeros(n, k, dtype=torch.int64, device=scores.device)
     if n == 0:
         return values, indices
     ep = triton.next_power_of_2(e)
