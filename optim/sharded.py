@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from .muon import _batches, _check_matrix, apply_muon_updates, muon_updates
+from .muon import _batches, _check_matrix, apply_muon_updates, largest_first, muon_updates
 from .param_table import ParamEntry
 
 __all__ = ["ShardedOptimizer", "plan_muon_owners"]
@@ -288,7 +288,7 @@ class ShardedOptimizer:
             for e, gi in d.owned_muon():
                 p = e.param
                 same.setdefault((gi, tuple(p.shape), e.heads, p.dtype, p.grad.dtype), []).append(e)
-            for (gi, _shape, heads, *_), entries in same.items():
+            for (gi, _shape, heads, *_), entries in largest_first(same, lambda e: e.param.numel()):
                 lr, wd = self.param_groups[gi]["lr"], self.param_groups[gi]["weight_decay"]
                 for es in _batches(entries, entries[0].param.numel()):
                     ps = [e.param for e in es]

@@ -239,3 +239,11 @@ def test_apply_updates_promotes_a_narrow_update():
         apply_muon_updates(got, us, decay)
         for g, p, u in zip(got, ps, us):
             torch.testing.assert_close(g, decay * p + u.float(), atol=1e-6, rtol=1e-6)
+
+
+def test_largest_first_orders_groups_by_total_size():
+    """Muon.step starts with the biggest stacks (host launches then hide behind their GEMMs)."""
+    from optim.muon import largest_first
+
+    same = {"small": [torch.zeros(3, 3)] * 5, "stack": [torch.zeros(4, 8, 8)], "mid": [torch.zeros(10, 10)]}
+    assert [k for k, _ in largest_first(same, torch.Tensor.numel)] == ["stack", "mid", "small"]
