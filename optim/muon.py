@@ -43,6 +43,31 @@ def _ns_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.bfloat16 if t.is_cuda else torch.float32
 
 
+NS_GEMM = "triton"
+"""Which ``beta * C + alpha * A @ B`` Newton-Schulz uses on CUDA: ``"triton"`` (ours, reads C in
+its epilogue: ``optim/ns_gemm_triton.py``) or ``"torch"`` (``torch.baddbmm``, which first copies
+C into its output). CPU always uses torch."""
+
+
+@functools.cache
+def _triton_baddbmm():
+    try:  # Triton ships with CUDA builds of torch; CPU-only installs may lack it.
+        from .ns_gemm_triton import baddbmm_triton
+    except ImportError:
+        return None
+    return baddbmm_triton
+
+
+def _baddbmm(X: torch.Tensor):
+    """The ``baddbmm(C, A, B, beta=, alpha=)`` to use for tensors like ``X``."""
+    if NS_GEMM not in ("triton", "torch"):
+        raise ValueError(f"optim.muon.NS_GEMM={NS_GEMM!r}: allowed values are 'triton' and 'torch'")
+    if (NS_GEMM == "triton" and X.is_cuda and os.environ.get("K3TRAIN_KERNELS", "auto") != "torch"
+            and _triton_baddbmm() is not None):
+        return _triton_baddbmm()
+    return torch.baddbmm
+
+
 def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7, *,
                   out_scale: float = 1.0) -> torch.Tensor:
     """Approximately orthogonalise ``G: [..., A, B]`` (each trailing matrix on its own).
@@ -64,15 +89,17 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7, *,
     # Frobenius norm >= spectral norm, so every singular value starts in [0, 1].
     X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)
     # Batched GEMMs with the polynomial's scalars fused in (beta * C + alpha * A @ B): each step
-    # is three GEMM launches and no separate elementwise passes over the stack. (Folding a X
-    # into the GEMM as B + a I would save torch's copy of X into the output, but rounding
-    # a + B_ii to bf16 doubled the update's error against fp32: 2.1% instead of 1.0%.)
+    # is three GEMM launches and no separate elementwise passes over the stack. torch.baddbmm
+    # copies C into its output first; NS_GEMM="triton" reads C in the GEMM's epilogue instead.
+    # (Folding a X into the GEMM as B + a I would also avoid that copy, but rounding a + B_ii to
+    # bf16 doubled the update's error against fp32: 2.1% instead of 1.0%.)
     X = X.reshape(-1, *X.shape[-2:])
+    baddbmm = _baddbmm(X)
     for i in range(steps):
         s = out_scale if i == steps - 1 else 1.0  # the last step writes out_scale * X
         A = X @ X.mT
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-        X = torch.baddbmm(X, B, X, beta=a * s, alpha=s)
+        B = baddbmm(A, A, A, beta=b, alpha=c)
+        X = baddbmm(X, B, X, beta=a * s, alpha=s)
     if tall:
         X = X.mT
     return X.reshape(G.shape).to(G.dtype)
