@@ -35,15 +35,35 @@ _CONFIGS = [triton.Config({"BC": bc, "ROWS": rows}, num_warps=w)
 
 
 @triton.jit
+def _load_taps(w_ptr, c, mc, W: tl.constexpr):
+    """The W <= 4 tap weights of channels ``c`` as fp32 ``[BC]`` vectors (zeros past W)."""
+    w0 = tl.load(w_ptr + c * W + 0, mask=mc, other=0.0).to(tl.float32)
+    w1 = tl.load(w_ptr + c * W + 1, mask=mc & (W > 1), other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + c * W + 2, mask=mc & (W > 2), other=0.0).to(tl.float32)
+    w3 = tl.load(w_ptr + c * W + 3, mask=mc & (W > 3), other=0.0).to(tl.float32)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _preact(w0, w1, w2, w3, x3, x2, x1, x0, W: tl.constexpr):
+    """z[t] from the window x3 = x[t-3], ..., x0 = x[t]: taps align to the newest row, so
+    weight[:, W-1] multiplies x[t]."""
+    if W == 4:
+        z = w0 * x3 + w1 * x2 + w2 * x1 + w3 * x0
+    elif W == 3:
+        z = w0 * x2 + w1 * x1 + w2 * x0
+    else:
+        z = w0 * x1 + w1 * x0
+    return z
+
+
+@triton.jit
 def _fwd_kernel(x_ptr, w_ptr, y_ptr, T, C, W: tl.constexpr, BC: tl.constexpr, ROWS: tl.constexpr):
     pid_c, pid_t, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     c = pid_c * BC + tl.arange(0, BC)
     mc = c < C
     base = b.to(tl.int64) * T * C
-    w0 = tl.load(w_ptr + c * W + 0, mask=mc, other=0.0).to(tl.float32)
-    w1 = tl.load(w_ptr + c * W + 1, mask=mc & (W > 1), other=0.0).to(tl.float32)
-    w2 = tl.load(w_ptr + c * W + 2, mask=mc & (W > 2), other=0.0).to(tl.float32)
-    w3 = tl.load(w_ptr + c * W + 3, mask=mc & (W > 3), other=0.0).to(tl.float32)
+    w0, w1, w2, w3 = _load_taps(w_ptr, c, mc, W)
     t0 = pid_t * ROWS
     # The window x[t-3], x[t-2], x[t-1] before the first row (zeros before token 0).
     xm3 = tl.load(x_ptr + base + (t0 - 3) * C + c, mask=mc & (t0 >= 3), other=0.0).to(tl.float32)
@@ -52,13 +72,7 @@ def _fwd_kernel(x_ptr, w_ptr, y_ptr, T, C, W: tl.constexpr, BC: tl.constexpr, RO
     for k in tl.range(0, ROWS, num_stages=3):
         t = t0 + k
         x0 = tl.load(x_ptr + base + t * C + c, mask=mc & (t < T), other=0.0).to(tl.float32)
-        # Taps align to the newest row: weight[:, W-1] multiplies x[t].
-        if W == 4:
-            z = w0 * xm3 + w1 * xm2 + w2 * xm1 + w3 * x0
-        elif W == 3:
-            z = w0 * xm2 + w1 * xm1 + w2 * x0
-        else:
-            z = w0 * xm1 + w1 * x0
+        z = _preact(w0, w1, w2, w3, xm3, xm2, xm1, x0, W)
         tl.store(y_ptr + base + t * C + c, (z * tl.sigmoid(z)).to(y_ptr.dtype.element_ty), mask=mc & (t < T))
         xm3, xm2, xm1 = xm2, xm1, x0
 
@@ -72,10 +86,7 @@ def _bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, T, C, W: tl.constexpr, BC:
     c = pid_c * BC + tl.arange(0, BC)
     mc = c < C
     base = b.to(tl.int64) * T * C
-    w0 = tl.load(w_ptr + c * W + 0, mask=mc, other=0.0).to(tl.float32)
-    w1 = tl.load(w_ptr + c * W + 1, mask=mc & (W > 1), other=0.0).to(tl.float32)
-    w2 = tl.load(w_ptr + c * W + 2, mask=mc & (W > 2), other=0.0).to(tl.float32)
-    w3 = tl.load(w_ptr + c * W + 3, mask=mc & (W > 3), other=0.0).to(tl.float32)
+    w0, w1, w2, w3 = _load_taps(w_ptr, c, mc, W)
     t0 = pid_t * ROWS
     t1 = t0 + ROWS
     # Start W-1 rows past the strip (their dz feed dx of its last rows; nothing is stored for
@@ -97,12 +108,7 @@ def _bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, T, C, W: tl.constexpr, BC:
         t = start - k
         xd = tl.load(x_ptr + base + (t - 3) * C + c, mask=mc & (t >= 3) & (t - 3 < T),
                      other=0.0).to(tl.float32)
-        if W == 4:
-            z = w0 * xd + w1 * xc + w2 * xb + w3 * xa
-        elif W == 3:
-            z = w0 * xc + w1 * xb + w2 * xa
-        else:
-            z = w0 * xb + w1 * xa
+        z = _preact(w0, w1, w2, w3, xd, xc, xb, xa, W)
         dyv = tl.load(dy_ptr + base + t * C + c, mask=mc & (t < T), other=0.0).to(tl.float32)
         sig = tl.sigmoid(z)
         dz = dyv * sig * (1.0 + z * (1.0 - sig))
