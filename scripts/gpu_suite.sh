@@ -3,9 +3,8 @@
 #   bash scripts/gpu_suite.sh OUTDIR [STAGES]     (STAGES: comma list, default all)
 # Stages: gpu_check train_cuda bench_kda bench_step bench_moe_layer bench_fp8 (one GPU; bench_step
 # also as bench_step_mini + bench_step_peer, and bench_quantile, bench_muon: explicit only);
-# gpu_parallel
-# (GPU_PARALLEL_ONLY=a,b picks variants) bench_moe_ep2 bench_pipeline pp_debug (two GPUs,
-# skipped on one).
+# gpu_parallel (GPU_PARALLEL_ONLY=a,b picks variants) bench_moe_ep2 bench_pipeline pp_debug (two
+# GPUs, skipped on one).
 # Together the stages need more than one 10-minute device call: pass a subset per call.
 # Logs and JSON land in OUTDIR. Each stage has its own time limit so one slow stage cannot eat
 # the others. fla's compiled Triton kernels and autotune results go to TRITON_CACHE_DIR (default
