@@ -23,6 +23,7 @@ hence the whole matrix's, still has RMS ~0.2.
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 import os
 from typing import Any, Iterable
@@ -50,12 +51,13 @@ C into its output). CPU always uses torch."""
 
 
 @functools.cache
-def _triton_baddbmm():
-    try:  # Triton ships with CUDA builds of torch; CPU-only installs may lack it.
-        from .ns_gemm_triton import baddbmm_triton
+def _triton_kernel(module: str, name: str):
+    """``name`` from ``optim.<module>``, or None where Triton is not importable (it ships
+    with CUDA builds of torch; CPU-only installs may lack it)."""
+    try:
+        return getattr(importlib.import_module(f".{module}", __package__), name)
     except ImportError:
         return None
-    return baddbmm_triton
 
 
 def _baddbmm(X: torch.Tensor):
@@ -63,8 +65,8 @@ def _baddbmm(X: torch.Tensor):
     if NS_GEMM not in ("triton", "torch"):
         raise ValueError(f"optim.muon.NS_GEMM={NS_GEMM!r}: allowed values are 'triton' and 'torch'")
     if (NS_GEMM == "triton" and X.is_cuda and os.environ.get("K3TRAIN_KERNELS", "auto") != "torch"
-            and _triton_baddbmm() is not None):
-        return _triton_baddbmm()
+            and _triton_kernel("ns_gemm_triton", "baddbmm_triton") is not None):
+        return _triton_kernel("ns_gemm_triton", "baddbmm_triton")
     return torch.baddbmm
 
 
@@ -105,20 +107,11 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7, *,
     return X.reshape(G.shape).to(G.dtype)
 
 
-@functools.cache
-def _momentum_kernel():
-    try:  # Triton ships with CUDA builds of torch; CPU-only installs may lack it.
-        from .momentum_triton import momentum_nesterov_triton
-    except ImportError:
-        return None
-    return momentum_nesterov_triton
-
-
 def _fused_momentum(g: torch.Tensor):
     """The fused momentum kernel for gradients like ``g``, or None (then two torch passes)."""
     if not g.is_cuda or os.environ.get("K3TRAIN_KERNELS", "auto") == "torch":
         return None
-    return _momentum_kernel()
+    return _triton_kernel("momentum_triton", "momentum_nesterov_triton")
 
 
 def muon_scale(rows: int, cols: int) -> float:

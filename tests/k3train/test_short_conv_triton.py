@@ -7,17 +7,15 @@ The interpreter runs the same kernel source as a GPU with one fixed tile config;
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
+from tests.triton_interpreter import run_interpreted
+
 pytest.importorskip("triton")
 
-# Triton must be imported with TRITON_INTERPRET=1 for its own library functions to be
-# interpreted, so the kernels run in a child process; it saves its results for the checks here.
+# Run in a child process with the interpreter on (tests/triton_interpreter.py); it saves
+# its results for the checks here.
 _CHILD = """
 import sys, torch
 from k3train.ops.short_conv_triton import short_conv_silu_triton
@@ -60,15 +58,7 @@ CASES = [(2, 37, 24, 4), (1, 40, 70, 3), (3, 2, 33, 4), (1, 17, 8, 2)]
 
 @pytest.fixture(scope="module")
 def kernel_results(tmp_path_factory):
-    import inspect
-
-    path = tmp_path_factory.mktemp("conv") / "out.pt"
-    code = inspect.getsource(_inputs) + _CHILD
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", code, repr(CASES), str(path)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(path)
+    return run_interpreted(tmp_path_factory.mktemp("conv"), _inputs, _CHILD, CASES)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}T{}C{}W{}".format(*c))

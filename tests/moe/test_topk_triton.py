@@ -6,19 +6,16 @@ The GPU run is checked by ``scripts/gpu_check.py`` against ``torch.topk`` on CUD
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from moe.topk import row_topk
+from tests.triton_interpreter import run_interpreted
 
 pytest.importorskip("triton")
 
-# Triton must be imported with TRITON_INTERPRET=1 for its library functions to be interpreted,
-# so the kernel runs in a child process that saves its results for the checks here.
+# Run in a child process with the interpreter on (tests/triton_interpreter.py); it saves
+# its results for the checks here.
 _CHILD = """
 import sys, torch
 from moe.topk_triton import row_topk_triton
@@ -66,15 +63,7 @@ CASES = [(300, 64, 4, "float32", True, True), (300, 64, 5, "bfloat16", True, Tru
 
 @pytest.fixture(scope="module")
 def kernel_results(tmp_path_factory):
-    import inspect
-
-    path = tmp_path_factory.mktemp("topk") / "out.pt"
-    code = inspect.getsource(_inputs) + _CHILD
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", code, repr(CASES), str(path)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(path)
+    return run_interpreted(tmp_path_factory.mktemp("topk"), _inputs, _CHILD, CASES)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "N{}E{}k{}-{}".format(*c[:4]))

@@ -7,12 +7,10 @@ The GPU run is checked by ``scripts/gpu_check.py`` (Muon on CUDA vs on CPU).
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+
+from tests.triton_interpreter import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -54,15 +52,7 @@ CASES = [(5000, True, "float32", "bfloat16", 3), (7, True, "float32", "float32",
 
 @pytest.fixture(scope="module")
 def kernel_results(tmp_path_factory):
-    import inspect
-
-    path = tmp_path_factory.mktemp("mom") / "out.pt"
-    code = inspect.getsource(_inputs) + _CHILD
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", code, repr(CASES), str(path)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(path)
+    return run_interpreted(tmp_path_factory.mktemp("mom"), _inputs, _CHILD, CASES)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "n{}-nesterov{}-{}-{}-steps{}".format(*c))

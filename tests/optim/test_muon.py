@@ -247,3 +247,15 @@ def test_largest_first_orders_groups_by_total_size():
 
     same = {"small": [torch.zeros(3, 3)] * 5, "stack": [torch.zeros(4, 8, 8)], "mid": [torch.zeros(10, 10)]}
     assert [k for k, _ in largest_first(same, torch.Tensor.numel)] == ["stack", "mid", "small"]
+
+
+def test_cuda_kernels_resolve_by_name():
+    """Muon finds its Triton kernels by module and name on CUDA; CPU runs never look them up,
+    so a renamed kernel would only fail on a GPU. Guard the names here."""
+    pytest.importorskip("triton")
+    from optim.momentum_triton import momentum_nesterov_triton
+    from optim.muon import _triton_kernel
+    from optim.ns_gemm_triton import baddbmm_triton
+
+    assert _triton_kernel("momentum_triton", "momentum_nesterov_triton") is momentum_nesterov_triton
+    assert _triton_kernel("ns_gemm_triton", "baddbmm_triton") is baddbmm_triton

@@ -8,12 +8,10 @@ torch's ``baddbmm``.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+
+from tests.triton_interpreter import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -52,15 +50,7 @@ CASES = [(3, 37, 37, 37, "square"), (2, 20, 45, 20, "gram"), (2, 33, 18, 50, "ge
 
 @pytest.fixture(scope="module")
 def kernel_results(tmp_path_factory):
-    import inspect
-
-    path = tmp_path_factory.mktemp("nsgemm") / "out.pt"
-    code = inspect.getsource(_operands) + _CHILD
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", code, repr(CASES), str(path)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(path)
+    return run_interpreted(tmp_path_factory.mktemp("nsgemm"), _operands, _CHILD, CASES)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "S{}M{}K{}N{}-{}".format(*c))
