@@ -60,16 +60,21 @@ def _triton_kernel(module: str, name: str):
         return None
 
 
+def _cuda_kernel(t: torch.Tensor, module: str, name: str):
+    """Our Triton kernel ``module.name`` for tensors like ``t``: None off CUDA, with
+    ``K3TRAIN_KERNELS=torch``, or without Triton."""
+    if not t.is_cuda or os.environ.get("K3TRAIN_KERNELS", "auto") == "torch":
+        return None
+    return _triton_kernel(module, name)
+
+
 def _baddbmm(X: torch.Tensor):
     """The ``baddbmm(C, A, B, beta=, alpha=)`` to use for tensors like ``X``."""
     if NS_GEMM not in ("triton", "torch"):
         raise ValueError(f"optim.muon.NS_GEMM={NS_GEMM!r}: allowed values are 'triton' and 'torch'")
     # The Triton grid puts the stack on its second axis, which CUDA caps at 65535.
-    if (NS_GEMM == "triton" and X.is_cuda and X.shape[0] <= 65535
-            and os.environ.get("K3TRAIN_KERNELS", "auto") != "torch"
-            and _triton_kernel("ns_gemm_triton", "baddbmm_triton") is not None):
-        return _triton_kernel("ns_gemm_triton", "baddbmm_triton")
-    return torch.baddbmm
+    ours = _cuda_kernel(X, "ns_gemm_triton", "baddbmm_triton") if NS_GEMM == "triton" else None
+    return ours if ours is not None and X.shape[0] <= 65535 else torch.baddbmm
 
 
 def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7, *,
@@ -107,13 +112,6 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7, *,
     if tall:
         X = X.mT
     return X.reshape(G.shape).to(G.dtype)
-
-
-def _fused_momentum(g: torch.Tensor):
-    """The fused momentum kernel for gradients like ``g``, or None (then two torch passes)."""
-    if not g.is_cuda or os.environ.get("K3TRAIN_KERNELS", "auto") == "torch":
-        return None
-    return _triton_kernel("momentum_triton", "momentum_nesterov_triton")
 
 
 def muon_scale(rows: int, cols: int) -> float:
@@ -186,7 +184,7 @@ def muon_updates(
     u = torch.empty((len(grads), *grads[0].shape), dtype=ns_dtype, device=grads[0].device)
     # The Nesterov input is written straight into its slot of the Newton-Schulz stack, cast on
     # the store; on CUDA one Triton pass also advances the momentum (torch needs two).
-    fused = _fused_momentum(grads[0])
+    fused = _cuda_kernel(grads[0], "momentum_triton", "momentum_nesterov_triton")
     for i, (g, buf) in enumerate(zip(grads, bufs)):
         if fused is not None and g.is_contiguous() and buf.is_contiguous():
             fused(g, buf, u[i], momentum, nesterov)
