@@ -35,6 +35,14 @@ _CONFIGS = [triton.Config({"BC": bc, "ROWS": rows}, num_warps=w)
 
 
 @triton.jit
+def _rows_mask(mc, ok):
+    """``mc & ok`` for a channel mask ``mc`` [BC] and a scalar row condition ``ok``, written as a
+    select: Triton 3.9's CPU interpreter types ``block & scalar`` comparisons as int32, which its
+    masked loads and stores refuse (``mask has unsupported dtype``); compiled, both are one and."""
+    return tl.where(ok, mc, False)
+
+
+@triton.jit
 def _load_taps(w_ptr, c, mc, W: tl.constexpr):
     """The W <= 4 tap weights of channels ``c`` as fp32 ``[BC]`` vectors (zeros past W)."""
     w0 = tl.load(w_ptr + c * W + 0, mask=mc, other=0.0).to(tl.float32)
@@ -66,14 +74,14 @@ def _fwd_kernel(x_ptr, w_ptr, y_ptr, T, C, W: tl.constexpr, BC: tl.constexpr, RO
     w0, w1, w2, w3 = _load_taps(w_ptr, c, mc, W)
     t0 = pid_t * ROWS
     # The window x[t-3], x[t-2], x[t-1] before the first row (zeros before token 0).
-    xm3 = tl.load(x_ptr + base + (t0 - 3) * C + c, mask=mc & (t0 >= 3), other=0.0).to(tl.float32)
-    xm2 = tl.load(x_ptr + base + (t0 - 2) * C + c, mask=mc & (t0 >= 2), other=0.0).to(tl.float32)
-    xm1 = tl.load(x_ptr + base + (t0 - 1) * C + c, mask=mc & (t0 >= 1), other=0.0).to(tl.float32)
+    xm3 = tl.load(x_ptr + base + (t0 - 3) * C + c, mask=_rows_mask(mc, t0 >= 3), other=0.0).to(tl.float32)
+    xm2 = tl.load(x_ptr + base + (t0 - 2) * C + c, mask=_rows_mask(mc, t0 >= 2), other=0.0).to(tl.float32)
+    xm1 = tl.load(x_ptr + base + (t0 - 1) * C + c, mask=_rows_mask(mc, t0 >= 1), other=0.0).to(tl.float32)
     for k in tl.range(0, ROWS, num_stages=3):
         t = t0 + k
-        x0 = tl.load(x_ptr + base + t * C + c, mask=mc & (t < T), other=0.0).to(tl.float32)
+        x0 = tl.load(x_ptr + base + t * C + c, mask=_rows_mask(mc, t < T), other=0.0).to(tl.float32)
         z = _preact(w0, w1, w2, w3, xm3, xm2, xm1, x0, W)
-        tl.store(y_ptr + base + t * C + c, (z * tl.sigmoid(z)).to(y_ptr.dtype.element_ty), mask=mc & (t < T))
+        tl.store(y_ptr + base + t * C + c, (z * tl.sigmoid(z)).to(y_ptr.dtype.element_ty), mask=_rows_mask(mc, t < T))
         xm3, xm2, xm1 = xm2, xm1, x0
 
 
@@ -93,9 +101,9 @@ def _bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, T, C, W: tl.constexpr, BC:
     # them), and carry x[t-1], x[t-2], x[t-3] into each row as the walk goes backwards. Rows
     # past the sequence load zeros (dy = 0 there, so their dz is 0).
     start = t1 + W - 2
-    xa = tl.load(x_ptr + base + start * C + c, mask=mc & (start < T), other=0.0).to(tl.float32)
-    xb = tl.load(x_ptr + base + (start - 1) * C + c, mask=mc & (start - 1 < T), other=0.0).to(tl.float32)
-    xc = tl.load(x_ptr + base + (start - 2) * C + c, mask=mc & (start - 2 < T) & (start >= 2),
+    xa = tl.load(x_ptr + base + start * C + c, mask=_rows_mask(mc, start < T), other=0.0).to(tl.float32)
+    xb = tl.load(x_ptr + base + (start - 1) * C + c, mask=_rows_mask(mc, start - 1 < T), other=0.0).to(tl.float32)
+    xc = tl.load(x_ptr + base + (start - 2) * C + c, mask=_rows_mask(mc, (start - 2 < T) & (start >= 2)),
                  other=0.0).to(tl.float32)
     dz1 = tl.zeros((BC,), dtype=tl.float32)  # dz[t+1], dz[t+2], dz[t+3]
     dz2 = tl.zeros((BC,), dtype=tl.float32)
@@ -106,10 +114,10 @@ def _bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, T, C, W: tl.constexpr, BC:
     dw3 = tl.zeros((BC,), dtype=tl.float32)
     for k in tl.range(0, ROWS + W - 1, num_stages=3):
         t = start - k
-        xd = tl.load(x_ptr + base + (t - 3) * C + c, mask=mc & (t >= 3) & (t - 3 < T),
+        xd = tl.load(x_ptr + base + (t - 3) * C + c, mask=_rows_mask(mc, (t >= 3) & (t - 3 < T)),
                      other=0.0).to(tl.float32)
         z = _preact(w0, w1, w2, w3, xd, xc, xb, xa, W)
-        dyv = tl.load(dy_ptr + base + t * C + c, mask=mc & (t < T), other=0.0).to(tl.float32)
+        dyv = tl.load(dy_ptr + base + t * C + c, mask=_rows_mask(mc, t < T), other=0.0).to(tl.float32)
         sig = tl.sigmoid(z)
         dz = dyv * sig * (1.0 + z * (1.0 - sig))
         if W == 4:
@@ -119,7 +127,7 @@ def _bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, T, C, W: tl.constexpr, BC:
         else:
             dx = w1 * dz + w0 * dz1
         own = (t < t1) & (t < T)  # rows of this strip (the first W-1 steps only warm the window)
-        tl.store(dx_ptr + base + t * C + c, dx.to(dx_ptr.dtype.element_ty), mask=mc & own)
+        tl.store(dx_ptr + base + t * C + c, dx.to(dx_ptr.dtype.element_ty), mask=_rows_mask(mc, own))
         dzo = tl.where(own, dz, 0.0)
         if W == 4:
             dw0 += dzo * xd
