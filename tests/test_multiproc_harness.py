@@ -15,10 +15,12 @@ def _fail_on_rank_one(rank, world_size):
     assert rank != 1, "rank one fails on purpose"
 
 
+@pytest.mark.slow
 def test_allreduce_over_gloo():
     run_multiprocess(_allreduce_sum, 2)
 
 
+@pytest.mark.slow
 def test_child_failure_reaches_parent():
     with pytest.raises(AssertionError, match="rank one fails on purpose"):
         run_multiprocess(_fail_on_rank_one, 2)

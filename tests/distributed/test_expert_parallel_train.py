@@ -12,6 +12,7 @@ from tests.multiproc import run_multiprocess
     ["parallel.ep=2", "moe.capacity_factor=4.0"],
     ["parallel.ep=2", "parallel.pp=2", "train.microbatches=2"],
 ], ids=["ep2-dynamic", "ep2-static-capacity", "ep2-pp2"])
+@pytest.mark.slow
 def test_expert_parallel_training_matches_single_process(tmp_path, overrides):
     world = 4 if "parallel.pp=2" in overrides else 2
     base = [o for o in overrides if o.startswith("train.")]

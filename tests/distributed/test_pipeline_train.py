@@ -25,6 +25,7 @@ def _train_rank(rank, world_size, run_dir, overrides):
     (["parallel.pp=2", "parallel.vpp=2", "train.microbatches=2", "pipeline.attnres_transport=naive",
       "pipeline.p2p_backend=gloo"], 4),
 ], ids=["pp2-vpp2-cached", "pp2-standard-residual", "pp2-dp2-naive-gloo-groups"])
+@pytest.mark.slow
 def test_pipeline_training_matches_single_process(tmp_path, overrides, world):
     base = [o for o in overrides if not o.startswith(("parallel.", "pipeline."))]
     dp = world // 2
@@ -39,6 +40,7 @@ def test_pipeline_training_matches_single_process(tmp_path, overrides, world):
     assert first["pipeline/bytes_sent"] > 0 and first["pipeline/peak_cache_bytes"] >= 0
 
 
+@pytest.mark.slow
 def test_checkpoint_survives_a_data_parallel_resize(tmp_path, capsys):
     """Saved by DP=2 (two gloo ranks), resumed by one process: the replicated state loads."""
     import torch

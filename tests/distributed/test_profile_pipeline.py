@@ -1,4 +1,5 @@
 """`torchrun ... -m k3train profile-pipeline` as a user runs it (2 gloo ranks)."""
+import pytest
 import json
 import os
 import subprocess
@@ -7,6 +8,7 @@ import sys
 from tests.k3train.test_train import SMALL
 
 
+@pytest.mark.slow
 def test_profile_pipeline_command(tmp_path):
     out = tmp_path / "pipeline.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

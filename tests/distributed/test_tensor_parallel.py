@@ -1,4 +1,5 @@
 """TP=2 (two gloo processes) equals TP=1: loss and every parameter gradient, in fp64."""
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -43,5 +44,6 @@ def _tp2_equals_tp1(rank, world_size):
                                        msg=lambda m, name=name: f"{name}: {m}")
 
 
+@pytest.mark.slow
 def test_tensor_parallel_two_ranks_equal_one():
     run_multiprocess(_tp2_equals_tp1, 2)

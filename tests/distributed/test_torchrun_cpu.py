@@ -25,6 +25,7 @@ def _wandb_keys_found(wandb_dir) -> set[str]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_torchrun_two_cpu_processes(tmp_path):
     torchrun = shutil.which("torchrun")

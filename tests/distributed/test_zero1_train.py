@@ -12,6 +12,7 @@ from tests.multiproc import run_multiprocess
     (["optim.zero1=true", "optim.name=muon", "parallel.pp=2", "train.microbatches=2"], 4),
     (["optim.zero1=true", "optim.name=muon", "parallel.ep=2"], 2),
 ], ids=["dp2-adamw", "pp2-dp2-muon", "ep2-dp2-muon"])
+@pytest.mark.slow
 def test_sharded_optimizer_training_matches_single_process(tmp_path, overrides, world):
     base = [o for o in overrides if o.startswith(("train.", "optim."))]
     ref_base = [o for o in base if o != "optim.zero1=true"]

@@ -135,6 +135,7 @@ def test_qat_grouped_experts_match_reference_forward_and_ste_grads(path):
     assert (experts.forward_loop(x, tpe) - y).abs().max() > 1e-4
 
 
+@pytest.mark.slow
 def test_qat_run_learns_and_tracks_fp32(tmp_path):
     run = ["train.steps=30", "train.log_interval=5", "train.eval_interval=30", "optim.warmup_steps=5"]
     fp32 = train(_cfg(*run), tmp_path / "fp32")

@@ -49,6 +49,7 @@ def test_repeated_nan_stops_with_a_clear_message(tmp_path, monkeypatch):
         train(_cfg("train.steps=6", "train.max_consecutive_skips=2"), tmp_path)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_exits_zero(tmp_path):
     proc = subprocess.Popen([*CLI, "--run-dir", str(tmp_path), "train.steps=100000", "train.log_interval=1"],
                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -61,6 +62,7 @@ def test_sigterm_saves_and_exits_zero(tmp_path):
     assert 1 <= manifest["step"] < 100000 and "signal received" in out
 
 
+@pytest.mark.slow
 def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
     proc = subprocess.Popen([*CLI, "--run-dir", str(tmp_path), "train.steps=8", "checkpoint.interval=2"],
                             env=_env(K3TRAIN_FAULTS="slow_save@4"), stdout=subprocess.DEVNULL,
@@ -77,6 +79,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
     assert latest_checkpoint(tmp_path / "checkpoints").name == "step_00000004"
 
 
+@pytest.mark.slow
 def test_elastic_restart_matches_uninterrupted_run(tmp_path):
     args = ["train.steps=6", "checkpoint.interval=2", "train.log_interval=1"]
     ref = tmp_path / "ref"

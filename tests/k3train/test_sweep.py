@@ -21,6 +21,7 @@ def _ablation(tmp_path, **spec):
     return path
 
 
+@pytest.mark.slow
 def test_sweep_runs_tabulates_and_skips_finished_variants(tmp_path, monkeypatch):
     overrides = [*SMALL, "train.steps=6", "train.log_interval=2", "train.eval_interval=3"]
     path = _ablation(tmp_path, overrides=overrides, grid={"data.source": ["embedded", "mqar"]})

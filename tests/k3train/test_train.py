@@ -44,6 +44,7 @@ def test_tiny_run_learns_and_writes_run_dir(tmp_path):
     verify_checkpoint(latest_checkpoint(tmp_path / "checkpoints"), world_size=1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optim_name", ["adamw", "muon"])
 def test_resume_equals_uninterrupted_bit_for_bit(tmp_path, optim_name):
     extra = ["train.steps=6", "train.log_interval=1", "train.microbatches=2", f"optim.name={optim_name}"]

@@ -41,6 +41,7 @@ def _state(cfg):
     return TrainState(cfg, init_distributed(device="cpu"), torch.device("cpu"))
 
 
+@pytest.mark.slow
 def test_compile_pass_leaves_training_unchanged(monkeypatch):
     """The trainer's compile pass (a forward/backward on a zero batch) must not move weights,
     optimizer or balancer state, gradients or routing: the next step equals a fresh state's."""

@@ -195,5 +195,6 @@ def _distributed_body(rank: int, world: int) -> None:
     assert torch.equal(moe.router.bias, full)
 
 
+@pytest.mark.slow
 def test_quantile_balance_distributed_two_ranks():
     run_multiprocess(_distributed_body, 2)

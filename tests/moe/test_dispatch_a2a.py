@@ -161,6 +161,7 @@ def _ep_job(rank: int, world: int) -> None:
     _check_single_rank_exact(singles[rank])
 
 
+@pytest.mark.slow
 def test_expert_parallel_matches_single_process():
     run_multiprocess(_ep_job, 4)
 

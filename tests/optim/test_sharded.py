@@ -170,6 +170,7 @@ def _dp2_body(rank: int, world: int) -> None:
         other.load_state_dict(saved)
 
 
+@pytest.mark.slow
 def test_dp2_matches_single_process():
     run_multiprocess(_dp2_body, 2)
 
@@ -223,5 +224,6 @@ def _pp_dp_body(rank: int, world: int) -> None:
         assert_params_close(dense + experts, ref_dense + ref_experts[ep])
 
 
+@pytest.mark.slow
 def test_pp2_dp2_and_expert_groups_match_single_process():
     run_multiprocess(_pp_dp_body, 4)

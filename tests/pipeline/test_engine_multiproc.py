@@ -116,6 +116,7 @@ def _pp_dp(rank):
                     dp_group=dp, ref_batch=batch)
 
 
+@pytest.mark.slow
 def test_engine_matches_single_process(tmp_path):
     """P in {2, 3, 4} grids x {cached, naive, standard residual}, then PP=2 x DP=2."""
     run_multiprocess(_grid_job, 4, str(tmp_path))
