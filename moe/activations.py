@@ -38,5 +38,5 @@ _situ_glu = compile_on_cuda(situ_glu_eager, fullgraph=True)
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = DEFAULT_BETA,
              beta_lin: float = DEFAULT_BETA_LIN) -> torch.Tensor:
     """SiTU(gate) * beta_lin * tanh(up / beta_lin): ``situ_glu_eager``, compiled into one kernel
-    on CUDA (``K3TRAIN_COMPILE=0`` turns that off). gate, up: ``[..., F]`` -> ``[..., F]``."""
+    on CUDA (``kernels.compile=false`` turns that off). gate, up: ``[..., F]`` -> ``[..., F]``."""
     return _situ_glu(gate, up, beta, beta_lin)

@@ -76,5 +76,5 @@ _weighted_sum = compile_on_cuda(weighted_sum_eager)
 
 
 def weighted_sum(y_slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``weighted_sum_eager``, compiled on CUDA (``K3TRAIN_COMPILE=0`` keeps it eager)."""
+    """``weighted_sum_eager``, compiled on CUDA (``kernels.compile=false`` keeps it eager)."""
     return _weighted_sum(y_slots, weights)

@@ -1,20 +1,30 @@
 """Row-wise top-k of routing scores, with an optional per-column bias added first.
 
 On CUDA it runs one Triton kernel (``topk_triton``; ~80 us -> 13-17 us per call on an H200 on
-k3_mini's ``[16384, 64]``); elsewhere, for other dtypes, or with ``K3TRAIN_KERNELS=torch``, it is
-``torch.topk(scores + bias, k, dim=-1)``. Triton comes with CUDA builds of torch; it is
-imported only when a CUDA tensor arrives.
+k3_mini's ``[16384, 64]``); elsewhere, for other dtypes, or where the run's kernel registry
+chose torch (``kernels.router_topk``, handed over by ``k3train.kernels.apply`` through
+``set_kernel``), it is ``torch.topk(scores + bias, k, dim=-1)``. Triton comes with CUDA builds of
+torch; it is imported only when a CUDA tensor arrives.
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 __all__ = ["row_topk"]
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_KERNEL = {"router_topk": "k3train"}
+KERNELS = ("k3train", "torch")
+
+
+def set_kernel(name: str) -> None:
+    """The backend for CUDA tensors, ``"k3train"`` (ours) or ``"torch"``. Called by
+    ``k3train.kernels.apply`` from the run's config; nothing else sets it."""
+    if name not in KERNELS:
+        raise ValueError(f"moe.topk kernel {name!r}: allowed values are {', '.join(KERNELS)}")
+    _KERNEL["router_topk"] = name
 
 
 @functools.cache
@@ -27,7 +37,7 @@ def _triton_topk():
 
 
 def _use_kernel(scores: torch.Tensor, k: int, bias: torch.Tensor | None) -> bool:
-    if not scores.is_cuda or os.environ.get("K3TRAIN_KERNELS", "auto") == "torch":
+    if not scores.is_cuda or _KERNEL["router_topk"] != "k3train":
         return False
     if scores.ndim != 2 or scores.dtype not in _KERNEL_DTYPES:
         return False

@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import importlib
 import math
-import os
 from typing import Any, Iterable
 
 import torch
@@ -44,10 +43,22 @@ def _ns_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.bfloat16 if t.is_cuda else torch.float32
 
 
-NS_GEMM = "triton"
-"""Which ``beta * C + alpha * A @ B`` Newton-Schulz uses on CUDA: ``"triton"`` (ours, reads C in
-its epilogue: ``optim/ns_gemm_triton.py``) or ``"torch"`` (``torch.baddbmm``, which first copies
-C into its output). CPU always uses torch."""
+_KERNELS = {"momentum": "k3train", "ns_gemm": "k3train"}
+"""The CUDA backends: ``momentum``, the momentum + Nesterov pass (ours: one Triton pass,
+``optim/momentum_triton.py``; or two torch adds), and ``ns_gemm``, Newton-Schulz's
+``beta * C + alpha * A @ B`` (ours reads C in its epilogue, ``optim/ns_gemm_triton.py``; torch's
+``baddbmm`` first copies C into its output). CPU always uses torch. Set by ``set_kernels``."""
+KERNELS = ("k3train", "torch")
+
+
+def set_kernels(*, momentum: str, ns_gemm: str) -> None:
+    """Choose Muon's CUDA backends, each ``"k3train"`` or ``"torch"``. Called by
+    ``k3train.kernels.apply`` from the run's config (``kernels.muon_momentum``,
+    ``kernels.ns_gemm``); nothing else sets them."""
+    for name, value in (("momentum", momentum), ("ns_gemm", ns_gemm)):
+        if value not in KERNELS:
+            raise ValueError(f"optim.muon {name} kernel {value!r}: allowed values are {', '.join(KERNELS)}")
+    _KERNELS.update(momentum=momentum, ns_gemm=ns_gemm)
 
 
 @functools.cache
@@ -60,20 +71,18 @@ def _triton_kernel(module: str, name: str):
         return None
 
 
-def _cuda_kernel(t: torch.Tensor, module: str, name: str):
-    """Our Triton kernel ``module.name`` for tensors like ``t``: None off CUDA, with
-    ``K3TRAIN_KERNELS=torch``, or without Triton."""
-    if not t.is_cuda or os.environ.get("K3TRAIN_KERNELS", "auto") == "torch":
+def _cuda_kernel(t: torch.Tensor, family: str, module: str, name: str):
+    """Our Triton kernel ``module.name`` for tensors like ``t``: None off CUDA, where ``family``'s
+    backend is torch, or without Triton."""
+    if not t.is_cuda or _KERNELS[family] != "k3train":
         return None
     return _triton_kernel(module, name)
 
 
 def _baddbmm(X: torch.Tensor):
     """The ``baddbmm(C, A, B, beta=, alpha=)`` to use for tensors like ``X``."""
-    if NS_GEMM not in ("triton", "torch"):
-        raise ValueError(f"optim.muon.NS_GEMM={NS_GEMM!r}: allowed values are 'triton' and 'torch'")
     # The Triton grid puts the stack on its second axis, which CUDA caps at 65535.
-    ours = _cuda_kernel(X, "ns_gemm_triton", "baddbmm_triton") if NS_GEMM == "triton" else None
+    ours = _cuda_kernel(X, "ns_gemm", "ns_gemm_triton", "baddbmm_triton")
     return ours if ours is not None and X.shape[0] <= 65535 else torch.baddbmm
 
 
@@ -99,7 +108,7 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7, *,
     X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)
     # Batched GEMMs with the polynomial's scalars fused in (beta * C + alpha * A @ B): each step
     # is three GEMM launches and no separate elementwise passes over the stack. torch.baddbmm
-    # copies C into its output first; NS_GEMM="triton" reads C in the GEMM's epilogue instead.
+    # copies C into its output first; ours (the ns_gemm kernel) reads C in the GEMM's epilogue instead.
     # (Folding a X into the GEMM as B + a I would also avoid that copy, but rounding a + B_ii to
     # bf16 doubled the update's error against fp32: 2.1% instead of 1.0%.)
     X = X.reshape(-1, *X.shape[-2:])
@@ -184,7 +193,7 @@ def muon_updates(
     u = torch.empty((len(grads), *grads[0].shape), dtype=ns_dtype, device=grads[0].device)
     # The Nesterov input is written straight into its slot of the Newton-Schulz stack, cast on
     # the store; on CUDA one Triton pass also advances the momentum (torch needs two).
-    fused = _cuda_kernel(grads[0], "momentum_triton", "momentum_nesterov_triton")
+    fused = _cuda_kernel(grads[0], "momentum", "momentum_triton", "momentum_nesterov_triton")
     for i, (g, buf) in enumerate(zip(grads, bufs)):
         if fused is not None and g.is_contiguous() and buf.is_contiguous():
             fused(g, buf, u[i], momentum, nesterov)

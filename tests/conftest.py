@@ -20,6 +20,9 @@ def _seed_and_clean_process_group():
     (in-process training initialises a one-rank group; some tests need none)."""
     torch.manual_seed(0)
     yield
+    from k3train import kernels
+    from k3train.config.schema import KernelsConfig
     from k3train.distributed import shutdown_distributed
 
     shutdown_distributed()
+    kernels.apply(KernelsConfig(), pipeline_gpu=False)  # a test's run must not steer the next test's kernels

@@ -268,6 +268,40 @@ class LoggingConfig(_Strict):
     progress_bar: bool = True
 
 
+class KernelsConfig(_Strict):
+    """Which implementation each op family runs (``k3train/kernels.py`` resolves these once per
+    run and writes the resolved choices to ``RUN_DIR/kernels.json``). Off CUDA every family runs
+    its pure-torch form; the choices below apply to CUDA tensors."""
+
+    backend: Literal["auto", "torch"] = "auto"
+    """auto: each family's ``auto`` picks its fastest installed kernel on CUDA. torch: every
+    family runs its pure-torch form on every device (comparing backends, debugging, or a GPU
+    where Triton compilation is too slow to wait for). ``K3TRAIN_KERNELS`` overrides it."""
+    kda: Literal["auto", "fla", "torch"] = "auto"
+    """The chunked KDA recurrence: fla's ``chunk_kda`` (the ``gpu`` extra) or the torch form."""
+    attnres: Literal["auto", "fla", "torch"] = "auto"
+    """The AttnRes depth mix: fla's ``fused_attnres`` or the torch form."""
+    short_conv: Literal["auto", "k3train", "fla", "torch"] = "auto"
+    """The KDA short convolution + SiLU: ours (Triton, ``ops/short_conv_triton.py``), fla's
+    ``causal_conv1d``, or torch's ``conv1d``. auto: ours."""
+    router_topk: Literal["auto", "k3train", "torch"] = "auto"
+    """The router's and Quantile Balancing's row top-k: ours (Triton) or ``torch.topk``."""
+    muon_momentum: Literal["auto", "k3train", "torch"] = "auto"
+    """Muon's momentum + Nesterov pass: ours (one Triton pass) or two torch passes."""
+    ns_gemm: Literal["auto", "k3train", "torch"] = "auto"
+    """Muon's Newton-Schulz ``beta C + alpha A B``: ours (reads C in its epilogue) or
+    ``torch.baddbmm``."""
+    compile: bool | Literal["auto"] = "auto"
+    """``torch.compile`` of the small fused pieces on CUDA (RMSNorm x gate, SiTU-GLU, the MoE
+    combine): true, false, or auto: on, except in pipeline-parallel GPU runs, where Inductor loading kernels at
+    their first call inside step 1 can stall GPUs that wait on each other. ``K3TRAIN_COMPILE=0|1``
+    overrides it."""
+    autotune: Literal["full", "fixed"] = "full"
+    """full: Triton's autotuners time every candidate (speed runs). fixed: one candidate per
+    autotuned kernel, the one with the smallest tiles (correctness runs that should not wait for
+    tuning; never for speed figures). ``K3TRAIN_AUTOTUNE`` overrides it."""
+
+
 class RunConfig(_Strict):
     """The whole run: one YAML file maps onto this object."""
 
@@ -281,6 +315,7 @@ class RunConfig(_Strict):
     precision: PrecisionConfig = PrecisionConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
+    kernels: KernelsConfig = KernelsConfig()
 
     def cuda_graph_blockers(self) -> dict[str, object]:
         """The settings that rule out ``train.cuda_graph`` (name -> value), empty when none do.

@@ -2,7 +2,7 @@
 
 ``depth_mix(query, sources)`` computes, for sources v_1..v_S ``[..., D]``,
     sum_i softmax_i(query . RMSNorm(v_i)) v_i          (RMSNorm without weight, fp32 math)
-On CUDA tensors with fla importable it runs fla's fused Triton kernel (one read of every source
+On CUDA tensors, where the kernel registry picks fla (``kernels.attnres``), it runs fla's fused Triton kernel (one read of every source
 forward, no stacked copy, recompute in backward); elsewhere the pure-torch form below, which is
 also the reference the GPU check compares against.
 """
@@ -20,7 +20,7 @@ __all__ = ["attnres_backend", "depth_mix", "depth_mix_torch"]
 
 def attnres_backend(device: torch.device | str) -> str:
     """Which implementation ``depth_mix`` runs for tensors on ``device``: ``"fla"`` or ``"torch"``."""
-    return "fla" if fla_kernel(device, "fla.ops.attnres", "fused_attnres") is not None else "torch"
+    return "fla" if fla_kernel("attnres", device, "fla.ops.attnres", "fused_attnres") is not None else "torch"
 
 
 def depth_mix_torch(query: torch.Tensor, sources: list[torch.Tensor], eps: float,
@@ -37,7 +37,7 @@ def depth_mix_torch(query: torch.Tensor, sources: list[torch.Tensor], eps: float
 
 def depth_mix(query: torch.Tensor, sources: list[torch.Tensor], eps: float) -> torch.Tensor:
     """``depth_mix_torch`` on the fastest backend for the sources' device (same shapes)."""
-    fused = fla_kernel(sources[0].device, "fla.ops.attnres", "fused_attnres")
+    fused = fla_kernel("attnres", sources[0].device, "fla.ops.attnres", "fused_attnres")
     if fused is None:
         return depth_mix_torch(query, sources, eps)
     # The kernel wants one dtype: under autocast a fresh partial sum is bf16 while the embedding

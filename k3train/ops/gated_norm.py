@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from k3train.model.common import rms_norm
-from k3train.ops import use_fla
+from k3train import kernels
 
 __all__ = ["head_norm_gate", "head_norm_gate_torch"]
 
@@ -21,12 +20,12 @@ def head_norm_gate_torch(o: torch.Tensor, weight: torch.Tensor, gate: torch.Tens
 @functools.cache
 def _compiled():
     # One fused elementwise kernel forward and one backward instead of about ten passes over
-    # [B, T, H, K]; K3TRAIN_COMPILE=0 turns it off (debugging, or a torch without Inductor).
+    # [B, T, H, K]; kernels.compile=false turns it off (debugging, or a torch without Inductor).
     return torch.compile(head_norm_gate_torch, dynamic=False, fullgraph=True)
 
 
 def head_norm_gate(o: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
     """``head_norm_gate_torch``, through ``torch.compile`` on CUDA (same shapes and result)."""
-    if use_fla(o.device) and os.environ.get("K3TRAIN_COMPILE", "1") != "0":
+    if kernels.compile_enabled(o.device):
         return _compiled()(o, weight, gate, eps)
     return head_norm_gate_torch(o, weight, gate, eps)

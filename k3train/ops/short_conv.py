@@ -1,8 +1,8 @@
 """Causal depthwise short convolution + SiLU (the KDA q/k/v pre-mix), with backend dispatch.
 
-On CUDA (``K3TRAIN_KERNELS=auto``) it runs our Triton kernels (``short_conv_triton``: a
-backward that recomputes the pre-activation in registers); ``BACKEND = "fla"`` picks fla's
-``causal_conv1d`` instead (the benchmark's side-by-side ablation); elsewhere, torch.
+On CUDA the kernel registry's ``short_conv`` family picks the kernel (``kernels.short_conv``):
+``k3train`` (the default: our Triton kernels, ``short_conv_triton``, whose backward recomputes
+the pre-activation in registers), ``fla`` (fla's ``causal_conv1d``) or ``torch``; elsewhere, torch.
 """
 from __future__ import annotations
 
@@ -11,10 +11,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from k3train.ops import fla_kernel, use_fla
-
-BACKEND = "k3train"
-"""Which GPU kernel ``short_conv_silu`` uses on CUDA: ``"k3train"`` (ours) or ``"fla"``."""
+from k3train import kernels
+from k3train.ops import fla_kernel
 
 __all__ = ["short_conv_silu", "short_conv_silu_torch"]
 
@@ -38,13 +36,12 @@ def _triton_conv():
 
 
 def short_conv_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``short_conv_silu_torch`` on the fastest backend: our Triton kernels on CUDA (fla's
-    with ``BACKEND = "fla"``), torch elsewhere. x ``[B, T, C]``, weight ``[C, W]``."""
-    if BACKEND not in ("k3train", "fla"):
-        raise ValueError(f"short_conv.BACKEND={BACKEND!r}: allowed values are 'k3train' and 'fla'")
-    if BACKEND == "k3train" and use_fla(x.device) and _triton_conv() is not None:
+    """``short_conv_silu_torch`` on the backend the registry picks for ``x``'s device (same
+    result). x ``[B, T, C]``, weight ``[C, W]``."""
+    choice = kernels.backend("short_conv", x.device)
+    if choice == "k3train" and _triton_conv() is not None:
         return _triton_conv()(x, weight)
-    fused = fla_kernel(x.device, "fla.modules.causal_conv1d", "causal_conv1d")
+    fused = fla_kernel("short_conv", x.device, "fla.modules.causal_conv1d", "causal_conv1d")
     if fused is not None:
         y, _ = fused(x, weight.to(x.dtype), activation="silu")
         return y

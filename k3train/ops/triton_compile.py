@@ -14,7 +14,7 @@ compiling before its first step.
   the compiled kernels sit in the in-process and on-disk Triton caches, and the real run only
   benchmarks the candidates (milliseconds each) and goes. Where an earlier run's autotune
   result is on disk (Triton's ``cache_results``, on in fla), only the chosen candidate compiles.
-* ``K3TRAIN_AUTOTUNE=fixed`` keeps one candidate per autotuned kernel: the one with the
+* ``kernels.autotune=fixed`` (the run's config) keeps one candidate per autotuned kernel: the one with the
   smallest tiles, fewest stages and warps, which fits every shape's shared memory. For
   correctness runs, where kernel speed does not matter. ``full`` (default) leaves autotuning
   as fla's authors set it; use it for every speed figure.
@@ -31,7 +31,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-AUTOTUNE_MODES = ("full", "fixed")
 _state = {"configured": False}
 
 
@@ -51,13 +50,6 @@ def _triton():
     return autotuner, jit, _async_compile
 
 
-def autotune_mode() -> str:
-    mode = os.environ.get("K3TRAIN_AUTOTUNE", "full")
-    if mode not in AUTOTUNE_MODES:
-        raise ValueError(f"K3TRAIN_AUTOTUNE={mode!r}: allowed values are {', '.join(AUTOTUNE_MODES)}")
-    return mode
-
-
 def smallest_config(configs: list):
     """The candidate using the least on-chip resources: tile product, then stages, then warps."""
     def cost(c):
@@ -67,24 +59,27 @@ def smallest_config(configs: list):
 
 
 def configure_autotune() -> str:
-    """Apply ``K3TRAIN_AUTOTUNE`` to every Triton autotuner (fla's included); returns the mode.
+    """Put the ``kernels.autotune`` switch into every Triton autotuner (fla's included); returns
+    the mode in force.
 
     Patches the ``Autotuner`` class once per process, so it covers kernels imported before and
-    after the call. Idempotent."""
-    mode = autotune_mode()
+    after the call; the patch asks ``k3train.kernels.autotune_mode()`` at each pruning, so the
+    run's config decides (``full`` leaves the candidates as their authors set them)."""
+    from k3train import kernels
+
     mods = _triton()
     if mods is None or _state["configured"]:
-        return mode
+        return kernels.autotune_mode()
     autotuner = mods[0].Autotuner
-    if mode == "fixed":
-        prune = autotuner.prune_configs
+    prune = autotuner.prune_configs
 
-        def prune_to_one(self, kwargs):
-            return [smallest_config(prune(self, kwargs))]
+    def prune_by_mode(self, kwargs):
+        configs = prune(self, kwargs)
+        return [smallest_config(configs)] if kernels.autotune_mode() == "fixed" else configs
 
-        autotuner.prune_configs = prune_to_one
+    autotuner.prune_configs = prune_by_mode
     _state["configured"] = True
-    return mode
+    return kernels.autotune_mode()
 
 
 @contextlib.contextmanager
@@ -188,13 +183,12 @@ def compile_ahead(fn, threads: int | None = None, label: str = "") -> dict:
     mods = _triton()
     if mods is None or mods[2] is None:
         return {"kernels": 0, "seconds": 0.0}
-    configure_autotune()
     import torch
 
     threads = threads or os.cpu_count() or 4
     t0 = time.perf_counter()
     print(f"[k3train] compiling Triton kernels ahead{' for ' + label if label else ''} "
-          f"({threads} threads, autotune={autotune_mode()}) ...", file=sys.stderr, flush=True)
+          f"({threads} threads, autotune={configure_autotune()}) ...", file=sys.stderr, flush=True)
     with ThreadPoolExecutor(threads) as pool:
         mode = mods[2].AsyncCompileMode(pool, ignore_errors=True)
         with _progress(mode, t0), _launches_compile_only(), mode:

@@ -11,7 +11,9 @@ import torch
 from megatron.core import parallel_state
 from tqdm import tqdm
 
+from k3train import kernels
 from k3train.config import RunConfig, save_config
+from k3train.cuda_env import prepare_cuda_env
 from k3train.distributed import init_distributed
 from k3train.trainer import faults
 from k3train.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -77,6 +79,8 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, stop_at: in
     """Run training; returns a summary dict. ``stop_at`` ends the run early after that step
     (as a preemption would), keeping the schedule of ``train.steps``."""
     run_dir = Path(run_dir)
+    prepare_cuda_env(cfg)
+    kernels.apply(cfg)  # the run's kernels: section decides every op family's backend
     device = pick_device(cfg.train.device)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -89,6 +93,7 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, stop_at: in
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
+        kernels.write_resolved(run_dir, dev)
 
     data = build_data(cfg, parallel_state.get_data_parallel_rank(), info.dp)
     state = TrainState(cfg, info, dev, targets=data.targets)

@@ -10,7 +10,7 @@ from k3train.config import RunConfig
 from k3train.distributed import ParallelInfo
 from k3train.model.info import count_parameters
 from k3train.model.layer import AuxLossAttach
-from k3train.ops import use_fla
+from k3train import kernels
 from k3train.ops.triton_compile import compile_ahead
 from k3train.trainer.cuda_graph import GraphedForwardBackward
 from k3train.trainer.grads import allreduce_mean, allreduce_sum_then_scale, clip_, grad_norm
@@ -158,7 +158,7 @@ class TrainState:
         the kernels and their autotune candidates compile one at a time inside step 1. Every
         rank must call it (pipeline and expert-parallel hops run as in a real step). Returns
         the compile stats, or None where there is nothing to compile (CPU, torch kernels)."""
-        if not use_fla(self.device):
+        if not kernels.uses_triton(self.device):
             return None
         cfg = self.cfg.train
         batch = torch.zeros(cfg.micro_batch_size * cfg.microbatches, cfg.seq_len + 1, dtype=torch.long)

@@ -77,15 +77,13 @@ def main() -> None:
     def run_ours():
         ours(x).backward(dy)
 
+    from k3train import kernels
     from k3train.ops import short_conv as sc
 
     def run_ours_fla_conv():
         # The same layer with fla's causal_conv1d for its three convolutions.
-        sc.BACKEND = "fla"
-        try:
+        with kernels.using(short_conv="fla"):
             run_ours()
-        finally:
-            sc.BACKEND = "k3train"
 
     xc = torch.randn(B, T, H * K, device=dev, dtype=bf16, requires_grad=True)
     wc = torch.randn(H * K, 4, device=dev, dtype=bf16, requires_grad=True)
@@ -93,11 +91,8 @@ def main() -> None:
 
     def conv_with(backend):
         def run():
-            sc.BACKEND = backend
-            try:
+            with kernels.using(short_conv=backend):
                 sc.short_conv_silu(xc, wc).backward(dyc)
-            finally:
-                sc.BACKEND = "k3train"
         return run
 
     def run_fused():

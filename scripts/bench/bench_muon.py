@@ -19,6 +19,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import graph_ms, save_json  # noqa: E402
 
 import optim.muon as muon  # noqa: E402
+from k3train import kernels  # noqa: E402
 from optim.ns_gemm_triton import baddbmm_triton  # noqa: E402
 
 # (stack size, rows, cols) of k3_mini's Muon batches: expert stacks, attention and dense FFN.
@@ -30,8 +31,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def ns_with(backend: str, G: torch.Tensor) -> torch.Tensor:
-    muon.NS_GEMM = backend
-    return muon.newton_schulz(G)
+    with kernels.using(ns_gemm=backend):
+        return muon.newton_schulz(G)
 
 
 def main() -> None:
@@ -63,15 +64,14 @@ def main() -> None:
         G = torch.randn(s, m, n, device="cuda", generator=gen)
         # fp32 reference: the same iteration with fp32 operands (torch's GEMMs).
         fp32 = _ns_fp32(G)
-        a_t, a_o = ns_with("torch", G), ns_with("triton", G)
+        a_t, a_o = ns_with("torch", G), ns_with("k3train", G)
         t_torch = graph_ms(lambda: ns_with("torch", G))
-        t_ours = graph_ms(lambda: ns_with("triton", G))
+        t_ours = graph_ms(lambda: ns_with("k3train", G))
         row = {"torch_ms": t_torch, "ours_ms": t_ours, "rel_diff": rel(a_o, a_t),
                "err_torch": rel(a_t, fp32), "err_ours": rel(a_o, fp32)}
         out[f"ns {s}x{m}x{n}"] = row
         print(f"{f'[{s}, {m}, {n}]':<36}{t_torch:>10.2f}{t_ours:>10.2f}{t_torch / t_ours:>7.2f}x"
               f"{row['rel_diff']:>10.1e}{row['err_torch']:>10.1e}{row['err_ours']:>10.1e}")
-    muon.NS_GEMM = "triton"
     save_json(args.json, out)
 
 

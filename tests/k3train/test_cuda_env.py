@@ -13,14 +13,11 @@ from k3train.cuda_env import prepare_cuda_env
                                               (2, "cpu", None)])
 def test_eager_loading_only_for_gpu_pipelines(monkeypatch, pp, device, want):
     monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
-    monkeypatch.delenv("K3TRAIN_COMPILE", raising=False)
     prepare_cuda_env(load_config("configs/k3_tiny.yaml", [f"parallel.pp={pp}", f"train.device={device}"]))
     assert os.environ.get("CUDA_MODULE_LOADING") == want
-    assert os.environ.get("K3TRAIN_COMPILE") == (None if want is None else "0")
 
 
 def test_user_setting_is_kept(monkeypatch):
     monkeypatch.setenv("CUDA_MODULE_LOADING", "LAZY")
-    monkeypatch.setenv("K3TRAIN_COMPILE", "1")
     prepare_cuda_env(load_config("configs/k3_tiny.yaml", ["parallel.pp=2", "train.device=cuda"]))
-    assert os.environ["CUDA_MODULE_LOADING"] == "LAZY" and os.environ["K3TRAIN_COMPILE"] == "1"
+    assert os.environ["CUDA_MODULE_LOADING"] == "LAZY"

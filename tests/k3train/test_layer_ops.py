@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3train.ops import use_fla
 from k3train.ops.attnres import attnres_backend, depth_mix, depth_mix_torch
 from k3train.ops.gated_norm import head_norm_gate
 from k3train.ops.kda import kda_backend, kda_gated, naive_recurrent_kda
@@ -71,10 +70,9 @@ def test_depth_mix_matches_per_token_softmax():
 
 
 def test_kernel_switch(monkeypatch):
-    assert not use_fla("cpu")
+    assert kda_backend("cpu") == "torch" and attnres_backend("cpu") == "torch"
     monkeypatch.setenv("K3TRAIN_KERNELS", "torch")
-    assert not use_fla("cuda")
     assert kda_backend("cuda") == "torch" and attnres_backend("cuda") == "torch"
     monkeypatch.setenv("K3TRAIN_KERNELS", "triton")
-    with pytest.raises(ValueError, match="K3TRAIN_KERNELS='triton': allowed values are 'auto'"):
-        use_fla("cuda")
+    with pytest.raises(ValueError, match="K3TRAIN_KERNELS='triton' .*allowed values are 'auto', 'torch'"):
+        kda_backend("cuda")

@@ -16,11 +16,13 @@ from k3train.trainer.state import TrainState
 
 
 def test_autotune_mode_rejects_unknown(monkeypatch):
+    from k3train import kernels
+
     monkeypatch.setenv("K3TRAIN_AUTOTUNE", "fastest")
-    with pytest.raises(ValueError, match="K3TRAIN_AUTOTUNE='fastest'.*full, fixed"):
-        triton_compile.autotune_mode()
+    with pytest.raises(ValueError, match="K3TRAIN_AUTOTUNE='fastest' .*'full', 'fixed'"):
+        kernels.autotune_mode()
     monkeypatch.setenv("K3TRAIN_AUTOTUNE", "fixed")
-    assert triton_compile.autotune_mode() == "fixed"
+    assert kernels.autotune_mode() == "fixed"
 
 
 def test_smallest_config_least_tiles_then_stages_then_warps():
@@ -51,7 +53,7 @@ def test_compile_pass_leaves_training_unchanged(monkeypatch):
     ref = _state(cfg)
     want = [ref.train_step(batch) for _ in range(2)]
     ran = []
-    monkeypatch.setattr(state_mod, "use_fla", lambda device: True)
+    monkeypatch.setattr(state_mod.kernels, "uses_triton", lambda device: True)
     monkeypatch.setattr(state_mod, "compile_ahead", lambda fn, label="": ran.append(fn()) or {"kernels": 0})
     got_state = _state(cfg)
     assert got_state.compile_kernels() == {"kernels": 0}

@@ -1,7 +1,7 @@
 """Kimi Delta Attention ops: recurrent oracle, chunked pure-torch form, and backend dispatch.
 
-``kda`` runs fla's Triton ``chunk_kda`` on CUDA tensors when ``fla`` is importable, else
-``chunk_kda_torch``. All paths share fla's conventions: q,k ``[B, T, H, K]`` (L2-normalised by
+``kda`` runs fla's Triton ``chunk_kda`` on CUDA tensors when the kernel registry picks fla for
+the ``kda`` family (``kernels.kda``; fla must be installed), else ``chunk_kda_torch``. All paths share fla's conventions: q,k ``[B, T, H, K]`` (L2-normalised by
 the caller), v ``[B, T, H, V]``, g per-key log-decay ``[B, T, H, K]``, beta ``[B, T, H]``,
 state ``[B, H, K, V]`` in fp32.
 """
@@ -18,7 +18,7 @@ __all__ = ["chunk_kda_torch", "kda", "kda_backend", "kda_gated", "naive_recurren
 
 
 def _fla_chunk_kda(device):
-    return fla_kernel(device, "fla.ops.kda", "chunk_kda")
+    return fla_kernel("kda", device, "fla.ops.kda", "chunk_kda")
 
 
 def kda_backend(device: torch.device | str) -> str:
