@@ -85,8 +85,38 @@ def _cmd_profile_pipeline(args) -> int:
     return 0
 
 
+def _cmd_env(args) -> int:
+    from k3train import kernels
+    from k3train.env_report import report
+
+    if args.config:
+        from k3train.config import load_config
+
+        kernels.apply(load_config(args.config, args.overrides))
+    print(report())
+    return 0
+
+
+def _version_string() -> str:
+    from k3train.env_report import commit, version
+
+    return f"k3train {version()} (commit {commit()})"
+
+
+class _VersionAction(argparse.Action):
+    """``--version``, computed only when asked (it runs git)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="print k3train's version and commit, then exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(_version_string())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="k3train", description="Train Kimi-K3-style hybrid MoE models.")
+    parser.add_argument("--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train a model (CPU or GPU; torchrun for several processes)")
@@ -129,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory (written atomically)")
     p.add_argument("--config", help="run config (default: config.yaml of the checkpoint's run directory)")
     p.set_defaults(fn=_cmd_export)
+
+    p = sub.add_parser("env", help="k3train's version and commit, dependency versions against the tested "
+                                   "ranges, CUDA/Triton, and the kernel backend of each op family")
+    p.add_argument("--config", help="show the kernel backends this run config picks (default: the defaults)")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="overrides for --config")
+    p.set_defaults(fn=_cmd_env)
     return parser
 
 
