@@ -46,12 +46,26 @@ def commit() -> str:
         return "unknown"
 
 
-def declared_ranges() -> dict[str, str]:
-    """Distribution name (lower case) -> the version range k3train's metadata declares."""
+def _requirements() -> list[str]:
+    """k3train's requirement strings: from the installed metadata, else (a source tree put on
+    ``PYTHONPATH`` without installing, as on a borrowed GPU machine) from its pyproject.toml."""
     try:
-        reqs = metadata.requires("k3train") or []
+        return metadata.requires("k3train") or []
     except metadata.PackageNotFoundError:
-        return {}
+        pass
+    pyproject = Path(k3train.__file__).resolve().parents[1] / "pyproject.toml"
+    if not pyproject.is_file():
+        return []
+    import tomllib
+
+    project = tomllib.loads(pyproject.read_text()).get("project", {})
+    return [*project.get("dependencies", []),
+            *(r for extra in project.get("optional-dependencies", {}).values() for r in extra)]
+
+
+def declared_ranges() -> dict[str, str]:
+    """Distribution name (lower case) -> the version range k3train declares."""
+    reqs = _requirements()
     out = {}
     for req in reqs:
         spec = req.split(";")[0].strip()
