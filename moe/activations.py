@@ -1,4 +1,4 @@
-"""SiTU and SiTU-GLU activations of the K3 experts (DESIGN.md section 3).
+"""SiTU and SiTU-GLU activations of the K3 experts (docs/architecture.md#situ-glu-moeactivationspy).
 
 SiTU(g) = beta * tanh(g / beta) * sigmoid(g) behaves like SiLU near zero but saturates at
 ``beta`` for large g, and the GLU's up branch is soft-capped at ``beta_lin``: both bound the
