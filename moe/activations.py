@@ -1,4 +1,4 @@
-"""SiTU and SiTU-GLU activations of the K3 experts (DESIGN.md section 3).
+"""SiTU and SiTU-GLU activations of the K3 experts (docs/architecture.md#situ-glu-moeactivationspy).
 
 SiTU(g) = beta * tanh(g / beta) * sigmoid(g) behaves like SiLU near zero but saturates at
 ``beta`` for large g, and the GLU's up branch is soft-capped at ``beta_lin``: both bound the
@@ -29,8 +29,8 @@ def situ_glu_eager(gate: torch.Tensor, up: torch.Tensor, beta: float = DEFAULT_B
 
 
 # Eager, this is 9 elementwise kernels forward and about 15 backward, each a full pass over
-# [tokens, F]: on an H200 profile of a dense 16-layer model, ~80 us each, about a tenth of the
-# step. Compiled: one kernel each way. dynamic=None lets torch recompile once for varying row
+# [tokens, F], about a tenth of a dense model's step (measured: see
+# docs/BENCHMARKS.md#k3_mini-training-step). Compiled: one kernel each way. dynamic=None lets torch recompile once for varying row
 # counts (expert batches under expert parallelism) and then stay dynamic.
 _situ_glu = compile_on_cuda(situ_glu_eager, fullgraph=True)
 

@@ -47,8 +47,8 @@ def _thresholds(values: torch.Tensor, q: int) -> torch.Tensor:
     """values ``[M, E]`` -> ``[E]``: the (q+1)-th largest of each column.
 
     (q+1)-th largest of M values == (M-q)-th smallest; kthvalue avoids materialising q rows.
-    Over a contiguous last dim: on an H200 ([16384, 64], k3_mini) 83 us with the transpose
-    against 150 us along dim 0 (scripts/bench/bench_quantile.py; same result)."""
+    Over a contiguous last dim after a transpose, which is faster on GPU than along dim 0 with
+    the same result (measured: see docs/BENCHMARKS.md#router-top-k-and-quantile-balancing)."""
     return torch.kthvalue(values.t().contiguous(), values.shape[0] - q, dim=1).values
 
 

@@ -20,8 +20,8 @@ Two modes:
   host: the step can be captured in a CUDA graph or overlapped with compute. All ranks of the
   EP group must pass the same ``N`` (a fixed micro-batch shape) so that they agree on C.
 
-Default for the trainer: dynamic. It is exact (the loss does not depend on the EP layout, the
-correctness bar of section 5) and, with balanced routing, its one small sync per layer is cheap
+Default for the trainer: dynamic. It is exact (the loss does not depend on the EP layout, which
+tests/moe/test_dispatch_a2a.py checks against one process) and, with balanced routing, its one small sync per layer is cheap
 next to the all-to-all itself. Static is the choice once CUDA graphs or compute/communication
 overlap matter more than the few dropped slots; the CPU tests run both.
 

@@ -1,8 +1,8 @@
 """Row gathers for token dispatch whose backward is a gather too, and the weighted combine.
 
-``x.index_select(0, idx)`` differentiates into ``index_add_``, an atomic scatter: on an H200
-profile of k3_mini its bf16 form took ~280 us per call (4% of the step) and its result depends
-on the order of the atomics. Dispatch indices have structure that makes the backward a gather:
+``x.index_select(0, idx)`` differentiates into ``index_add_``, an atomic scatter: slow in bf16
+(measured: see docs/BENCHMARKS.md#moe-layer) and its result depends on the order of the
+atomics. Dispatch indices have structure that makes the backward a gather:
 * a permutation ``perm`` with inverse ``inv``: the gradient is ``grad.index_select(0, inv)``;
 * "each token k times" (``order // k`` with ``order`` a permutation of the ``N*k`` slots):
   the gradient of token ``i`` is the sum over its k slots, a gather by ``row_of_slot`` (the
@@ -67,9 +67,8 @@ def weighted_sum_eager(y_slots: torch.Tensor, weights: torch.Tensor) -> torch.Te
 
 
 # Eager: upcast, multiply, reduce and downcast, four passes over [N*k, d] forward and more
-# backward; compiled: one each way (H200, replayed from a CUDA graph: 0.27 ms forward + backward
-# against 0.78 ms eager at k3_mini's shape). Static shapes first (dynamic=True compiled a
-# reduction that took ~385 us per call at N*k = 65536, d = 512); Dynamo turns dynamic by itself
+# backward; compiled: one each way. Static shapes first (dynamic=True compiled a slow
+# reduction; measured: see docs/BENCHMARKS.md#moe-layer); Dynamo turns dynamic by itself
 # once the row count changes (expert parallelism). Not fullgraph: past the recompile limit it
 # runs eagerly instead of failing.
 _weighted_sum = compile_on_cuda(weighted_sum_eager)

@@ -14,9 +14,12 @@ from .topk import row_topk
 class RouterOutput:
     """Routing decision for ``N`` tokens over ``E`` experts, top-``k``.
 
-    scores:  ``[N, E]`` sigmoid(logits), without the bias; fp32 (fp64 for fp64 inputs).
-    indices: ``[N, k]`` int64 selected experts (top-k of scores + bias).
-    weights: ``[N, k]`` scores at ``indices`` renormalised to sum to 1 per token.
+    scores:  ``[N, E]`` sigmoid(logits), without the bias. Outside autocast fp32 (fp64 for fp64
+             inputs); under autocast the logit GEMM runs in the autocast dtype, so scores are
+             bf16 in bf16 training (see ``SigmoidTopKRouter.forward``).
+    indices: ``[N, k]`` int64 selected experts: top-k of ``scores + bias``, a sum promoted to
+             the fp32 bias's dtype, so the selection compares in fp32 even for bf16 scores.
+    weights: ``[N, k]`` scores at ``indices`` renormalised to sum to 1 per token (scores' dtype).
     logits:  ``[N, E]`` router logits, same dtype as scores.
     """
 
@@ -76,8 +79,9 @@ class SigmoidTopKRouter(nn.Module):
         # Routing in (at least) fp32 outside autocast: bf16 logits create score ties and flip
         # near-equal selections. fp64 inputs stay fp64 so that reference tests can be exact.
         # Under autocast F.linear runs in the autocast dtype whatever its inputs' dtype, so the
-        # logits are bf16 there either way; casting x up first only added two [N, d] copies
-        # each way (~2 ms per k3_mini step on an H200) for the same result.
+        # logits (and the scores and weights after them) are bf16 there either way; casting x
+        # up first only added two [N, d] copies each way for the same result (measured: see
+        # docs/BENCHMARKS.md#moe-layer).
         if torch.is_autocast_enabled(x.device.type):
             logits = F.linear(x, self.weight)
         else:

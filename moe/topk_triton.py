@@ -1,9 +1,9 @@
 """Top-k of each row of a narrow score matrix as one Triton kernel (the router's selection).
 
-torch's CUDA ``topk`` runs a radix select per row: on an H200 it took ~80 us per call on
-k3_mini's ``[16384, 64]`` scores, twice per MoE layer (the router's top-4 and Quantile
-Balancing's top-5 cutoff), ~2.4 ms of a 174 ms step. A row of 64 scores fits in registers, so
-each program here takes a block of rows and picks the maximum k times: one read of the scores.
+torch's CUDA ``topk`` runs a radix select per row, twice per MoE layer (the router's top-4 and
+Quantile Balancing's top-5 cutoff) on k3_mini's ``[16384, 64]`` scores. A row of 64 scores fits
+in registers, so each program here takes a block of rows and picks the maximum k times: one
+read of the scores (measured: see docs/BENCHMARKS.md#router-top-k-and-quantile-balancing).
 
 Results equal ``torch.topk(scores + bias, k, dim=-1)`` (sorted, largest first): the values
 bit for bit (the add is the same fp32 add), the indices too except that ties go to the lowest

@@ -2,11 +2,11 @@
 
 Newton-Schulz runs two such products per step (``B = b A + c A A`` and ``X' = a X + B X``).
 torch's ``baddbmm`` hands cuBLAS one buffer for C and the result, so it first copies C into a
-new output: on k3_mini's ``[512, 512, 512]`` bf16 stacks (an H200) that copy took 126 us next to
-the 272 us product, ~6 ms of a ~53 ms Muon step. Here each program reads its C tile in the
-epilogue and writes the result elsewhere: no copy. Measured on an H200 in
-``scripts/bench/bench_muon.py``: ``b A + c A A`` 404 -> 356 us, ``a X + B X`` 422 -> 390 us,
-bitwise equal results. The Gram product ``X X^T`` has no C, and cuBLAS's own is faster there.
+new output, about half the product's time on k3_mini's ``[512, 512, 512]`` bf16 stacks. Here
+each program reads its C tile in the epilogue and writes the result elsewhere: no copy, and
+bitwise equal results (``scripts/bench/bench_muon.py``; measured: see
+docs/BENCHMARKS.md#muon-newton-schulz-gemm). The Gram product ``X X^T`` has no C, and cuBLAS's
+own is faster there.
 
 Shapes: A ``[S, M, K]``, B ``[S, K, N]``, C and out ``[S, M, N]``, any strides (``X.mT`` is a
 view); accumulation in fp32, one rounding to out's dtype.

@@ -161,7 +161,8 @@ class CommRecorder:
         return predicted_bytes(plan, d, d, self.info["num_microbatches"], has_hidden)
 
     def bytes_table(self) -> dict:
-        """Measured vs predicted per hop, totals, and the DESIGN closed forms (forward, blocks).
+        """Measured vs predicted per hop, totals, and the closed forms of docs/attnres.md#the-byte-count
+        (forward, blocks).
 
         Closed forms assume every chunk produces the same number of blocks Np; ``blocks_per_chunk``
         is the plan's mean. The hidden tensors are reported separately (``hidden_bytes``).

@@ -94,7 +94,7 @@ def predicted_bytes(plan: TransportPlan, block_bytes: int, hidden_bytes: int, nu
 
 
 def naive_volume(pp_size: int, vpp_size: int, blocks_per_chunk: int, block_bytes: int) -> int:
-    """DESIGN section 4, naive transport: ``C(C-1)/2 * Np * d`` block bytes per microbatch.
+    """Naive transport: ``C(C-1)/2 * Np * d`` block bytes per microbatch (docs/attnres.md#the-byte-count).
 
     Exact for uniform Np: hop c carries the (c+1)*Np blocks made by chunks 0..c.
     """
@@ -103,7 +103,7 @@ def naive_volume(pp_size: int, vpp_size: int, blocks_per_chunk: int, block_bytes
 
 
 def cached_volume_k3(pp_size: int, vpp_size: int, blocks_per_chunk: int, block_bytes: int) -> int:
-    """DESIGN section 4 (K3 material), cached transport upper bound:
+    """Cached transport, the commonly quoted upper bound (docs/attnres.md#the-byte-count):
     ``P(P-1)/2 * Np * d + (V-1) * P^2 * Np * d`` block bytes per microbatch.
 
     Exact count for uniform Np (see :func:`cached_volume_exact`):
@@ -126,6 +126,7 @@ def cached_volume_exact(pp_size: int, vpp_size: int, blocks_per_chunk: int, bloc
 
 def closed_form_volume(transport: str, pp_size: int, vpp_size: int, blocks_per_chunk: int,
                        block_bytes: int) -> int:
-    """The DESIGN formula for ``transport`` (block bytes per microbatch, forward)."""
+    """The quoted closed form for ``transport`` (block bytes per microbatch, forward):
+    naive, or the cached upper bound; docs/attnres.md#the-byte-count derives both."""
     fn = naive_volume if transport == "naive" else cached_volume_k3
     return fn(pp_size, vpp_size, blocks_per_chunk, block_bytes)

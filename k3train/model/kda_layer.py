@@ -53,9 +53,9 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = RowLinear(width, hidden_size, out_std or std)
 
     # q, k and v keep one projection and one conv each, as fla's layer does. One GEMM over the
-    # concatenated weights and one conv over 3HK channels was measured too (H200, B=4 T=4096
-    # D=2048, replayed from a CUDA graph): 8.55 ms against 8.35 ms for this form, the strided
-    # q/k/v views costing copies and a gradient concatenation that the separate form avoids.
+    # concatenated weights and one conv over 3HK channels was measured too and was slower, the
+    # strided q/k/v views costing copies and a gradient concatenation that the separate form
+    # avoids (measured: see docs/BENCHMARKS.md#kda-layer-against-its-floor).
     def _qkv(self, proj: ColumnLinear, conv: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         return short_conv_silu(proj(x), conv).view(B, T, self.num_heads, self.head_dim)

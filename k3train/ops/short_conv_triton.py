@@ -6,10 +6,8 @@ Same contract as ``short_conv_silu_torch``: x ``[B, T, C]``, weight ``[C, W]`` -
 Why ours and not fla's ``causal_conv1d``: fla's backward first re-runs its forward to
 materialise the pre-activation (a read of x and a write of z), then reads x, z and dy and writes
 dx. This backward recomputes z in registers from x: each strip of rows reads x and dy once
-(plus a W-1 row halo) and writes dx, ~3 passes over ``[B, T, C]`` instead of ~6. Measured on an
-H200 (``scripts/bench/bench_kda_layer.py``, replayed from a CUDA graph): forward+backward on
-``[4, 4096, 2048]`` bf16 0.26 ms against fla's 0.39 ms; in k3_mini the backward kernel takes
-65 us per call on ``[8, 2048, 1024]`` where fla's took 110 us plus a forward recompute.
+(plus a W-1 row halo) and writes dx, ~3 passes over ``[B, T, C]`` instead of ~6 (measured with
+``scripts/bench/bench_kda_layer.py``: see docs/BENCHMARKS.md#short-convolution).
 
 The weight gradient is reduced per strip of rows into ``[strips, W, C]`` fp32 partials (C
 contiguous, so the stores coalesce) and summed over strips by torch.
@@ -27,8 +25,8 @@ __all__ = ["short_conv_silu_triton"]
 # Each program streams one [rows, BC] strip of one sequence row by row, keeping the W-1
 # previous rows (forward) or the W-1 next rows' dz (backward) in registers: every element of
 # x and dy is read from memory about once. (A first version loaded W shifted [BT, BC] tiles per
-# tap and recomputed z for each: ~24 tile loads per element through L2, 190 us per backward
-# call on [8, 2048, 1024] against fla's 110.)
+# tap and recomputed z for each: ~24 tile loads per element through L2, slower than fla's;
+# measured: see docs/BENCHMARKS.md#short-convolution.)
 _CONFIGS = [triton.Config({"BC": bc, "ROWS": rows}, num_warps=w)
             for bc, rows, w in ((256, 32, 2), (512, 32, 4), (512, 64, 4), (1024, 32, 4), (256, 64, 2),
                                 (256, 16, 2), (512, 16, 4), (128, 32, 1))]

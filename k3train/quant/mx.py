@@ -2,7 +2,8 @@
 
 An MX block is ``block_size`` elements ``P_i`` sharing one E8M0 scale ``X``; the value of element
 ``i`` is ``X * P_i``. Conversion follows the spec's "conversion from a vector of scalar floats to
-MX format" (section 6.3):
+MX format" (section 6.3 of the OCP Microscaling Formats (MX) v1.0 specification; the derivation
+is in docs/quantization.md#mx-formats):
 
     shared_exp = floor(log2(max_i |V_i|)) - emax_elem      (clamped to the E8M0 range [-127, 127])
     X          = 2 ** shared_exp
@@ -11,7 +12,7 @@ MX format" (section 6.3):
 Blocks run along the LAST dimension. Hopper has no MX hardware, so training uses this as
 fake-quant (quantize then dequantize) with no loss of exactness versus a real MX encoder.
 
-Special values (spec section 5, "special value handling"; section 6.3). E8M0 has one special
+Special values (the same specification, section 5, "special value handling", and section 6.3). E8M0 has one special
 encoding, NaN (byte 0xFF), and the spec says that when X is NaN every value of the block is NaN
 regardless of the P_i. Neither E2M1 (no Inf/NaN codes at all) nor E4M3 (NaN only, no Inf) can
 hold an infinity, and a shared exponent of floor(log2(Inf)) is outside the E8M0 range. So:

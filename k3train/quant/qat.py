@@ -1,6 +1,6 @@
 """MX quantization-aware training: fake-quant forward, straight-through-estimator backward.
 
-K3's ``mxfp4_qat`` recipe (DESIGN.md section 7): MXFP4 (E2M1) weights and MXFP8 (E4M3)
+K3's ``mxfp4_qat`` recipe (docs/quantization.md): MXFP4 (E2M1) weights and MXFP8 (E4M3)
 activations, blocks of 32 with E8M0 scales. MX hardware multiplies block by block along the
 reduction dimension of a GEMM, so the blocks here always run along the reduction (input) axis.
 Gradients are not quantized: the backward GEMMs use the fake-quantized operands saved by

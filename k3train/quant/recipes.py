@@ -1,4 +1,4 @@
-"""Precision recipes (DESIGN.md section 7): which modules a recipe quantises, and how.
+"""Precision recipes (docs/quantization.md#recipes-precisionrecipe): which modules a recipe quantises, and how.
 
 ``apply_precision`` runs at model build time (``K3Chunk.__init__``), so a layer is quantised
 from its first forward and the trainer needs no extra call. It hands each in-scope layer its

@@ -1,8 +1,8 @@
 """The forward and backward of a training step captured once in a CUDA graph, then replayed.
 
 Why: with fla's Triton kernels the host needs longer to *launch* a K3 step than the GPU needs
-to run it (an H200 profile of k3_mini: ~210 ms of kernels in a ~375 ms step; fla's chunk_kda
-spends ~2 ms of Python per call). A replay launches the whole recorded step at once.
+to run it (fla's chunk_kda spends milliseconds of Python per call; measured: see
+docs/BENCHMARKS.md#k3_mini-training-step). A replay launches the whole recorded step at once.
 
 How (PyTorch's whole-network capture recipe):
 * the first ``warmup`` steps run eagerly, so Triton autotuning, ``torch.compile`` and the

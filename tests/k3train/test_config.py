@@ -61,7 +61,7 @@ def test_resolved_config_round_trips(tmp_path):
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["train"]["steps"] == 3
 
 
-def test_design_section9_keys_exist():
+def test_stable_user_config_keys_exist():
     keys = ["train.steps", "train.seed", "train.microbatches", "parallel.tp", "parallel.pp", "parallel.vpp",
             "parallel.ep", "model.attnres.enabled", "model.attnres.block_size", "model.layer_pattern",
             "moe.balancing", "optim.name", "precision.recipe", "checkpoint.interval"]

@@ -1,4 +1,7 @@
-"""The K3 parameter table routes every parameter as DESIGN section 6 and issue #5 say."""
+"""The K3 parameter table routes every parameter as docs/architecture.md describes (the trainer
+step's optimizer table): Muon for the 2-D hidden matrices, per head for the attention
+projections, and for the 3-D routed-expert stacks (one matrix per expert); AdamW for embeddings,
+head, router, norms, convs, AttnRes queries and the KDA decay terms."""
 from __future__ import annotations
 
 from k3train.config import load_config
