@@ -64,6 +64,13 @@ class GradGroups:
     ep: Any = None
     pp: Any = None
 
+    def __post_init__(self) -> None:
+        dp, edp = group_size(self.dp), group_size(self.expert_dp)
+        if dp % edp:
+            # Expert gradients are divided by the DP size: their copies must be DP ranks.
+            raise ValueError(f"GradGroups: expert_dp has {edp} ranks, which does not divide dp's "
+                             f"{dp}; the expert-DP group must lie inside the DP group")
+
     @property
     def loss_ranks(self) -> int:
         """The divisor of every reduced gradient: the number of ranks whose losses are averaged."""

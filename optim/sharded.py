@@ -119,18 +119,14 @@ class ShardedOptimizer:
         self._step, self._reduced, self._clipped, self._norm = 0, False, False, None
 
         # The shared groups (Muon first, then AdamW; one per (lr, wd) mult), params as tensors.
-        self.param_groups: list[dict[str, Any]] = []
-        group_of: dict[int, int] = {}  # id(entry) -> param-group index
-        use_muon = [False] * len(self.table)
-        position = {id(e): i for i, e in enumerate(self.table)}
-        for gi, plan in enumerate(plans):
-            self.param_groups.append({"params": [e.param for e in plan.entries], **plan.hyper()})
-            for e in plan.entries:
-                group_of[id(e)] = gi
-                use_muon[position[id(e)]] = plan.kind == "muon"
-                if plan.kind == "muon":
-                    _check_matrix(e.shape, e.heads, e.name)
-        group_of = [group_of[id(e)] for e in self.table]
+        self.param_groups = [{"params": [e.param for e in plan.entries], **plan.hyper()}
+                             for plan in plans]
+        index = {id(e): (gi, plan.kind == "muon") for gi, plan in enumerate(plans) for e in plan.entries}
+        group_of = [index[id(e)][0] for e in self.table]  # param-group index of each entry
+        use_muon = [index[id(e)][1] for e in self.table]
+        for e, m in zip(self.table, use_muon):
+            if m:
+                _check_matrix(e.shape, e.heads, e.name)
 
         expert = [bool(is_expert and is_expert(e.name)) for e in self.table]
         self.domains: list[_Domain] = []

@@ -72,7 +72,6 @@ class TrainState:
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         # Expert weights are sharded over EP: reduced over the expert-data-parallel replicas only.
         expert_params = [p for layer in self.moe_layers for p in layer.experts.parameters()]
-        self.expert_ids = {id(p) for p in expert_params}
         self.ep_group = parallel_state.get_expert_model_parallel_group() if info.ep > 1 else None
         self.edp_group = parallel_state.get_expert_data_parallel_group()
         groups = GradGroups(dp=self.dp_group, expert_dp=self.edp_group, tp=self.tp_group,

@@ -103,6 +103,8 @@ def _dp4_ep2_body(rank: int, world: int) -> None:
     edp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     shard = rank % 2
     groups = GradGroups(dp=dist.group.WORLD, expert_dp=edp_groups[shard], ep=ep_groups[rank // 2])
+    with pytest.raises(ValueError, match="expert_dp has 2 ranks, which does not divide dp's 1"):
+        GradGroups(expert_dp=edp_groups[shard])  # no DP group: the divisor would be wrong
     max_norm = 2.0
     # The naive reference: dense grads averaged over the 4 ranks; expert shard s summed over its
     # copies (ranks s and s + 2) and divided by dp=4, the module docstring's convention.
