@@ -1,9 +1,11 @@
 """Optimizers for k3train: Muon (per-head), AdamW grouping by a parameter table, LR schedules,
-and a data-parallel sharded (ZeRO-1) step.
+a data-parallel sharded (ZeRO-1) step, and the one gradient path (reduction, norm, clip) both
+the replicated and the sharded optimizer use (``optim.grads``).
 
 Depends on torch (and megatron-core) only, never on ``k3train``.
 """
 from .build import OPTIMIZER_NAMES, CombinedOptimizer, build_optimizer
+from .grads import DataParallelGrads, GradGroups, clip_grads_, global_grad_norm
 from .muon import (
     NS_COEFFICIENTS,
     Muon,
@@ -13,6 +15,7 @@ from .muon import (
     muon_updates,
     newton_schulz,
 )
+from .param_groups import ParamGroupPlan, plan_param_groups
 from .param_table import (
     OPTIMIZERS,
     ParamEntry,
@@ -25,6 +28,8 @@ from .sharded import ShardedOptimizer, plan_muon_owners
 
 __all__ = [
     "OPTIMIZER_NAMES", "CombinedOptimizer", "build_optimizer",
+    "DataParallelGrads", "GradGroups", "clip_grads_", "global_grad_norm",
+    "ParamGroupPlan", "plan_param_groups",
     "NS_COEFFICIENTS", "Muon", "apply_muon_updates", "muon_scale", "muon_update", "muon_updates",
     "newton_schulz",
     "OPTIMIZERS", "ParamEntry", "ParamRule", "build_param_table", "format_table",

@@ -6,11 +6,10 @@ from typing import Any, Callable
 import torch
 
 from .muon import Muon
+from .param_groups import OPTIMIZER_NAMES, ParamGroupPlan, plan_param_groups
 from .param_table import ParamEntry
 
 __all__ = ["OPTIMIZER_NAMES", "CombinedOptimizer", "build_optimizer"]
-
-OPTIMIZER_NAMES = ("adamw", "muon")
 
 
 class CombinedOptimizer:
@@ -67,23 +66,16 @@ class CombinedOptimizer:
         return f"CombinedOptimizer({inner})"
 
 
-def _groups(entries: list[ParamEntry], kind: str, lr: float, weight_decay: float,
-            muon: bool) -> list[dict[str, Any]]:
-    """One group per (lr_mult, wd_mult), in order of first appearance (stable for resume)."""
-    groups: dict[tuple[float, float], dict[str, Any]] = {}
-    for e in entries:
-        key = (e.lr_mult, e.wd_mult)
-        if key not in groups:
-            groups[key] = {"params": [], "lr": lr * e.lr_mult, "base_lr": lr * e.lr_mult,
-                           "weight_decay": weight_decay * e.wd_mult, "kind": kind,
-                           "lr_mult": e.lr_mult, "wd_mult": e.wd_mult}
-            if muon:
-                groups[key]["heads"] = []
-        # (name, tensor) pairs: torch records the names in group["param_names"].
-        groups[key]["params"].append((e.name, e.param))
+def _torch_groups(plans: list[ParamGroupPlan], muon: bool) -> list[dict[str, Any]]:
+    """``plan_param_groups``' groups as torch group dicts: ``params`` as (name, tensor) pairs
+    (torch records the names in ``group["param_names"]``), Muon groups with per-entry ``heads``."""
+    groups = []
+    for plan in plans:
+        group = {"params": [(e.name, e.param) for e in plan.entries], **plan.hyper()}
         if muon:
-            groups[key]["heads"].append(e.heads)
-    return list(groups.values())
+            group["heads"] = [e.heads for e in plan.entries]
+        groups.append(group)
+    return groups
 
 
 def build_optimizer(
@@ -101,28 +93,25 @@ def build_optimizer(
 
     "adamw": every entry goes to AdamW. "muon": entries marked muon go to Muon (Nesterov,
     per-entry heads) at ``muon_lr`` (default ``lr``: the Moonlight scale makes AdamW's lr
-    fit), the rest to AdamW. Group lr = base lr * ``lr_mult``; weight decay = ``weight_decay *
-    wd_mult``. Both optimizers use decoupled weight decay ``p *= 1 - lr * wd``.
+    fit), the rest to AdamW. Groups from ``plan_param_groups`` (shared with ``ShardedOptimizer``):
+    lr = base lr * ``lr_mult``; weight decay = ``weight_decay * wd_mult``. Both optimizers use
+    decoupled weight decay ``p *= 1 - lr * wd``. Gradients must already be reduced
+    (``optim.grads.DataParallelGrads``).
     """
-    if name not in OPTIMIZER_NAMES:
-        raise ValueError(f"unknown optimizer {name!r}; allowed: {', '.join(OPTIMIZER_NAMES)}")
-    if not table:
-        raise ValueError("build_optimizer: the parameter table is empty")
-    use_muon = name == "muon"
-    muon_entries = [e for e in table if use_muon and e.optimizer == "muon"]
-    adamw_entries = [e for e in table if not (use_muon and e.optimizer == "muon")]
+    plans = plan_param_groups(table, name, lr=lr, weight_decay=weight_decay, muon_lr=muon_lr)
+    muon_plans = [g for g in plans if g.kind == "muon"]
+    adamw_plans = [g for g in plans if g.kind == "adamw"]
 
     optimizers: list[torch.optim.Optimizer] = []
-    if muon_entries:
+    if muon_plans:
         mlr = lr if muon_lr is None else muon_lr
-        optimizers.append(Muon(_groups(muon_entries, "muon", mlr, weight_decay, muon=True),
-                               lr=mlr, weight_decay=weight_decay, momentum=muon_momentum,
-                               nesterov=True))
-    if adamw_entries:
+        optimizers.append(Muon(_torch_groups(muon_plans, muon=True), lr=mlr,
+                               weight_decay=weight_decay, momentum=muon_momentum, nesterov=True))
+    if adamw_plans:
         # torch's fused CUDA kernel: one launch per few tensors instead of a foreach chain of
         # ~10 passes over the optimizer state, with the same update rule.
-        fused = all(e.param.is_cuda for e in adamw_entries) or None
+        fused = all(e.param.is_cuda for g in adamw_plans for e in g.entries) or None
         optimizers.append(torch.optim.AdamW(
-            _groups(adamw_entries, "adamw", lr, weight_decay, muon=False),
+            _torch_groups(adamw_plans, muon=False),
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused))
     return CombinedOptimizer(optimizers)

@@ -6,10 +6,11 @@ the part of the model it owns, updates that part, and shares the result.
 * AdamW is elementwise: the AdamW parameters of one dtype are laid end to end in a flat
   buffer ``[N]`` padded to ``[W * S]`` (``W`` = DP size); rank ``r`` owns ``[r*S, (r+1)*S)``.
 
-``step()`` takes each rank's un-averaged ``p.grad``, reduce-scatters (average) the AdamW flat
-gradients, reduces (average) each Muon gradient to its owner, computes the global grad norm
-from the owned parts, clips, updates the owned parts, then all-gathers the AdamW shards and
-broadcasts each Muon matrix from its owner. Ownership, communication volume, memory and the
+``step()`` takes each rank's un-scaled ``p.grad``, reduce-scatters the AdamW flat gradients and
+reduces each Muon gradient to its owner (both to ``optim.grads``' convention: summed over the
+copies, divided by the DP size), computes the global grad norm from the owned parts and clips
+(``optim.grads``), updates the owned parts (torch's AdamW; Muon), then all-gathers the AdamW
+shards and broadcasts each Muon matrix from its owner. Ownership, communication volume, memory and the
 expert / pipeline cases are described in ``docs/optim_sharding.md``.
 """
 from __future__ import annotations
@@ -19,8 +20,11 @@ from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from torch.optim.adamw import adamw as torch_adamw
 
+from .grads import GradGroups, clip_grads_, global_grad_norm, group_size, sum_of_squares
 from .muon import _batches, _check_matrix, apply_muon_updates, largest_first, muon_updates
+from .param_groups import plan_param_groups
 from .param_table import ParamEntry
 
 __all__ = ["ShardedOptimizer", "plan_muon_owners"]
@@ -80,73 +84,53 @@ class _Domain:
 
 
 def _group_info(group) -> tuple[int, int]:
-    if not dist.is_initialized():
+    """(size, this rank's index) of ``group``; None is one rank (``GradGroups``' convention)."""
+    if group_size(group) == 1:
         return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _is_tp_sharded(p: torch.Tensor) -> bool:
-    # megatron-core's marker on tensor-parallel shards (k3train marks its own shards the same way).
-    return bool(getattr(p, "tensor_model_parallel", False))
-
-
 class ShardedOptimizer:
-    """ZeRO-1 optimizer over a parameter table; same surface as ``CombinedOptimizer``.
+    """ZeRO-1 optimizer over a parameter table; same surface as ``CombinedOptimizer``, plus the
+    gradient methods of ``optim.grads.DataParallelGrads`` (it reduces gradients itself).
 
-    ``name``: "adamw" (every entry on AdamW) or "muon" (Muon entries on Muon with their
-    per-head ``heads``, the rest on AdamW), with ``build_optimizer``'s hyper-parameters.
-    ``dp_group``: the data-parallel group (None: the default group; no ``torch.distributed``:
-    a single rank). ``expert_dp_group`` + ``is_expert``: entries whose name satisfies
-    ``is_expert`` are reduced/sharded over the expert-DP group; the grad norm assumes, as in
-    Megatron's layout, that the DP group is the union of disjoint expert-DP groups each
-    holding a different expert shard. ``norm_groups``: extra groups (the pipeline group) the
-    squared norm is summed over. ``tp_group``: sum the squares of tensor-parallel shards
-    (``tensor_model_parallel``) over it, count replicated parameters once.
+    table: the parameter table. Keywords: ``name`` "adamw" (every entry on AdamW) or "muon"
+    (Muon entries on Muon with their per-head ``heads``, the rest on AdamW) and
+    ``build_optimizer``'s hyper-parameters (``ns_steps``: Newton-Schulz iterations). ``groups``:
+    the process groups (``GradGroups``; all None: one rank). AdamW entries and Muon matrices
+    are sharded / owned over ``groups.dp``; entries whose name satisfies ``is_expert`` over
+    ``groups.expert_dp`` instead (assuming, as in megatron-core's layout, that the DP group is
+    the union of disjoint expert-DP groups each holding a different expert shard). Gradients
+    follow ``optim.grads``' convention: un-scaled per-rank ``p.grad`` in, the gradient of the
+    DP-mean loss out (summed over the copies, divided by the DP size, experts included).
+    The norm sums TP-shard squares over ``groups.tp`` and the total over ``groups.pp``.
     """
 
     reduces_gradients = True  # the trainer must NOT all-reduce gradients over DP itself
 
-    def __init__(self, table: list[ParamEntry], name: str = "adamw", dp_group=None, *,
-                 lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.95),
-                 eps: float = 1e-8, muon_lr: float | None = None, muon_momentum: float = 0.95,
-                 ns_steps: int = 5, expert_dp_group=None,
-                 is_expert: Callable[[str], bool] | None = None,
-                 norm_groups: Iterable[Any] = (), tp_group=None) -> None:
-        if name not in ("adamw", "muon"):
-            raise ValueError(f"unknown optimizer {name!r}; allowed: adamw, muon")
-        if not table:
-            raise ValueError("ShardedOptimizer: the parameter table is empty")
-        if (expert_dp_group is None) != (is_expert is None):
-            raise ValueError("expert_dp_group and is_expert must be given together")
-        self.name, self.table = name, list(table)
+    def __init__(self, table: list[ParamEntry], *, name: str = "adamw", lr: float,
+                 weight_decay: float, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                 muon_lr: float | None = None, muon_momentum: float = 0.95, ns_steps: int = 5,
+                 groups: GradGroups = GradGroups(),
+                 is_expert: Callable[[str], bool] | None = None) -> None:
+        plans = plan_param_groups(table, name, lr=lr, weight_decay=weight_decay, muon_lr=muon_lr)
+        self.name, self.table, self.groups = name, list(table), groups
         self.betas, self.eps, self.muon_momentum, self.ns_steps = betas, eps, muon_momentum, ns_steps
-        self.norm_groups, self.tp_group = list(norm_groups), tp_group
-        self._step, self._reduced, self._norm = 0, False, None
-        use_muon = [name == "muon" and e.optimizer == "muon" for e in self.table]
+        self._step, self._reduced, self._clipped, self._norm = 0, False, False, None
+
+        # The shared groups (Muon first, then AdamW; one per (lr, wd) mult), params as tensors.
+        self.param_groups = [{"params": [e.param for e in plan.entries], **plan.hyper()}
+                             for plan in plans]
+        index = {id(e): (gi, plan.kind == "muon") for gi, plan in enumerate(plans) for e in plan.entries}
+        group_of = [index[id(e)][0] for e in self.table]  # param-group index of each entry
+        use_muon = [index[id(e)][1] for e in self.table]
         for e, m in zip(self.table, use_muon):
             if m:
                 _check_matrix(e.shape, e.heads, e.name)
 
-        # Groups as build_optimizer makes them (Muon first, then AdamW; one per (lr, wd) mult).
-        self.param_groups: list[dict[str, Any]] = []
-        index: dict[tuple[str, float, float], int] = {}
-        group_of = [0] * len(self.table)
-        for i in sorted(range(len(self.table)), key=lambda i: not use_muon[i]):  # stable
-            e, kind = self.table[i], "muon" if use_muon[i] else "adamw"
-            base = lr if muon_lr is None or kind == "adamw" else muon_lr
-            key = (kind, e.lr_mult, e.wd_mult)
-            if key not in index:
-                index[key] = len(self.param_groups)
-                self.param_groups.append({
-                    "params": [], "lr": base * e.lr_mult, "base_lr": base * e.lr_mult,
-                    "weight_decay": weight_decay * e.wd_mult, "lr_mult": e.lr_mult,
-                    "wd_mult": e.wd_mult, "kind": kind})
-            group_of[i] = index[key]
-            self.param_groups[index[key]]["params"].append(e.param)
-
         expert = [bool(is_expert and is_expert(e.name)) for e in self.table]
         self.domains: list[_Domain] = []
-        for dname, group, want in (("dense", dp_group, False), ("expert", expert_dp_group, True)):
+        for dname, group, want in (("dense", groups.dp, False), ("expert", groups.expert_dp, True)):
             picked = [i for i in range(len(self.table)) if expert[i] == want]
             if not picked:
                 continue
@@ -175,9 +159,11 @@ class ShardedOptimizer:
         zeros = torch.zeros(shard, dtype=torch.float32, device=params[0].device)
         return _Bucket(params, shard, segments, zeros, zeros.clone())
 
-    # ---- gradients -------------------------------------------------------------------------
-    def _reduce_grads(self) -> None:
-        """Average gradients over DP into the owned parts (idempotent until the next step)."""
+    # ---- gradients (optim.grads' convention and norm) ----------------------------------------
+    def reduce_grads(self) -> None:
+        """Reduce gradients into the owned parts: summed over the domain's group (reduce-scatter
+        for AdamW buckets, reduce to the owner for Muon matrices), divided by the DP size.
+        Idempotent until the next step."""
         if self._reduced:
             return
         works, keep = [], []
@@ -205,61 +191,57 @@ class ShardedOptimizer:
                                              async_op=True))
         for w in works:
             w.wait()
-        for d in self.domains:
-            if d.world > 1:
+        dp = self.groups.loss_ranks  # gloo has no AVG: sum, then divide
+        if dp > 1:
+            for d in self.domains:
                 for b in d.buckets:
-                    b.grad.div_(d.world)
+                    b.grad.div_(dp)
                 for e, _ in d.owned_muon():
-                    e.param.grad.div_(d.world)
+                    e.param.grad.div_(dp)
         self._reduced = True
 
-    def _owned_grads(self) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
-        """(averaged gradient view, its parameter) for every part this rank owns."""
+    def _owned_grads(self) -> Iterable[tuple[torch.Tensor, torch.Tensor, bool]]:
+        """(reduced gradient view, its parameter, is expert) for every part this rank owns."""
         for d in self.domains:
             for b in d.buckets:
                 for s in b.segments:
-                    yield b.grad[s.lo:s.hi], s.param
+                    yield b.grad[s.lo:s.hi], s.param, d.name == "expert"
             for e, _ in d.owned_muon():
-                yield e.param.grad, e.param
+                yield e.param.grad, e.param, d.name == "expert"
 
     def grad_norm_sq_local(self) -> torch.Tensor:
-        """Squared L2 norm (0-dim fp32) of the averaged gradient over the parts this rank owns.
+        """Squared L2 norm (0-dim fp32) of the reduced gradient over the parts this rank owns.
         Reduces the gradients first. Summed over the DP group it gives the stage's squared norm."""
-        self._reduce_grads()
-        zero = torch.zeros((), dtype=torch.float32, device=self.table[0].param.device)
-        return sum((g.float().pow(2).sum() for g, _ in self._owned_grads()), zero)
+        self.reduce_grads()
+        return sum_of_squares([g for g, _, _ in self._owned_grads()], self.table[0].param.device)
 
     def global_grad_norm(self) -> torch.Tensor:
-        """L2 norm (0-dim fp32) of the DP-averaged gradient of the whole model: owned squares
-        summed over DP, TP shards over ``tp_group``, then over each of ``norm_groups``."""
-        self._reduce_grads()
-        # [tp-sharded, replicated]: both summed over DP, only the first over TP.
-        sq = torch.zeros(2, dtype=torch.float32, device=self.table[0].param.device)
-        for g, p in self._owned_grads():
-            sq[0 if _is_tp_sharded(p) else 1] += g.float().pow(2).sum()
-        dense = self.domains[0]
-        if dense.world > 1:
-            dist.all_reduce(sq, group=dense.group)
-        sharded = sq[:1].clone()
-        if self.tp_group is not None and _group_info(self.tp_group)[0] > 1:
-            dist.all_reduce(sharded, group=self.tp_group)
-        total = sharded + sq[1:]
-        for g in self.norm_groups:
-            if _group_info(g)[0] > 1:
-                dist.all_reduce(total, group=g)
-        return total[0].sqrt()
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Reduce gradients, compute the global norm and scale the owned gradients by
-        ``min(1, max_norm / (norm + 1e-6))`` (as ``torch.nn.utils.clip_grad_norm_``), with no
-        host sync. Returns the norm before clipping. The next ``step()`` does not clip again."""
+        """L2 norm (0-dim fp32) of the reduced gradient of the whole model
+        (``optim.grads.global_grad_norm`` over the owned parts). Reduces the gradients first;
+        computed once per step (collectives), then cached until ``step``/``zero_grad``."""
+        self.reduce_grads()
         if self._norm is None:
-            self._norm = self.global_grad_norm()
-            if max_norm is not None and max_norm > 0:
-                scale = torch.clamp(max_norm / (self._norm + 1e-6), max=1.0)
-                for g, _ in self._owned_grads():
-                    g.mul_(scale.to(g.dtype))
+            self._norm = global_grad_norm(self._owned_grads(), groups=self.groups, sharded_over_dp=True)
         return self._norm
+
+    def clip_grads_(self, norm: torch.Tensor, max_norm: float | None) -> None:
+        """Scale the owned gradients by ``min(1, max_norm / (norm + 1e-6))`` (``clip_grads_``);
+        ``step()`` then does not clip again."""
+        self.reduce_grads()
+        # The AdamW shard buffers whole (their padding is zero) and the owned Muon gradients.
+        owned = [b.grad for d in self.domains for b in d.buckets]
+        owned += [e.param.grad for d in self.domains for e, _ in d.owned_muon()]
+        clip_grads_(owned, norm, max_norm)
+        self._clipped = True
+
+    def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
+        """Reduce gradients, compute the global norm and clip the owned gradients to
+        ``max_norm`` (as ``torch.nn.utils.clip_grad_norm_``), with no host sync. Returns the
+        norm before clipping. The next ``step()`` does not clip again."""
+        norm = self.global_grad_norm()
+        if not self._clipped:
+            self.clip_grads_(norm, max_norm)
+        return norm
 
     # ---- update ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -269,20 +251,9 @@ class ShardedOptimizer:
         norm = self.clip_grad_norm_(max_grad_norm)
         self._step += 1
         beta1, beta2 = self.betas
-        bc1, bc2_sqrt = 1 - beta1 ** self._step, (1 - beta2 ** self._step) ** 0.5
         for d in self.domains:
             for b in d.buckets:
-                for s in b.segments:  # torch.optim.AdamW's update, in fp32, on this shard
-                    lr, wd = self.param_groups[s.group]["lr"], self.param_groups[s.group]["weight_decay"]
-                    view = s.param.detach().view(-1)[s.plo:s.plo + s.hi - s.lo]
-                    p = view.float()  # the view itself when fp32
-                    g, m, v = b.grad[s.lo:s.hi].float(), b.exp_avg[s.lo:s.hi], b.exp_avg_sq[s.lo:s.hi]
-                    p.mul_(1 - lr * wd)
-                    m.lerp_(g, 1 - beta1)
-                    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                    p.addcdiv_(m, (v.sqrt() / bc2_sqrt).add_(self.eps), value=-lr / bc1)
-                    if p.data_ptr() != view.data_ptr():
-                        view.copy_(p)
+                self._adamw_shard(b, beta1, beta2)
             # The matrices this rank owns, batched by shape and head split as in Muon.step.
             same: dict[tuple, list] = {}
             for e, gi in d.owned_muon():
@@ -300,8 +271,28 @@ class ShardedOptimizer:
         for d in self.domains:
             for b in d.buckets:
                 b.grad = None
-        self._reduced, self._norm = False, None
+        self._reduced, self._clipped, self._norm = False, False, None
         return norm
+
+    def _adamw_shard(self, b: _Bucket, beta1: float, beta2: float) -> None:
+        """torch's AdamW (``torch.optim.adamw.adamw``, the update ``build_optimizer``'s AdamW
+        runs) on this rank's segments of one bucket, one call per param group, in fp32: the
+        moments are fp32, and a bf16 parameter is updated in an fp32 copy written back."""
+        by_group: dict[int, list[_Segment]] = {}
+        for s in b.segments:
+            by_group.setdefault(s.group, []).append(s)
+        for gi, segments in by_group.items():
+            views = [s.param.detach().view(-1)[s.plo:s.plo + s.hi - s.lo] for s in segments]
+            params = [v.float() for v in views]  # the views themselves when fp32
+            torch_adamw(
+                params, [b.grad[s.lo:s.hi].float() for s in segments],
+                [b.exp_avg[s.lo:s.hi] for s in segments], [b.exp_avg_sq[s.lo:s.hi] for s in segments],
+                [], [torch.tensor(float(self._step - 1)) for _ in segments],  # +1 inside
+                amsgrad=False, beta1=beta1, beta2=beta2, lr=self.param_groups[gi]["lr"],
+                weight_decay=self.param_groups[gi]["weight_decay"], eps=self.eps, maximize=False)
+            for v, p in zip(views, params):
+                if p.data_ptr() != v.data_ptr():
+                    v.copy_(p)
 
     def _share_params(self) -> None:
         """All-gather the AdamW shards and broadcast each Muon matrix from its owner."""
@@ -337,7 +328,7 @@ class ShardedOptimizer:
         for d in self.domains:
             for b in d.buckets:
                 b.grad = None
-        self._reduced, self._norm = False, None
+        self._reduced, self._clipped, self._norm = False, False, None
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank (AdamW moments of its shards, Muon

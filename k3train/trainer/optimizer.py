@@ -10,13 +10,16 @@ matrices, each expert orthogonalised on its own. Norm-like parameters get no wei
 from __future__ import annotations
 
 import re
+from typing import Iterable
 
+import torch
 import torch.nn as nn
 
 from k3train.config.schema import OptimConfig
 from k3train.model.kda_layer import KimiDeltaAttention
 from k3train.model.mla import GatedMLA
-from optim import ParamRule, ShardedOptimizer, build_optimizer, build_param_table, format_table
+from optim import (GradGroups, ParamRule, ShardedOptimizer, build_optimizer, build_param_table,
+                   format_table)
 
 _NO_DECAY = r"(norm|\.query$|A_log|dt_bias|bias$|o_norm_weight)"
 _ADAMW = r"(embed\.|head\.|router\.|_conv$|\.b_proj\.|\.f_down\.|\.f_up\.)"
@@ -36,20 +39,21 @@ def k3_param_rules(model: nn.Module, per_head: bool) -> list[ParamRule]:
     return rules
 
 
-def build_k3_optimizer(model: nn.Module, cfg: OptimConfig, sharding: dict | None = None):
+def build_k3_optimizer(model: nn.Module, cfg: OptimConfig, *, zero1_groups: GradGroups | None = None,
+                       expert_params: Iterable[torch.Tensor] = ()):
     """Returns (optimizer, table text for the run log).
 
-    sharding: None for a replicated optimizer (gradients reduced by the trainer), or the
-    groups of a ZeRO-1 ``ShardedOptimizer``: ``dp_group``, ``expert_dp_group``, ``expert_ids``
-    (ids of expert parameters), ``norm_groups``, ``tp_group``.
+    zero1_groups: None for a replicated optimizer (gradients reduced by
+    ``optim.DataParallelGrads``), or the process groups of a ZeRO-1 ``ShardedOptimizer``, which
+    reduces them itself; ``expert_params`` (the routed-expert weights) are then sharded over
+    ``zero1_groups.expert_dp``.
     """
     table = build_param_table(model.named_parameters(), k3_param_rules(model, cfg.muon_per_head))
     kwargs = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-    if sharding is None:
+    if zero1_groups is None:
         return build_optimizer(table, cfg.name, **kwargs), format_table(table)
-    expert_names = {e.name for e in table if id(e.param) in sharding["expert_ids"]}
-    opt = ShardedOptimizer(
-        table, cfg.name, sharding["dp_group"], expert_dp_group=sharding["expert_dp_group"],
-        is_expert=expert_names.__contains__, norm_groups=sharding["norm_groups"],
-        tp_group=sharding["tp_group"], **kwargs)
+    expert_ids = {id(p) for p in expert_params}
+    expert_names = {e.name for e in table if id(e.param) in expert_ids}
+    opt = ShardedOptimizer(table, name=cfg.name, groups=zero1_groups,
+                           is_expert=expert_names.__contains__, **kwargs)
     return opt, format_table(table)

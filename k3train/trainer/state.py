@@ -13,10 +13,11 @@ from k3train.model.layer import AuxLossAttach
 from k3train import kernels
 from k3train.ops.triton_compile import compile_ahead
 from k3train.trainer.cuda_graph import GraphedForwardBackward
-from k3train.trainer.grads import allreduce_mean, allreduce_sum_then_scale, clip_, grad_norm
 from k3train.trainer.optimizer import build_k3_optimizer
 from k3train.trainer.parts import build_parts
 from moe import Balancer, LoadTracker, expert_load
+from optim import DataParallelGrads, GradGroups
+from optim.grads import allreduce_mean
 from pipeline import CommRecorder
 
 
@@ -70,16 +71,19 @@ class TrainState:
         self.dp_group = parallel_state.get_data_parallel_group()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         # Expert weights are sharded over EP: reduced over the expert-data-parallel replicas only.
-        self.expert_ids = {id(p) for layer in self.moe_layers for p in layer.experts.parameters()}
+        expert_params = [p for layer in self.moe_layers for p in layer.experts.parameters()]
         self.ep_group = parallel_state.get_expert_model_parallel_group() if info.ep > 1 else None
         self.edp_group = parallel_state.get_expert_data_parallel_group()
-        sharding = None
-        if cfg.optim.zero1:
-            sharding = {"dp_group": self.dp_group, "expert_dp_group": self.edp_group,
-                        "expert_ids": self.expert_ids, "tp_group": self.tp_group,
-                        "norm_groups": [self.pp_group] if self.pp_group is not None else []}
-        self.optimizer, self.param_table = build_k3_optimizer(self.model, cfg.optim, sharding)
-        self.sharded = sharding is not None
+        groups = GradGroups(dp=self.dp_group, expert_dp=self.edp_group, tp=self.tp_group,
+                            ep=self.ep_group, pp=self.pp_group)
+        self.sharded = cfg.optim.zero1
+        self.optimizer, self.param_table = build_k3_optimizer(
+            self.model, cfg.optim, zero1_groups=groups if self.sharded else None,
+            expert_params=expert_params)
+        # The one gradient path (optim.grads): ZeRO-1 reduces, norms and clips its owned parts,
+        # the replicated optimizer's gradients go through DataParallelGrads; same convention.
+        self.grads = (self.optimizer if self.sharded else
+                      DataParallelGrads(self.params, groups=groups, expert_params=expert_params))
         self._bytes_logged = 0
         graph = use_cuda_graph(cfg, info, device)
         self.autocast = autocast_for(cfg, device, graph)
@@ -101,25 +105,17 @@ class TrainState:
         else:
             total = self._forward_backward(batch, poison)
         allreduce_mean([total], self.dp_group, self.info.dp)
-        if self.sharded:
-            # ZeRO-1 reduces (averages) gradients itself: the expert ones over their replicas only,
-            # so pre-scale them to the sum-over-dp convention of _reduce_grads.
-            for p in self.params:
-                if p.grad is not None and id(p) in self.expert_ids and self.info.ep > 1:
-                    p.grad.div_(self.info.ep)
-            norm = self.optimizer.clip_grad_norm_(self.cfg.train.grad_clip)
-        else:
-            self._reduce_grads()
-            norm = grad_norm(self.params, self.tp_group, self.pp_group, self.expert_ids, self.ep_group)
+        self.grads.reduce_grads()
+        norm = self.grads.global_grad_norm()
         # One host read per step: the skip decision must be known before the update. Whether
-        # clipping scales anything (clip_'s factor < 1) comes in the same read, so unclipped
+        # clipping scales anything (the clip factor < 1) comes in the same read, so unclipped
         # steps skip a pass over every gradient (~2 ms per k3_mini step on an H200).
         max_norm = self.cfg.train.grad_clip
         finite, clips = torch.stack([torch.isfinite(norm) & torch.isfinite(total),
                                      norm + 1e-6 > max_norm]).tolist()
         if finite:
-            if not self.sharded and clips:
-                clip_(self.params, norm, max_norm)
+            if clips:
+                self.grads.clip_grads_(norm, max_norm)
             self.optimizer.step()
             self._balance()
         for layer in self.moe_layers:
@@ -169,13 +165,6 @@ class TrainState:
         if self.engine is not None:
             self._bytes_logged = self.engine.comm.bytes_sent
         return stats
-
-    def _reduce_grads(self) -> None:
-        """Average over data parallel; expert grads sum over their replicas then divide by dp
-        (each expert shard already received the gradients of every EP rank's tokens)."""
-        grads = [(p.grad, id(p) in self.expert_ids) for p in self.params if p.grad is not None]
-        allreduce_mean([g for g, expert in grads if not expert], self.dp_group, self.info.dp)
-        allreduce_sum_then_scale([g for g, expert in grads if expert], self.edp_group, 1.0 / self.info.dp)
 
     @torch.no_grad()
     def _balance(self) -> None:

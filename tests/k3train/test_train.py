@@ -107,9 +107,10 @@ def test_cli_bad_input_is_one_clear_line(tmp_path, capsys):
 
 
 def test_grad_norm_and_clip_match_per_tensor_reference():
-    """grad_norm (one foreach norm per category) and clip_ against the plain per-tensor sums,
-    with fp32 and bf16 gradients, a parameter without a gradient and a clip that bites."""
-    from k3train.trainer.grads import clip_, grad_norm
+    """global_grad_norm (one foreach norm per category) and clip_grads_ against the plain
+    per-tensor sums, with fp32 and bf16 gradients, a parameter without a gradient and a clip
+    that bites (through DataParallelGrads, the replicated optimizer's path, with no groups)."""
+    from optim.grads import DataParallelGrads, GradGroups
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s)) for s in [(7, 5), (3,), (4, 4)]]
@@ -118,10 +119,11 @@ def test_grad_norm_and_clip_match_per_tensor_reference():
         if i != 1:
             p.grad = torch.randn_like(p) * (i + 1)
     want = sum(p.grad.double().pow(2).sum() for p in params if p.grad is not None).sqrt()
-    norm = grad_norm(params)
+    grads = DataParallelGrads(params, groups=GradGroups())
+    norm = grads.global_grad_norm()
     assert norm.dtype == torch.float32 and norm.item() == pytest.approx(want.item(), rel=1e-6)
     before = [None if p.grad is None else p.grad.clone() for p in params]
-    clip_(params, norm, 1.0)
+    grads.clip_grads_(norm, 1.0)
     for p, b in zip(params, before):
         if b is not None:
             torch.testing.assert_close(p.grad.float(), (b.float() * (1.0 / (norm + 1e-6))).to(b.dtype).float(),
@@ -160,7 +162,7 @@ def test_cuda_graph_auto_turns_on_exactly_where_supported():
 def test_expert_grad_scale_without_a_group_scales_in_place():
     """One rank: no flatten/all-reduce round trip; the tensors themselves are scaled (or left
     exactly as they are for a scale of 1)."""
-    from k3train.trainer.grads import allreduce_sum_then_scale
+    from optim.grads import allreduce_sum_then_scale
 
     gen = torch.Generator().manual_seed(0)
     ts = [torch.randn(3, 4, 5, generator=gen), torch.randn(7, generator=gen)]

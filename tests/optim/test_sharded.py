@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from optim import ParamRule, build_optimizer, build_param_table
+from optim.grads import GradGroups
 from optim.sharded import ShardedOptimizer, plan_muon_owners
 from tests.multiproc import run_multiprocess
 
@@ -50,9 +51,11 @@ def set_grads(table, grads) -> None:
         e.param.grad = g.clone()
 
 
-def averaged(table, ranks, step: int, salt: int = 0) -> list[torch.Tensor]:
+def averaged(table, ranks, step: int, salt: int = 0, dp: int | None = None) -> list[torch.Tensor]:
+    """The reduced gradient (``optim.grads``' convention): the sum of the gradients of ``ranks``
+    (the copies of the parameters) divided by the DP size ``dp`` (default: ``len(ranks)``)."""
     per_rank = [grads_for(table, r, step, salt) for r in ranks]
-    return [sum(gs) / len(ranks) for gs in zip(*per_rank)]
+    return [sum(gs) / (dp or len(ranks)) for gs in zip(*per_rank)]
 
 
 def clip_reference(grads: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
@@ -62,6 +65,11 @@ def clip_reference(grads: list[torch.Tensor], max_norm: float | None) -> torch.T
         for g in grads:
             g.mul_(scale)
     return norm
+
+
+def sharded(table, name: str, dp) -> ShardedOptimizer:
+    """A ShardedOptimizer over the DP group ``dp`` with the test's hyper-parameters."""
+    return ShardedOptimizer(table, name=name, groups=GradGroups(dp=dp), **HP)
 
 
 def assert_params_close(table, ref_table, **tol) -> None:
@@ -85,7 +93,7 @@ def test_single_rank_matches_torch_adamw_and_combined(name):
     """Without torch.distributed the optimizer is one rank owning everything: its AdamW must
     equal torch.optim.AdamW and the whole step must equal build_optimizer's."""
     table, ref = make_table(0), make_table(0)
-    opt = ShardedOptimizer(table, name, **HP)
+    opt = ShardedOptimizer(table, name=name, **HP)
     ref_opt = build_optimizer(ref, name, **HP)
     assert any(isinstance(o, torch.optim.AdamW) for o in ref_opt.optimizers)
     for step in range(3):
@@ -107,7 +115,7 @@ def _dp2_body(rank: int, world: int) -> None:
     for name in ("adamw", "muon"):
         for max_norm in (None, 3.0):  # 3.0 is below the averaged norm (~7): clipping is active
             table, ref = make_table(0), make_table(0)
-            opt = ShardedOptimizer(table, name, dp, **HP)
+            opt = sharded(table, name, dp)
             ref_opt = build_optimizer(ref, name, **HP)
             for step in range(3):
                 set_grads(table, grads_for(table, rank, step))
@@ -129,7 +137,7 @@ def _dp2_body(rank: int, world: int) -> None:
 
     # The ownership plan: identical on all ranks, balanced, covering every Muon matrix.
     table = make_table(0)
-    opt = ShardedOptimizer(table, "muon", dp, **HP)
+    opt = sharded(table, "muon", dp)
     plan = opt.state_dict()["layout"]["muon_owners"]["dense"]
     plans = [None] * world
     dist.all_gather_object(plans, plan)
@@ -141,7 +149,7 @@ def _dp2_body(rank: int, world: int) -> None:
     # Resume: 2 steps, save, fresh parameters + optimizer load it, step 3 equals uninterrupted.
     for name in ("adamw", "muon"):
         table, ref = make_table(0), make_table(0)
-        opt, ref_opt = ShardedOptimizer(table, name, dp, **HP), ShardedOptimizer(ref, name, dp, **HP)
+        opt, ref_opt = sharded(table, name, dp), sharded(ref, name, dp)
         for step in range(3):
             for t, o in ((table, opt), (ref, ref_opt)):
                 if step < 2 or o is ref_opt:
@@ -153,7 +161,7 @@ def _dp2_body(rank: int, world: int) -> None:
                 with torch.no_grad():
                     for e, p in zip(table, saved_params):
                         e.param.copy_(p)
-                opt = ShardedOptimizer(table, name, dp, **HP)
+                opt = sharded(table, name, dp)
                 opt.load_state_dict(saved)
         set_grads(table, grads_for(table, rank, 2))
         opt.step(max_grad_norm=3.0)
@@ -162,10 +170,10 @@ def _dp2_body(rank: int, world: int) -> None:
 
     # A different layout is refused, naming what differs.
     solo = [dist.new_group([r]) for r in range(world)]  # every rank must create every group
-    one = ShardedOptimizer(make_table(0), "muon", solo[rank], **HP)
+    one = sharded(make_table(0), "muon", solo[rank])
     with pytest.raises(ValueError, match="DP size mismatch.*dp_size=2.*dp_size=1"):
         one.load_state_dict(saved)
-    other = ShardedOptimizer(make_table(0, {**SHAPES, "norm.weight": (9,)}), "muon", dp, **HP)
+    other = sharded(make_table(0, {**SHAPES, "norm.weight": (9,)}), "muon", dp)
     with pytest.raises(ValueError, match="entry .*norm.weight"):
         other.load_state_dict(saved)
 
@@ -183,7 +191,8 @@ def _pp_dp_body(rank: int, world: int) -> None:
     stage, dp_ranks = rank // 2, [[0, 1], [2, 3]]
     for name in ("adamw", "muon"):
         table = make_table(stage)  # the two stages hold different parameters
-        opt = ShardedOptimizer(table, name, dp_groups[stage], norm_groups=[pp_groups[rank % 2]], **HP)
+        groups = GradGroups(dp=dp_groups[stage], pp=pp_groups[rank % 2])
+        opt = ShardedOptimizer(table, name=name, groups=groups, **HP)
         refs = [make_table(s) for s in range(2)]  # the whole model in one process
         ref_opts = [build_optimizer(r, name, **HP) for r in refs]
         for step in range(3):
@@ -201,11 +210,13 @@ def _pp_dp_body(rank: int, world: int) -> None:
 
     # Experts: dense parameters over DP=4, experts over expert-DP groups {0,2},{1,3} (EP=2, so
     # ranks 0,2 hold expert shard 0 and ranks 1,3 shard 1). The norm covers every expert once.
+    # An expert's gradient is summed over its two copies and divided by the DP size 4 (each
+    # rank's expert gradient already holds its EP group's tokens: optim.grads' convention).
     edp_groups, edp_ranks = pp_groups, [[0, 2], [1, 3]]
     ep = rank % 2
     dense, experts = make_table(0), make_table(10 + ep, EXPERT_SHAPES)
-    opt = ShardedOptimizer(dense + experts, "muon", dist.group.WORLD, expert_dp_group=edp_groups[ep],
-                           is_expert=is_expert, **HP)
+    opt = ShardedOptimizer(dense + experts, name="muon", is_expert=is_expert, **HP,
+                           groups=GradGroups(dp=dist.group.WORLD, expert_dp=edp_groups[ep]))
     assert [d.world for d in opt.domains] == [4, 2]
     ref_dense = make_table(0)
     ref_experts = [make_table(10 + s, EXPERT_SHAPES) for s in range(2)]
@@ -215,7 +226,7 @@ def _pp_dp_body(rank: int, world: int) -> None:
         set_grads(experts, grads_for(experts, rank, step, salt=5))
         set_grads(ref_dense, averaged(ref_dense, range(4), step))
         for s in range(2):
-            set_grads(ref_experts[s], averaged(ref_experts[s], edp_ranks[s], step, salt=5))
+            set_grads(ref_experts[s], averaged(ref_experts[s], edp_ranks[s], step, salt=5, dp=4))
         norm = opt.step(max_grad_norm=4.0)
         ref_norm = clip_reference([e.param.grad for t in (ref_dense, *ref_experts) for e in t], 4.0)
         ref_opt.step()
