@@ -127,7 +127,7 @@ def graph_check(tokens: torch.Tensor, steps: int = 6) -> dict:
     replay = [p.grad.clone() for p in state.params]
     state.optimizer.zero_grad(set_to_none=True)
     for layer in state.moe_layers:
-        layer.clear_step_routing()
+        layer.routing.clear()
     eager_loss = state._forward_backward(probe).item()
     eager = [p.grad for p in state.params]
     out["graph_replay_loss_diff"] = abs(replay_loss - eager_loss)

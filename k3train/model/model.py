@@ -53,6 +53,11 @@ def build_dispatcher(cfg: RunConfig):
     return GroupedAllToAllDispatcher(cfg.moe.num_experts, ep_group=group, capacity_factor=cfg.moe.capacity_factor)
 
 
+def moe_layer_indices(cfg: RunConfig) -> list[int]:
+    """Global indices of the layers whose FFN is a LatentMoE (all after the dense ones)."""
+    return list(range(cfg.model.dense_layers, cfg.model.num_layers))
+
+
 def build_layer(cfg: RunConfig, index: int) -> K3Layer:
     m, moe = cfg.model, cfg.moe
     kind = expand_layer_pattern(m.layer_pattern, m.num_layers)[index]
@@ -67,7 +72,7 @@ def build_layer(cfg: RunConfig, index: int) -> K3Layer:
             a = m.mla
             mixer = GatedMLA(m.hidden_size, a.num_heads, a.q_lora_rank, a.kv_lora_rank,
                              a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, std, out_std, m.norm_eps)
-        if index < m.dense_layers:
+        if index not in moe_layer_indices(cfg):
             ffn = SiTUGLU(m.hidden_size, m.ffn.intermediate_size, m.ffn.situ_beta, m.ffn.situ_beta_lin,
                           std, out_std)
         else:
@@ -157,6 +162,10 @@ class K3Chunk(nn.Module):
 
     def moe_layers(self) -> list[nn.Module]:
         return [layer.ffn for layer in self.layers if isinstance(layer.ffn, LatentMoE)]
+
+    def moe_layer_indices(self) -> list[int]:
+        """Global layer index of each entry of ``moe_layers()``."""
+        return [layer.index for layer in self.layers if isinstance(layer.ffn, LatentMoE)]
 
 
 def build_model(cfg: RunConfig) -> K3Chunk:

@@ -17,6 +17,10 @@ class LocalChunks(nn.ModuleDict):
     def moe_layers(self) -> list[nn.Module]:
         return [m for chunk in self.values() for m in chunk.moe_layers()]
 
+    def moe_layer_indices(self) -> list[int]:
+        """Global layer index of each entry of ``moe_layers()``."""
+        return [i for chunk in self.values() for i in chunk.moe_layer_indices()]
+
 
 def _directional_pp_groups(backend: str, p2p_backend: str = "auto"):
     """The (up, down) groups the pipeline's messages travel on, or None for the pipeline group.

@@ -111,7 +111,7 @@ def _check_case(group, ranks: list[int], sizes: list[int], cf: float | None,
     ctx = f"ep={len(ranks)} rank={i} cf={cf}"
     torch.testing.assert_close(y, ref[i].detach(), **TOL, msg=lambda m: f"{ctx} out: {m}")
     torch.testing.assert_close(x.grad, xr[i].grad, **TOL, msg=lambda m: f"{ctx} dx: {m}")
-    assert int(moe.dropped_tokens) == drops[i], (ctx, int(moe.dropped_tokens), drops[i])
+    assert int(moe.routing.last_dropped) == drops[i], (ctx, int(moe.routing.last_dropped), drops[i])
 
     full_params = dict(full.named_parameters())
     lo, hi = i * disp.num_local_experts, (i + 1) * disp.num_local_experts
@@ -181,7 +181,7 @@ def test_single_rank_without_distributed(cf):
     if cf is None:
         assert torch.equal(y, full(x))
     torch.testing.assert_close(y, ref[0], **TOL)
-    assert int(moe.dropped_tokens) == drops[0]
+    assert int(moe.routing.last_dropped) == drops[0]
     assert (drops[0] > 0) == (cf == 0.5)
 
 
