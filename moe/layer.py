@@ -44,7 +44,7 @@ class LatentMoE(nn.Module):
     load metrics and the CUDA-graph wrapper, cleared by the trainer after each step).
     """
 
-    def __init__(self, hidden_size: int, latent_size: int, num_experts: int, topk: int,
+    def __init__(self, *, hidden_size: int, latent_size: int, num_experts: int, topk: int,
                  expert_ffn_size: int, num_shared_experts: int = 0, shared_ffn_size: int = 0,
                  dispatcher: TokenDispatcher | None = None, aux_loss_coef: float = 0.0,
                  init_std: float = 0.02):

@@ -35,6 +35,7 @@ class _SavedStorages:
 class PipelineEngine:
     """Runs ``train_step`` / ``eval_step`` for this rank's chunks of a C = P*V chunk model.
 
+    Keyword-only arguments:
     local_chunks: global chunk index -> module, exactly the chunks ``c % P == pp_rank``.
         Chunk 0: ``forward(inputs [B, T]) -> StageIO``; middle: ``forward(StageIO) -> StageIO``;
         last: ``forward(StageIO, targets [B, T]) -> loss`` (scalar, mean over the microbatch).
@@ -46,14 +47,16 @@ class PipelineEngine:
     group_size: Megatron's microbatch_group_size_per_vp_stage (default P).
     deallocate_outputs: drop the data of sent outputs the backward does not need (Megatron's
         deallocate_output_tensor); the backward then runs through their grad_fn alone.
-    directional_groups: (up, down), two extra process groups with pp_group's ranks, needed on
-        NCCL (pipeline/p2p.py says why). Built here when NCCL's pp_group spans the whole world;
-        otherwise the caller creates them (every rank must call dist.new_group for each).
+    directional_groups: (up, down), two extra process groups with pp_group's ranks, required
+        on NCCL (pipeline/p2p.py says why). The caller makes them, as every rank must create
+        every group in the same order (k3train makes them in ``k3train.distributed``); the
+        engine creates no process group itself.
     """
 
-    def __init__(self, local_chunks: dict[int, nn.Module], num_chunks: int, produced_blocks: list[list[int]],
-                 pp_group=None, transport: str = "cached", dp_group=None, recorder: CommRecorder | None = None,
-                 group_size: int | None = None, deallocate_outputs: bool = True, directional_groups=None):
+    def __init__(self, *, local_chunks: dict[int, nn.Module], num_chunks: int,
+                 produced_blocks: list[list[int]], pp_group=None, transport: str = "cached",
+                 dp_group=None, recorder: CommRecorder | None = None, group_size: int | None = None,
+                 deallocate_outputs: bool = True, directional_groups=None):
         self.P = dist.get_world_size(pp_group) if pp_group is not None else 1
         self.rank = dist.get_rank(pp_group) if pp_group is not None else 0
         if num_chunks % self.P:
@@ -75,10 +78,8 @@ class PipelineEngine:
         self.device = params[0].device if params else torch.device("cpu")
         if (directional_groups is None and pp_group is not None and self.P > 1
                 and dist.get_backend(pp_group) == "nccl"):
-            if self.P != dist.get_world_size():
-                raise ValueError("on NCCL pass directional_groups=(up, down): copies of pp_group")
-            ranks = dist.get_process_group_ranks(pp_group)
-            directional_groups = (dist.new_group(ranks), dist.new_group(ranks))
+            raise ValueError("a pipeline on NCCL needs directional_groups=(up, down): two process "
+                             "groups with pp_group's ranks, made by the caller on every rank")
         self.comm = PipeComm(pp_group, self.P, self.rank, self.C, self.plan.hops, recorder, self.device,
                              directional_groups)
         self.peak_cache_bytes = 0

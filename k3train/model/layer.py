@@ -37,7 +37,7 @@ class AuxLossAttach(torch.autograd.Function):
 
 
 class K3Layer(nn.Module):
-    def __init__(self, index: int, mixer: nn.Module, ffn: nn.Module, hidden_size: int,
+    def __init__(self, *, index: int, mixer: nn.Module, ffn: nn.Module, hidden_size: int,
                  attnres_block_size: int | None, eps: float = 1e-6):
         super().__init__()
         self.index = index

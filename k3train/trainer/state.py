@@ -4,10 +4,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from megatron.core import parallel_state
 
 from k3train.config import RunConfig
-from k3train.distributed import ParallelInfo
+from k3train.distributed import ParallelContext, ParallelInfo, parallel_context
 from k3train.model.info import count_parameters
 from k3train.model.layer import AuxLossAttach
 from k3train.model.model import moe_layer_indices
@@ -54,27 +53,32 @@ class TrainState:
     """The model part, optimizer and per-step logic of one rank (TP, PP and DP aware)."""
 
     def __init__(self, cfg: RunConfig, info: ParallelInfo, device: torch.device,
-                 recorder: CommRecorder | None = None, targets=None):
+                 recorder: CommRecorder | None = None, targets=None,
+                 parallel: ParallelContext | None = None):
         """targets: windows [B, T+1] -> loss targets [B, T] (default: every next token; MQAR
-        masks all but the recalled values with -100)."""
+        masks all but the recalled values with -100). parallel: this rank's groups (default:
+        made from ``info`` by ``k3train.distributed.parallel_context``, collective)."""
         if info.ep > 1 and info.tp > 1:
             raise ValueError("parallel.ep > 1 together with parallel.tp > 1 is not supported yet "
                              "(experts would need expert-tensor-parallel groups); use tp=1 with ep")
         self.cfg, self.info, self.device = cfg, info, device
+        self.parallel = parallel if parallel is not None else parallel_context(
+            info, p2p_backend=cfg.pipeline.p2p_backend)
+        ctx = self.parallel
         self.targets = targets if targets is not None else (lambda w: w[:, 1:])
         # pp=1: the whole model; otherwise this rank's chunks, driven by the pipeline engine.
-        self.model, self.engine = build_parts(cfg, device, recorder)
-        self.pp_group = parallel_state.get_pipeline_model_parallel_group() if info.pp > 1 else None
+        self.model, self.engine = build_parts(cfg, device, ctx, recorder)
+        self.pp_group = ctx.pp_group if info.pp > 1 else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.balancer = Balancer(cfg.moe.balancing, cfg.moe.aux_free_rate)
         self.moe_layers = self.model.moe_layers()
-        self.dp_group = parallel_state.get_data_parallel_group()
+        self.dp_group = ctx.dp_group
         self.moe_stats = self._build_moe_stats()
-        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.tp_group = ctx.tp_group
         # Expert weights are sharded over EP: reduced over the expert-data-parallel replicas only.
         self.expert_ids = {id(p) for layer in self.moe_layers for p in layer.experts.parameters()}
-        self.ep_group = parallel_state.get_expert_model_parallel_group() if info.ep > 1 else None
-        self.edp_group = parallel_state.get_expert_data_parallel_group()
+        self.ep_group = ctx.ep_group if info.ep > 1 else None
+        self.edp_group = ctx.edp_group
         sharding = None
         if cfg.optim.zero1:
             sharding = {"dp_group": self.dp_group, "expert_dp_group": self.edp_group,

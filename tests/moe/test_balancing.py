@@ -174,7 +174,7 @@ def test_balancer_names_and_updates():
     for name in BALANCER_NAMES:
         assert name in str(err.value)
     torch.manual_seed(0)
-    moe = LatentMoE(16, 8, num_experts=8, topk=2, expert_ffn_size=8)
+    moe = LatentMoE(hidden_size=16, latent_size=8, num_experts=8, topk=2, expert_ffn_size=8)
     with pytest.raises(RuntimeError, match="forward"):
         Balancer("quantile").update(moe)
     x = torch.randn(64, 16) * 3
@@ -209,7 +209,7 @@ def _distributed_body(rank: int, world: int) -> None:
 
     # Balancer with a group: aux_free all-reduces the loads, quantile gathers the margins.
     torch.manual_seed(0)
-    moe = LatentMoE(16, 8, num_experts=8, topk=2, expert_ffn_size=8)
+    moe = LatentMoE(hidden_size=16, latent_size=8, num_experts=8, topk=2, expert_ffn_size=8)
     xs = torch.randn(2, 40, 16, generator=torch.Generator().manual_seed(3)) * 3
     load = sum(expert_load(moe.router(x).indices, 8) for x in xs).float()  # both ranks, bias 0
     moe(xs[rank])

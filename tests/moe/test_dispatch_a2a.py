@@ -30,8 +30,8 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 def _full_model() -> LatentMoE:
     torch.manual_seed(0)
-    moe = LatentMoE(HIDDEN, LATENT, E, K, FFN, num_shared_experts=1, shared_ffn_size=8,
-                    init_std=0.3)
+    moe = LatentMoE(hidden_size=HIDDEN, latent_size=LATENT, num_experts=E, topk=K, expert_ffn_size=FFN,
+                    num_shared_experts=1, shared_ffn_size=8, init_std=0.3)
     with torch.no_grad():
         moe.router.bias.copy_(torch.randn(E) * 0.3)      # the bias changes some selections
         moe.norm.weight.uniform_(0.5, 1.5)
@@ -40,8 +40,8 @@ def _full_model() -> LatentMoE:
 
 def _ep_model(full: LatentMoE, dispatcher) -> LatentMoE:
     """Same weights as ``full``; experts = this rank's contiguous slice of full's experts."""
-    moe = LatentMoE(HIDDEN, LATENT, E, K, FFN, num_shared_experts=1, shared_ffn_size=8,
-                    dispatcher=dispatcher)
+    moe = LatentMoE(hidden_size=HIDDEN, latent_size=LATENT, num_experts=E, topk=K, expert_ffn_size=FFN,
+                    num_shared_experts=1, shared_ffn_size=8, dispatcher=dispatcher)
     lo = dispatcher.ep_rank * dispatcher.num_local_experts
     hi = lo + dispatcher.num_local_experts
     state = {name: (t[lo:hi] if name.startswith("experts.") else t)
@@ -209,4 +209,5 @@ def test_argument_errors():
     with pytest.raises(ValueError, match="capacity_factor"):
         GroupedAllToAllDispatcher(4, capacity_factor=0.0)
     with pytest.raises(ValueError, match="dispatcher routes 4 experts, layer has 8"):
-        LatentMoE(HIDDEN, LATENT, 8, K, FFN, dispatcher=GroupedAllToAllDispatcher(4))
+        LatentMoE(hidden_size=HIDDEN, latent_size=LATENT, num_experts=8, topk=K, expert_ffn_size=FFN,
+                  dispatcher=GroupedAllToAllDispatcher(4))

@@ -221,7 +221,7 @@ def test_latent_moe_matches_per_token_loop(shared, dtype, tol):
 
 def test_latent_moe_state_and_aux_loss():
     torch.manual_seed(0)
-    moe = LatentMoE(16, 16, num_experts=4, topk=2, expert_ffn_size=8,
+    moe = LatentMoE(hidden_size=16, latent_size=16, num_experts=4, topk=2, expert_ffn_size=8,
                     num_shared_experts=1, shared_ffn_size=8, aux_loss_coef=0.01)
     assert moe.down.weight.shape == (16, 16)      # latent == hidden keeps down/up
     x = torch.randn(10, 16)
@@ -239,7 +239,7 @@ def test_latent_moe_state_and_aux_loss():
     uniform = torch.full((8, 4), 0.5)
     idx = torch.tensor([[0, 1], [2, 3]] * 4)
     assert switch_aux_loss(uniform, idx, 4, 2).item() == pytest.approx(1.0)
-    plain = LatentMoE(16, 8, 4, 2, 8, 0, 0)
+    plain = LatentMoE(hidden_size=16, latent_size=8, num_experts=4, topk=2, expert_ffn_size=8)
     plain(torch.randn(3, 16))
     assert plain.routing.aux_loss is None             # no coefficient, no loss
 
