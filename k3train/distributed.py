@@ -3,6 +3,11 @@
 A run without ``torchrun`` still initialises a one-process group so that the same code (and
 megatron-core's tensor-parallel layers, which ask ``parallel_state`` for their group) runs
 unchanged on a laptop.
+
+This module is the one place that makes process groups: ``init_distributed`` (the world and
+megatron-core's groups) and ``parallel_context`` (this rank's groups and ranks in one frozen
+object, including the pipeline's message groups). The trainer, the model parts and the
+pipeline engine receive groups from it instead of creating or fetching their own.
 """
 from __future__ import annotations
 
@@ -72,6 +77,73 @@ def init_distributed(tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, device
         expert_model_parallel_size=ep,
     )
     return ParallelInfo(world, rank, int(os.environ.get("LOCAL_RANK", "0")), tp, pp, vpp, ep, dp)
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """This rank's place in the run: sizes, ranks and process groups, made by ``parallel_context``.
+
+    info: sizes (world, tp, pp, vpp, ep, dp) and this process's global and local rank.
+    tp_rank, pp_rank, ep_rank, dp_rank: this rank's index in each dimension.
+    tp_group, pp_group, dp_group, ep_group, edp_group: megatron-core's tensor-, pipeline-,
+        data-, expert- and expert-data-parallel groups (each exists, of size 1 where unused).
+    pp_messages: ``(up, down)`` groups the pipeline's messages travel on, or None to use
+        ``pp_group`` (see ``pipeline_message_groups``); None too without a pipeline engine.
+    """
+
+    info: ParallelInfo
+    tp_rank: int
+    pp_rank: int
+    ep_rank: int
+    dp_rank: int
+    tp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    ep_group: dist.ProcessGroup
+    edp_group: dist.ProcessGroup
+    pp_messages: tuple | None
+
+
+def pipeline_message_groups(p2p_backend: str = "auto") -> tuple | None:
+    """The (up, down) groups the pipeline's messages travel on, or None for the pipeline group.
+
+    NCCL runs sends and receives of one group on one stream, so opposite directions can wait
+    on each other; the engine takes two copies of the pipeline group (up, down).
+    ``p2p_backend="gloo"`` on NCCL gives one gloo copy for both directions (gloo matches by tag;
+    the engine then stages GPU tensors through host memory). Every rank must create every group
+    in the same order, so all pipeline groups are gathered first. Collective over the world."""
+    gloo = p2p_backend == "gloo"  # its own groups on a gloo world too (what the CPU tests run)
+    if dist.get_backend() != "nccl" and not gloo:
+        return None
+    mine = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    result = None
+    for ranks in sorted({tuple(r) for r in everyone}):
+        if gloo:
+            up = down = dist.new_group(list(ranks), backend="gloo")
+        else:
+            up, down = dist.new_group(list(ranks)), dist.new_group(list(ranks))
+        if dist.get_rank() in ranks:
+            result = (up, down)
+    return result
+
+
+def parallel_context(info: ParallelInfo, *, p2p_backend: str = "auto") -> ParallelContext:
+    """This rank's groups and ranks after ``init_distributed`` (collective over the world when
+    the run has a pipeline engine, i.e. pp > 1 or vpp > 1: its message groups are made here).
+    p2p_backend: ``pipeline.p2p_backend`` ("auto" or "gloo")."""
+    ps = parallel_state
+    engine = info.pp > 1 or info.vpp > 1
+    return ParallelContext(
+        info=info,
+        tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
+        ep_rank=ps.get_expert_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank(),
+        tp_group=ps.get_tensor_model_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(),
+        dp_group=ps.get_data_parallel_group(), ep_group=ps.get_expert_model_parallel_group(),
+        edp_group=ps.get_expert_data_parallel_group(),
+        pp_messages=pipeline_message_groups(p2p_backend) if engine else None,
+    )
 
 
 def shutdown_distributed() -> None:

@@ -11,10 +11,11 @@ from .experts import GroupedExperts, SiTUGLUMLP, grouped_mm_supported
 from .layer import LatentMoE, RMSNorm
 from .metrics import LoadTracker, expert_load, max_vio
 from .router import RouterOutput, SigmoidTopKRouter
+from .routing_record import RoutingRecord
 
 __all__ = [
     "BALANCER_NAMES", "Balancer", "GroupedAllToAllDispatcher", "GroupedExperts", "LatentMoE",
-    "LoadTracker", "LocalDispatcher", "RMSNorm", "RouterOutput", "SiTUGLUMLP",
+    "LoadTracker", "LocalDispatcher", "RMSNorm", "RouterOutput", "RoutingRecord", "SiTUGLUMLP",
     "SigmoidTopKRouter", "TokenDispatcher", "all_to_all_rows", "aux_free_update",
     "expert_load", "grouped_mm_supported", "max_vio", "quantile_balance",
     "quantile_balance_distributed", "situ", "situ_glu", "switch_aux_loss",

@@ -157,14 +157,15 @@ class Balancer:
 
     @torch.no_grad()
     def update(self, moe_layer, group: dist.ProcessGroup | None = None) -> None:
-        """Read the layer's routing of this step (all microbatches) and overwrite ``moe_layer.router.bias`` in place.
+        """Read the layer's routing of this step (all microbatches, ``moe_layer.routing``, a
+        ``RoutingRecord``) and overwrite ``moe_layer.router.bias`` in place.
 
         group: ranks that saw different tokens of this layer (DP x EP); when given, the
         statistics are combined over it so every rank writes the same bias. None = local only.
         """
         if not self.updates_bias:
             return
-        routing = moe_layer.step_routing() if hasattr(moe_layer, "step_routing") else moe_layer.last_routing
+        routing = moe_layer.routing.step_routing()
         if routing is None:
             raise RuntimeError("Balancer.update called before the MoE layer ran a forward")
         router = moe_layer.router

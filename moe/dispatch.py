@@ -21,11 +21,13 @@ class TokenDispatcher(ABC):
     """Interface shared by the local and the expert-parallel dispatchers.
 
     ``num_experts`` is the global expert count (what router indices refer to);
-    ``num_local_experts`` is how many experts this rank computes.
+    ``num_local_experts`` is how many experts this rank computes. ``dropped_tokens``: 0-dim
+    int64 slots the last ``dispatch`` dropped on this rank, None for dispatchers that never drop.
     """
 
     num_experts: int
     num_local_experts: int
+    dropped_tokens: torch.Tensor | None = None
 
     @abstractmethod
     def dispatch(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor

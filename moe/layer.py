@@ -18,7 +18,8 @@ from .balancing import switch_aux_loss
 from .dispatch import LocalDispatcher, TokenDispatcher
 from .experts import GroupedExperts, SiTUGLUMLP
 from .norm import RMSNorm
-from .router import RouterOutput, SigmoidTopKRouter
+from .router import SigmoidTopKRouter
+from .routing_record import RoutingRecord
 
 
 class LatentMoE(nn.Module):
@@ -35,19 +36,15 @@ class LatentMoE(nn.Module):
         dispatcher: token dispatcher (default ``LocalDispatcher``); the routed experts are
             built for its ``num_local_experts``.
         aux_loss_coef: when > 0, forward stores ``aux_loss_coef * switch_aux_loss`` in
-            ``self.aux_loss`` (in the graph, ready to be added to the loss).
+            ``self.routing.aux_loss`` (in the graph, ready to be added to the loss).
         init_std: std of all weight inits.
 
-    State written by forward (read by balancers and metrics, outside autograd):
-        last_routing: ``RouterOutput`` of the last forward, detached; training forwards are also
-            collected until ``clear_step_routing`` (read with ``step_routing``).
-        tokens_per_expert: ``[E_local]`` counts of the last forward (local experts).
-        aux_loss: scalar tensor or None.
-        dropped_tokens: the dispatcher's ``dropped_tokens`` after the last forward (0-dim
-            tensor of slots dropped on this rank), or None for dispatchers that never drop.
+    State written by forward: ``self.routing``, the layer's ``RoutingRecord`` (the routing,
+    per-expert counts, dropped slots and aux loss of its forwards; read by the balancer, the
+    load metrics and the CUDA-graph wrapper, cleared by the trainer after each step).
     """
 
-    def __init__(self, hidden_size: int, latent_size: int, num_experts: int, topk: int,
+    def __init__(self, *, hidden_size: int, latent_size: int, num_experts: int, topk: int,
                  expert_ffn_size: int, num_shared_experts: int = 0, shared_ffn_size: int = 0,
                  dispatcher: TokenDispatcher | None = None, aux_loss_coef: float = 0.0,
                  init_std: float = 0.02):
@@ -72,30 +69,7 @@ class LatentMoE(nn.Module):
                        if num_shared_experts > 0 else None)
         nn.init.normal_(self.down.weight, std=init_std)
         nn.init.normal_(self.up.weight, std=init_std)
-        self.last_routing: RouterOutput | None = None
-        self._step_routing: list[RouterOutput] = []
-        self.tokens_per_expert: torch.Tensor | None = None
-        self.aux_loss: torch.Tensor | None = None
-        self.dropped_tokens: torch.Tensor | None = None
-
-    def step_routing(self) -> RouterOutput | None:
-        """Routing of every training forward since ``clear_step_routing`` (all microbatches of
-        the step, so balancing sees the same tokens whatever the microbatch split), else the
-        last forward's."""
-        return RouterOutput.cat(self._step_routing) if self._step_routing else self.last_routing
-
-    def clear_step_routing(self) -> None:
-        self._step_routing = []
-
-    def step_routing_list(self) -> list[RouterOutput]:
-        """The routing recorded by each training forward since ``clear_step_routing``."""
-        return list(self._step_routing)
-
-    def set_step_routing_list(self, routing: list[RouterOutput]) -> None:
-        """Re-attach routing recorded elsewhere (a replayed CUDA graph writes its tensors)."""
-        self._step_routing = list(routing)
-        if routing:
-            self.last_routing = routing[-1]
+        self.routing = RoutingRecord()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ``[B, T, d]`` or ``[N, d]`` -> same shape and dtype."""
@@ -110,12 +84,9 @@ class LatentMoE(nn.Module):
         out = self.up(self.norm(routed))
         if self.shared is not None:
             out = out + self.shared(x2)
-        self.last_routing = routing.detach()
-        if self.training and torch.is_grad_enabled():
-            self._step_routing.append(self.last_routing)
-        self.tokens_per_expert = tokens_per_expert.detach()
-        self.dropped_tokens = getattr(self.dispatcher, "dropped_tokens", None)
-        self.aux_loss = (self.aux_loss_coef * switch_aux_loss(
+        aux_loss = (self.aux_loss_coef * switch_aux_loss(
             routing.scores, routing.indices, self.num_experts, self.topk)
             if self.aux_loss_coef > 0 else None)
+        self.routing.add(routing, tokens_per_expert, self.dispatcher.dropped_tokens, aux_loss,
+                         training=self.training and torch.is_grad_enabled())
         return out.reshape(shape)

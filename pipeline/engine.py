@@ -1,5 +1,51 @@
 """Pipeline-parallel engine: runs the interleaved 1F1B schedule over StageIO hops with the
-AttnRes block cache, and reproduces the single-process loss and gradients."""
+AttnRes block cache, and reproduces the single-process loss and gradients.
+
+Walk-through of one ``train_step(microbatches)`` on pipeline rank r (P ranks, V chunks each,
+C = P*V chunks; chunk c lives on rank c % P; hop c is the edge chunk c -> chunk c+1):
+
+1. Plan (static, at construction): ``build_plan`` decides which AttnRes blocks travel on each
+   hop and which a rank keeps in its block cache (``pipeline/transport.py``). With the cached
+   transport, rank r's chunk c+P already has every block its previous chunk c saw or made,
+   so hop c+P-1 carries only the blocks made since.
+2. Schedule: ``all_schedules`` turns Megatron's interleaved 1F1B into a list of ops
+   ``F``/``B`` (chunk, microbatch) per rank, the same on every rank, so each rank knows
+   what its peers send and in which order (``pipeline/schedule.py``; ``simulate`` proves
+   the lists cannot deadlock). ``_run`` walks r's list; before each op it posts the receives
+   of that op and the next, so transfers overlap compute, and waits only when an op needs
+   its input (``pipeline/p2p.py``).
+3. Forward F(c, mb): chunk 0 embeds the tokens; any other chunk receives hop c-1's message
+   ``[hidden] + blocks`` and makes each tensor a leaf (``requires_grad``), then takes the
+   blocks it does not receive from the cache. The last chunk returns the microbatch loss,
+   kept for the backward and the mean. Any other chunk's output goes to hop c
+   (``_after_forward``), and sent outputs whose data autograd does not need are freed
+   (only their ``grad_fn`` is kept, as Megatron's deallocate_output_tensor).
+4. Backward B(c, mb), in the schedule's order (the later chunks of a microbatch first): the
+   last chunk starts from its loss with gradient 1/m, the mean over microbatches the one-
+   process run takes; any other chunk starts from its sent outputs with the gradients hop c
+   brought back. After autograd, the gradients of its input leaves go back on hop c-1 (zeros
+   for an input nothing used).
+5. End: sends are waited for, the loss (mean over microbatches, on the last rank) is
+   broadcast over the pipeline group, and, if a ``dp_group`` was given, loss and gradients
+   are averaged over it. ``eval_step`` runs the same walk with forward-only schedules,
+   without leaves, and empties a microbatch's cache after r's last chunk has run it.
+
+The cached-block gradient rule. A block in rank r's cache is read by several chunks of r
+(c, c+P, ...), yet its gradient must reach the producer exactly once. The chunk that put the
+block into the cache *owns* its gradient, and gives it up in its own backward, which runs
+after the backwards of every later chunk on r that read the block:
+* a block chunk c *received* on hop c-1 is cached as the very same leaf chunk c reads, so
+  the later chunks' backwards accumulate into that leaf's ``.grad`` next to chunk c's own
+  contribution, and chunk c's backward sends the sum upstream with its other input gradients
+  (the first chunk to receive a block owns it);
+* a block chunk c *produced* is cached as a detached leaf; the later chunks' backwards
+  collect their gradients in it, and chunk c's backward adds that gradient to the block's
+  output gradient: into hop c's slot when the block also travels on hop c, otherwise as one
+  more root of the backward.
+Either way the owner then drops its cache entries (their last use). This is why the engine's
+gradients match the one-process run, where each block is a single tensor that autograd
+accumulates into once per reader.
+"""
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -35,6 +81,7 @@ class _SavedStorages:
 class PipelineEngine:
     """Runs ``train_step`` / ``eval_step`` for this rank's chunks of a C = P*V chunk model.
 
+    Keyword-only arguments:
     local_chunks: global chunk index -> module, exactly the chunks ``c % P == pp_rank``.
         Chunk 0: ``forward(inputs [B, T]) -> StageIO``; middle: ``forward(StageIO) -> StageIO``;
         last: ``forward(StageIO, targets [B, T]) -> loss`` (scalar, mean over the microbatch).
@@ -46,14 +93,16 @@ class PipelineEngine:
     group_size: Megatron's microbatch_group_size_per_vp_stage (default P).
     deallocate_outputs: drop the data of sent outputs the backward does not need (Megatron's
         deallocate_output_tensor); the backward then runs through their grad_fn alone.
-    directional_groups: (up, down), two extra process groups with pp_group's ranks, needed on
-        NCCL (pipeline/p2p.py says why). Built here when NCCL's pp_group spans the whole world;
-        otherwise the caller creates them (every rank must call dist.new_group for each).
+    directional_groups: (up, down), two extra process groups with pp_group's ranks, required
+        on NCCL (pipeline/p2p.py says why). The caller makes them, as every rank must create
+        every group in the same order (k3train makes them in ``k3train.distributed``); the
+        engine creates no process group itself.
     """
 
-    def __init__(self, local_chunks: dict[int, nn.Module], num_chunks: int, produced_blocks: list[list[int]],
-                 pp_group=None, transport: str = "cached", dp_group=None, recorder: CommRecorder | None = None,
-                 group_size: int | None = None, deallocate_outputs: bool = True, directional_groups=None):
+    def __init__(self, *, local_chunks: dict[int, nn.Module], num_chunks: int,
+                 produced_blocks: list[list[int]], pp_group=None, transport: str = "cached",
+                 dp_group=None, recorder: CommRecorder | None = None, group_size: int | None = None,
+                 deallocate_outputs: bool = True, directional_groups=None):
         self.P = dist.get_world_size(pp_group) if pp_group is not None else 1
         self.rank = dist.get_rank(pp_group) if pp_group is not None else 0
         if num_chunks % self.P:
@@ -75,10 +124,8 @@ class PipelineEngine:
         self.device = params[0].device if params else torch.device("cpu")
         if (directional_groups is None and pp_group is not None and self.P > 1
                 and dist.get_backend(pp_group) == "nccl"):
-            if self.P != dist.get_world_size():
-                raise ValueError("on NCCL pass directional_groups=(up, down): copies of pp_group")
-            ranks = dist.get_process_group_ranks(pp_group)
-            directional_groups = (dist.new_group(ranks), dist.new_group(ranks))
+            raise ValueError("a pipeline on NCCL needs directional_groups=(up, down): two process "
+                             "groups with pp_group's ranks, made by the caller on every rank")
         self.comm = PipeComm(pp_group, self.P, self.rank, self.C, self.plan.hops, recorder, self.device,
                              directional_groups)
         self.peak_cache_bytes = 0

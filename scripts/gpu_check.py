@@ -127,7 +127,7 @@ def graph_check(tokens: torch.Tensor, steps: int = 6) -> dict:
     replay = [p.grad.clone() for p in state.params]
     state.optimizer.zero_grad(set_to_none=True)
     for layer in state.moe_layers:
-        layer.clear_step_routing()
+        layer.routing.clear()
     eager_loss = state._forward_backward(probe).item()
     eager = [p.grad for p in state.params]
     out["graph_replay_loss_diff"] = abs(replay_loss - eager_loss)
@@ -167,7 +167,7 @@ def main() -> int:
     def gpu_side():
         """Everything this check runs on the GPU, from freshly built (seeded) modules."""
         torch.manual_seed(0)
-        layer = KimiDeltaAttention(256, 4, 64).to(dev)
+        layer = KimiDeltaAttention(hidden_size=256, num_heads=4, head_dim=64).to(dev)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev == "cuda"):
             got = layer(x.to(dev))
         leaves = [t.clone().to(dev).requires_grad_() for t in [q0, *src0[:3]]]
@@ -187,7 +187,7 @@ def main() -> int:
     got, got_mix, mix_grads, gpu_losses, gpu_model = gpu_side()
 
     torch.manual_seed(0)
-    ref = KimiDeltaAttention(256, 4, 64)(x)
+    ref = KimiDeltaAttention(hidden_size=256, num_heads=4, head_dim=64)(x)
     out["kda_layer_rel_err"] = rel_err(got, ref)
 
     # AttnRes depth mixing: the dispatched kernel vs the torch reference, value and gradients,

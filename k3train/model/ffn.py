@@ -13,7 +13,7 @@ from moe.activations import situ_glu
 
 
 class SiTUGLU(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, beta: float = 4.0,
+    def __init__(self, *, hidden_size: int, intermediate_size: int, beta: float = 4.0,
                  beta_lin: float = 25.0, std: float = 0.02, out_std: float | None = None):
         super().__init__()
         divide(intermediate_size, tp_size(), "model.ffn.intermediate_size")

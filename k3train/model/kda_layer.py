@@ -22,7 +22,7 @@ from k3train.ops.short_conv import short_conv_silu
 
 
 class KimiDeltaAttention(nn.Module):
-    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, conv_size: int = 4,
+    def __init__(self, *, hidden_size: int, num_heads: int, head_dim: int, conv_size: int = 4,
                  gate_lower_bound: float = -5.0, chunk_size: int = 64, std: float = 0.02,
                  out_std: float | None = None, eps: float = 1e-6):
         super().__init__()

@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from k3train.model.attnres import DepthAttention
 from k3train.model.common import RMSNorm
+from moe import LatentMoE
 from pipeline.stage_io import StageIO
 
 
@@ -36,7 +37,7 @@ class AuxLossAttach(torch.autograd.Function):
 
 
 class K3Layer(nn.Module):
-    def __init__(self, index: int, mixer: nn.Module, ffn: nn.Module, hidden_size: int,
+    def __init__(self, *, index: int, mixer: nn.Module, ffn: nn.Module, hidden_size: int,
                  attnres_block_size: int | None, eps: float = 1e-6):
         super().__init__()
         self.index = index
@@ -56,7 +57,9 @@ class K3Layer(nn.Module):
 
     def _ffn(self, h: torch.Tensor) -> torch.Tensor:
         y = self.ffn(self.ffn_norm(h))
-        aux = getattr(self.ffn, "aux_loss", None)
+        # The MoE balance loss of this forward (``balancing: aux_loss``), read from the layer's
+        # routing record; dense FFNs have none.
+        aux = self.ffn.routing.aux_loss if isinstance(self.ffn, LatentMoE) else None
         if aux is not None and torch.is_grad_enabled():
             y = AuxLossAttach.apply(y, aux)
         return y

@@ -17,7 +17,7 @@ from k3train.model.common import (
 
 
 class GatedMLA(nn.Module):
-    def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int, kv_lora_rank: int,
+    def __init__(self, *, hidden_size: int, num_heads: int, q_lora_rank: int, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, std: float = 0.02,
                  out_std: float | None = None, eps: float = 1e-6):
         super().__init__()

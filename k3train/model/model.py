@@ -53,6 +53,11 @@ def build_dispatcher(cfg: RunConfig):
     return GroupedAllToAllDispatcher(cfg.moe.num_experts, ep_group=group, capacity_factor=cfg.moe.capacity_factor)
 
 
+def moe_layer_indices(cfg: RunConfig) -> list[int]:
+    """Global indices of the layers whose FFN is a LatentMoE (all after the dense ones)."""
+    return list(range(cfg.model.dense_layers, cfg.model.num_layers))
+
+
 def build_layer(cfg: RunConfig, index: int) -> K3Layer:
     m, moe = cfg.model, cfg.moe
     kind = expand_layer_pattern(m.layer_pattern, m.num_layers)[index]
@@ -61,22 +66,28 @@ def build_layer(cfg: RunConfig, index: int) -> K3Layer:
     with seeded(cfg.train.seed, 1 + index):
         if kind == "K":
             k = m.kda
-            mixer = KimiDeltaAttention(m.hidden_size, k.num_heads, k.head_dim, k.conv_size,
-                                       k.gate_lower_bound, k.chunk_size, std, out_std, m.norm_eps)
+            mixer = KimiDeltaAttention(hidden_size=m.hidden_size, num_heads=k.num_heads, head_dim=k.head_dim,
+                                       conv_size=k.conv_size, gate_lower_bound=k.gate_lower_bound,
+                                       chunk_size=k.chunk_size, std=std, out_std=out_std, eps=m.norm_eps)
         else:
             a = m.mla
-            mixer = GatedMLA(m.hidden_size, a.num_heads, a.q_lora_rank, a.kv_lora_rank,
-                             a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, std, out_std, m.norm_eps)
-        if index < m.dense_layers:
-            ffn = SiTUGLU(m.hidden_size, m.ffn.intermediate_size, m.ffn.situ_beta, m.ffn.situ_beta_lin,
-                          std, out_std)
+            mixer = GatedMLA(hidden_size=m.hidden_size, num_heads=a.num_heads, q_lora_rank=a.q_lora_rank,
+                             kv_lora_rank=a.kv_lora_rank, qk_nope_head_dim=a.qk_nope_head_dim,
+                             qk_rope_head_dim=a.qk_rope_head_dim, v_head_dim=a.v_head_dim,
+                             std=std, out_std=out_std, eps=m.norm_eps)
+        if index not in moe_layer_indices(cfg):
+            ffn = SiTUGLU(hidden_size=m.hidden_size, intermediate_size=m.ffn.intermediate_size,
+                          beta=m.ffn.situ_beta, beta_lin=m.ffn.situ_beta_lin, std=std, out_std=out_std)
         else:
-            ffn = LatentMoE(m.hidden_size, moe.latent_size, moe.num_experts, moe.topk, moe.expert_ffn_size,
-                            moe.num_shared_experts, moe.shared_ffn_size, dispatcher=build_dispatcher(cfg),
+            ffn = LatentMoE(hidden_size=m.hidden_size, latent_size=moe.latent_size, num_experts=moe.num_experts,
+                            topk=moe.topk, expert_ffn_size=moe.expert_ffn_size,
+                            num_shared_experts=moe.num_shared_experts, shared_ffn_size=moe.shared_ffn_size,
+                            dispatcher=build_dispatcher(cfg),
                             aux_loss_coef=moe.aux_loss_coef if moe.balancing == "aux_loss" else 0.0,
                             init_std=std)
         block = m.attnres.block_size if m.attnres.enabled else None
-        return K3Layer(index, mixer, ffn, m.hidden_size, block, m.norm_eps)
+        return K3Layer(index=index, mixer=mixer, ffn=ffn, hidden_size=m.hidden_size,
+                       attnres_block_size=block, eps=m.norm_eps)
 
 
 def produced_blocks(cfg: RunConfig, ranges: list[tuple[int, int]]) -> list[list[int]]:
@@ -157,6 +168,10 @@ class K3Chunk(nn.Module):
 
     def moe_layers(self) -> list[nn.Module]:
         return [layer.ffn for layer in self.layers if isinstance(layer.ffn, LatentMoE)]
+
+    def moe_layer_indices(self) -> list[int]:
+        """Global layer index of each entry of ``moe_layers()``."""
+        return [layer.index for layer in self.layers if isinstance(layer.ffn, LatentMoE)]
 
 
 def build_model(cfg: RunConfig) -> K3Chunk:

@@ -11,8 +11,9 @@ How (PyTorch's whole-network capture recipe):
   gradients from the graph's memory pool; after each replay those same tensors hold the new
   gradients and are handed back to the parameters (the trainer sets ``.grad`` to None after
   every step, which drops only its own references);
-* the MoE layers' per-step routing (read by the balancer after the step) is re-attached the
-  same way.
+* the MoE layers' routing records (``moe.RoutingRecord``, read by the balancer and the load
+  metrics after the step) are re-attached the same way: a snapshot taken after the capture
+  holds the tensors the graph writes, restored after each replay.
 Everything a replay reads lives at a fixed address: the token buffer (copied in before each
 replay), the weights and router biases (the optimizer and balancer update them in place), and
 the activations in the pool. Autocast's weight-cast cache is off during capture, as a cached
@@ -39,8 +40,8 @@ class GraphedForwardBackward:
     Args:
         fwd_bwd: the eager forward+backward of one step; ``batch`` is on the device.
         params: the parameters whose gradients ``fwd_bwd`` produces.
-        moe_layers: layers with ``step_routing_list`` / ``set_step_routing_list`` (routing
-            recorded by a forward, re-attached after each replay).
+        moe_layers: MoE layers; their ``routing`` record (written by a forward) is snapshotted
+            after the capture and restored after each replay.
         warmup: eager calls before the capture.
     """
 
@@ -52,7 +53,7 @@ class GraphedForwardBackward:
         self.static_batch: torch.Tensor | None = None
         self.static_loss: torch.Tensor | None = None
         self.grads: list[torch.Tensor | None] = []
-        self.routing: list[list] = []
+        self.records: list = []  # one RoutingRecord snapshot per MoE layer
 
     @property
     def captured(self) -> bool:
@@ -72,8 +73,8 @@ class GraphedForwardBackward:
         self.graph.replay()
         for p, g in zip(self.params, self.grads):
             p.grad = g
-        for layer, routing in zip(self.moe_layers, self.routing):
-            layer.set_step_routing_list(routing)
+        for layer, record in zip(self.moe_layers, self.records):
+            layer.routing.restore(record)
         return self.static_loss
 
     def _capture(self, batch: torch.Tensor) -> None:
@@ -82,11 +83,11 @@ class GraphedForwardBackward:
         for p in self.params:
             p.grad = None
         for layer in self.moe_layers:
-            layer.clear_step_routing()
+            layer.routing.clear()
         torch.cuda.synchronize(device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self.static_loss = self.fwd_bwd(self.static_batch)
         self.graph = graph
         self.grads = [p.grad for p in self.params]
-        self.routing = [layer.step_routing_list() for layer in self.moe_layers]
+        self.records = [layer.routing.snapshot() for layer in self.moe_layers]

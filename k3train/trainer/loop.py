@@ -172,8 +172,9 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, stop_at: in
                     print(f"\n[k3train] signal received: saved step {step} to {ckpt_dir}; exiting")
                 break
     bar.close()
-    if main and summary["steps"] > start_step:
-        paths = write_end_of_run_plots(run_dir, state, data.val[0], data.targets)
+    if summary["steps"] > start_step:
+        # Every rank: the load matrix and AttnRes weights are gathered from the ranks holding the layers.
+        paths = write_end_of_run_plots(run_dir, state, data.val[0], data.targets, main=main)
         logger.log_images({k: str(v) for k, v in paths.items()}, step=summary["steps"])
     logger.close()
     if main and summary["last_loss"] is not None:

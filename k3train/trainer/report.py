@@ -6,8 +6,11 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from k3train.model.attnres import DepthAttention
+from k3train.model.layer import K3Layer
+from k3train.model.model import K3Chunk
 from k3train.plots import plot_attnres_depth_heatmap, plot_expert_load_heatmap, write_run_plots
 
 
@@ -30,29 +33,63 @@ def measure_peak_flops(device: torch.device) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - t0)
 
 
+def _depth_modules(model: torch.nn.Module) -> dict[tuple[int, int], DepthAttention]:
+    """This rank's AttnRes sublayers keyed by their place in the whole model: ``(layer, 0)``
+    before the mixer, ``(layer, 1)`` before the FFN, ``(num_layers, 0)`` the final one."""
+    found: dict[tuple[int, int], DepthAttention] = {}
+    for m in model.modules():
+        if isinstance(m, K3Layer) and m.block_size is not None:
+            found[(m.index, 0)], found[(m.index, 1)] = m.mixer_res, m.ffn_res
+        elif isinstance(m, K3Chunk) and m.last and m.attnres:
+            found[(m.layer_range[1], 0)] = m.final_res
+    return found
+
+
 @torch.no_grad()
-def depth_attention_weights(model: torch.nn.Module, batch: torch.Tensor, targets) -> list[torch.Tensor]:
+def depth_attention_weights(state, batch: torch.Tensor, targets) -> list[torch.Tensor]:
     """Mean softmax weight each AttnRes sublayer gives to each source, on one batch, in layer
-    order (mixer, ffn per layer, then the final AttnRes). Empty for the standard residual."""
-    modules = [m for m in model.modules() if isinstance(m, DepthAttention)]
-    if not modules:
-        return []
-    for m in modules:
+    order (mixer, ffn per layer, then the final AttnRes) over the whole model. Empty for the
+    standard residual.
+
+    Collective: every rank runs the forward (pipeline hops, TP and EP exchanges run as in an
+    evaluation) and the weights are gathered; where ranks hold the same sublayer (TP, EP, DP
+    replicas) the lowest rank's, which saw the main rank's batch, is kept."""
+    modules = _depth_modules(state.model)
+    for m in modules.values():
         m.record = True
-    model.eval()
-    model(batch[:, :-1], targets(batch))
-    for m in modules:
-        m.record = False
-    return [m.last_weights.float().cpu() for m in modules]
+    state.model.eval()
+    try:
+        if state.engine is not None:
+            state.engine.eval_step([(batch[:, :-1], targets(batch))])
+        else:
+            state.model(batch[:, :-1], targets(batch))
+    finally:
+        for m in modules.values():
+            m.record = False
+    mine = {key: m.last_weights.float().cpu() for key, m in modules.items()}
+    everyone = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    merged: dict[tuple[int, int], torch.Tensor] = {}
+    for weights in everyone:                  # in rank order: the lowest rank wins
+        for key, w in weights.items():
+            merged.setdefault(key, w)
+    return [merged[key] for key in sorted(merged)]
 
 
-def write_end_of_run_plots(run_dir: Path, state, val_batch: torch.Tensor, targets) -> dict[str, Path]:
+def write_end_of_run_plots(run_dir: Path, state, val_batch: torch.Tensor, targets,
+                           main: bool = True) -> dict[str, Path]:
+    """Write ``loss.png``, ``expert_load.png`` and ``attnres_depth.png`` (on the main rank;
+    returns their paths there, ``{}`` elsewhere). Collective: every rank calls it, as the load
+    matrix and the depth weights are gathered from the ranks that hold the layers."""
+    loads = state.moe_stats.load_matrix() if state.moe_stats is not None else None
+    weights = depth_attention_weights(state, val_batch.to(state.device), targets)
+    if not main:
+        return {}
     paths = write_run_plots(run_dir)
-    if state.loads is not None:
-        paths["expert_load"] = plot_expert_load_heatmap(state.loads.load_matrix(), run_dir / "expert_load.png")
-    # Only where this rank alone can run a forward (no pipeline peers, TP or EP collectives).
-    if state.engine is None and state.info.tp == 1 and state.info.ep == 1:
-        weights = depth_attention_weights(state.model, val_batch.to(state.device), targets)
-        if weights:
-            paths["attnres_depth"] = plot_attnres_depth_heatmap(weights, run_dir / "attnres_depth.png")
+    if loads is not None:
+        paths["expert_load"] = plot_expert_load_heatmap(loads, run_dir / "expert_load.png")
+    if weights:
+        paths["attnres_depth"] = plot_attnres_depth_heatmap(weights, run_dir / "attnres_depth.png")
     return paths

@@ -4,18 +4,19 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from megatron.core import parallel_state
 
 from k3train.config import RunConfig
-from k3train.distributed import ParallelInfo
+from k3train.distributed import ParallelContext, ParallelInfo, parallel_context
 from k3train.model.info import count_parameters
 from k3train.model.layer import AuxLossAttach
 from k3train import kernels
+from k3train.model.model import moe_layer_indices
 from k3train.ops.triton_compile import compile_ahead
 from k3train.trainer.cuda_graph import GraphedForwardBackward
+from k3train.trainer.moe_stats import MoEStats
 from k3train.trainer.optimizer import build_k3_optimizer
 from k3train.trainer.parts import build_parts
-from moe import Balancer, LoadTracker, expert_load
+from moe import Balancer
 from optim import DataParallelGrads, GradGroups
 from optim.grads import allreduce_mean
 from pipeline import CommRecorder
@@ -53,27 +54,32 @@ class TrainState:
     """The model part, optimizer and per-step logic of one rank (TP, PP and DP aware)."""
 
     def __init__(self, cfg: RunConfig, info: ParallelInfo, device: torch.device,
-                 recorder: CommRecorder | None = None, targets=None):
+                 recorder: CommRecorder | None = None, targets=None,
+                 parallel: ParallelContext | None = None):
         """targets: windows [B, T+1] -> loss targets [B, T] (default: every next token; MQAR
-        masks all but the recalled values with -100)."""
+        masks all but the recalled values with -100). parallel: this rank's groups (default:
+        made from ``info`` by ``k3train.distributed.parallel_context``, collective)."""
         if info.ep > 1 and info.tp > 1:
             raise ValueError("parallel.ep > 1 together with parallel.tp > 1 is not supported yet "
                              "(experts would need expert-tensor-parallel groups); use tp=1 with ep")
         self.cfg, self.info, self.device = cfg, info, device
+        self.parallel = parallel if parallel is not None else parallel_context(
+            info, p2p_backend=cfg.pipeline.p2p_backend)
+        ctx = self.parallel
         self.targets = targets if targets is not None else (lambda w: w[:, 1:])
         # pp=1: the whole model; otherwise this rank's chunks, driven by the pipeline engine.
-        self.model, self.engine = build_parts(cfg, device, recorder)
-        self.pp_group = parallel_state.get_pipeline_model_parallel_group() if info.pp > 1 else None
+        self.model, self.engine = build_parts(cfg, device, ctx, recorder)
+        self.pp_group = ctx.pp_group if info.pp > 1 else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.balancer = Balancer(cfg.moe.balancing, cfg.moe.aux_free_rate)
         self.moe_layers = self.model.moe_layers()
-        self.loads = LoadTracker(len(self.moe_layers), cfg.moe.num_experts) if self.moe_layers else None
-        self.dp_group = parallel_state.get_data_parallel_group()
-        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.dp_group = ctx.dp_group
+        self.moe_stats = self._build_moe_stats()
+        self.tp_group = ctx.tp_group
         # Expert weights are sharded over EP: reduced over the expert-data-parallel replicas only.
         expert_params = [p for layer in self.moe_layers for p in layer.experts.parameters()]
-        self.ep_group = parallel_state.get_expert_model_parallel_group() if info.ep > 1 else None
-        self.edp_group = parallel_state.get_expert_data_parallel_group()
+        self.ep_group = ctx.ep_group if info.ep > 1 else None
+        self.edp_group = ctx.edp_group
         groups = GradGroups(dp=self.dp_group, expert_dp=self.edp_group, tp=self.tp_group,
                             ep=self.ep_group, pp=self.pp_group)
         self.sharded = cfg.optim.zero1
@@ -118,8 +124,8 @@ class TrainState:
                 self.grads.clip_grads_(norm, max_norm)
             self.optimizer.step()
             self._balance()
-        for layer in self.moe_layers:
-            layer.clear_step_routing()
+        if self.moe_stats is not None:
+            self.moe_stats.end_step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": total.item(), "grad_norm": norm.item(), "finite": finite}
 
@@ -161,7 +167,7 @@ class TrainState:
         stats = compile_ahead(lambda: self._forward_backward(batch), label="the training step")
         self.optimizer.zero_grad(set_to_none=True)
         for layer in self.moe_layers:
-            layer.clear_step_routing()
+            layer.routing.clear()
         if self.engine is not None:
             self._bytes_logged = self.engine.comm.bytes_sent
         return stats
@@ -170,14 +176,25 @@ class TrainState:
     def _balance(self) -> None:
         """Update router biases from this step's routing (all microbatches), agreeing over DP."""
         group = self.dp_group if self.info.dp > 1 else None
-        for i, layer in enumerate(self.moe_layers):
+        for layer in self.moe_layers:
             self.balancer.update(layer, group)
-            load = expert_load(layer.step_routing().indices, layer.num_experts).float()
-            allreduce_mean([load], self.dp_group, self.info.dp)
-            self.loads.record(i, load * self.info.dp)
+        if self.moe_stats is not None:
+            self.moe_stats.record_step()
+
+    def _build_moe_stats(self) -> MoEStats | None:
+        """The load statistics of the run (None for a model without MoE layers); under
+        pipeline parallelism a rank may hold none of them but still joins the gathers."""
+        every = moe_layer_indices(self.cfg)
+        if not every:
+            return None
+        return MoEStats(layers=self.moe_layers, rows=[every.index(i) for i in self.model.moe_layer_indices()],
+                        num_moe_layers=len(every), num_experts=self.cfg.moe.num_experts,
+                        dp_group=self.dp_group, dp=self.info.dp, pp_group=self.pp_group,
+                        device=self.device)
 
     def moe_metrics(self) -> dict:
-        return self.loads.summary() if self.loads is not None else {}
+        """The last step's ``moe/*`` metrics of the whole model (collective over the pipeline)."""
+        return self.moe_stats.metrics() if self.moe_stats is not None else {}
 
     def pipeline_metrics(self) -> dict:
         """Bytes this rank sent to pipeline peers since the last call, and its peak AttnRes cache."""
@@ -203,12 +220,15 @@ class TrainState:
 
     def state_dict(self, step: int) -> dict:
         return {"step": step, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "moe_loads": self.moe_stats.state_dict() if self.moe_stats is not None else None,
                 "rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}
 
     def load_state_dict(self, state: dict) -> int:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.moe_stats is not None and state.get("moe_loads") is not None:
+            self.moe_stats.load_state_dict(state["moe_loads"])  # checkpoints before it lack it
         torch.set_rng_state(state["rng"])
         if state.get("cuda_rng") is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state(state["cuda_rng"])

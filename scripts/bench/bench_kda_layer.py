@@ -72,7 +72,7 @@ def main() -> None:
 
     x = torch.randn(B, T, D, device=dev, dtype=bf16, requires_grad=True)
     dy = torch.randn(B, T, D, device=dev, dtype=bf16)
-    ours = KimiDeltaAttention(D, H, K).to(dev, bf16)
+    ours = KimiDeltaAttention(hidden_size=D, num_heads=H, head_dim=K).to(dev, bf16)
 
     def run_ours():
         ours(x).backward(dy)

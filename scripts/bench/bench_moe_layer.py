@@ -54,8 +54,8 @@ def main() -> None:
 
     dev = torch.device(args.device)
     torch.manual_seed(0)
-    layer = LatentMoE(args.hidden, args.latent, args.experts, args.topk, args.expert_ffn,
-                      num_shared_experts=1, shared_ffn_size=args.shared_ffn).to(dev)
+    layer = LatentMoE(hidden_size=args.hidden, latent_size=args.latent, num_experts=args.experts,
+                      topk=args.topk, expert_ffn_size=args.expert_ffn, num_shared_experts=1, shared_ffn_size=args.shared_ffn).to(dev)
     # No weight-cast cache: the CUDA-graph timings below record the casts, as train.cuda_graph does.
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda", cache_enabled=False)
     x = torch.randn(args.tokens, args.hidden, device=dev, requires_grad=True)

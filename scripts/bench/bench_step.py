@@ -66,7 +66,7 @@ def optimizer_ms(state, batch, device: str, iters: int = 3) -> float:
     ms = timeit(state.optimizer.step, warmup=1, iters=iters, device=device)
     state.optimizer.zero_grad(set_to_none=True)
     for layer in state.moe_layers:
-        layer.clear_step_routing()
+        layer.routing.clear()
     return ms
 
 

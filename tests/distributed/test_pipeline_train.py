@@ -53,3 +53,76 @@ def test_checkpoint_survives_a_data_parallel_resize(tmp_path, capsys):
     state = torch.load(latest_checkpoint(tmp_path / "checkpoints") / "rank_00000.pt", weights_only=False)
     adam_steps = {int(s["step"]) for s in state["optimizer"]["optimizers"][-1]["state"].values()}
     assert adam_steps == {5}, "the optimizer state of the DP=2 run must have been loaded"
+
+
+MOE_STEPS = ["train.steps=2", "train.log_interval=1", "train.eval_interval=2", "train.microbatches=2"]
+
+
+def _save_plot_inputs(run_dir):
+    """Wrap the two heatmap writers so the matrix and weights they draw are saved next to the
+    PNGs (the test compares the data, not the pixels)."""
+    import torch
+
+    import k3train.trainer.report as report
+
+    draw_loads, draw_depth = report.plot_expert_load_heatmap, report.plot_attnres_depth_heatmap
+
+    def loads(mat, path, *args, **kwargs):
+        torch.save(mat, run_dir / "expert_load.pt")
+        return draw_loads(mat, path, *args, **kwargs)
+
+    def depth(weights, path, *args, **kwargs):
+        torch.save(list(weights), run_dir / "attnres_depth.pt")
+        return draw_depth(weights, path, *args, **kwargs)
+
+    return loads, depth
+
+
+def _train_rank_saving_plots(rank, world_size, run_dir, overrides):
+    import k3train.trainer.report as report
+
+    report.plot_expert_load_heatmap, report.plot_attnres_depth_heatmap = _save_plot_inputs(run_dir)
+    train(_cfg(*MOE_STEPS, *overrides), run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides, ref_overrides, same_val_batch", [
+    (["parallel.pp=2"], [], True),
+    (["parallel.tp=2"], [], True),
+    # EP=2 is DP=2: the reference sees both ranks' micro-batches as one of 8; the depth plot
+    # uses the main rank's validation batch, half of the reference's.
+    (["parallel.ep=2"], ["train.micro_batch_size=8"], False),
+], ids=["pp2", "tp2", "ep2"])
+def test_moe_metrics_and_plots_cover_every_rank(tmp_path, monkeypatch, overrides, ref_overrides,
+                                                same_val_batch):
+    """Two ranks. pp=2: rank 0 holds MoE layer 0, rank 1 layers 1-2; tp/ep=2: the AttnRes
+    forward needs both ranks. The logged moe/* metrics, the expert load heatmap and the AttnRes
+    depth heatmap must cover every layer, as the one-process run does (under PP they covered
+    rank 0's layer only, and attnres_depth.png was written under none of the three)."""
+    import torch
+
+    import k3train.trainer.report as report
+
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    loads, depth = _save_plot_inputs(ref)
+    monkeypatch.setattr(report, "plot_expert_load_heatmap", loads)
+    monkeypatch.setattr(report, "plot_attnres_depth_heatmap", depth)
+    train(_cfg(*MOE_STEPS, *ref_overrides), ref)
+    run_multiprocess(_train_rank_saving_plots, 2, run, overrides)
+    want, got = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+                 for d in (ref, run)]
+    assert len(want) == len(got) == 2
+    for w, g in zip(want, got):
+        moe_keys = sorted(k for k in w if k.startswith("moe/"))
+        assert {f"moe/maxvio/layer{i}" for i in range(3)} <= set(moe_keys)
+        assert sorted(k for k in g if k.startswith("moe/")) == moe_keys
+        # Same weights at step 1, fp32 sums in another order after it: routing counts agree.
+        assert [g[k] for k in moe_keys] == pytest.approx([w[k] for k in moe_keys], rel=1e-6)
+    assert torch.equal(torch.load(run / "expert_load.pt"), torch.load(ref / "expert_load.pt"))
+    w_ref, w_run = torch.load(ref / "attnres_depth.pt"), torch.load(run / "attnres_depth.pt")
+    assert len(w_run) == len(w_ref) == 2 * 4 + 1     # mixer and FFN of each layer, then the final
+    if same_val_batch:
+        for a, b in zip(w_run, w_ref):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    for png in ("expert_load.png", "attnres_depth.png"):
+        assert (run / png).read_bytes()[:4] == b"\x89PNG", png

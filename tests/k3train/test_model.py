@@ -58,14 +58,14 @@ def _reference_kda_layer(layer: KimiDeltaAttention, x: torch.Tensor) -> torch.Te
 
 
 def test_kda_layer_matches_token_loop(world1):
-    layer = KimiDeltaAttention(16, num_heads=2, head_dim=8, conv_size=4, std=0.3).double()
+    layer = KimiDeltaAttention(hidden_size=16, num_heads=2, head_dim=8, conv_size=4, std=0.3).double()
     x = torch.randn(2, 11, 16, dtype=torch.float64)
     torch.testing.assert_close(layer(x), _reference_kda_layer(layer, x), **TIGHT)
 
 
 def test_kda_layer_gradients_match_token_loop(world1):
     # Backward through the conv taps, the in-kernel gate and norm, against autograd on the loop.
-    layer = KimiDeltaAttention(16, num_heads=2, head_dim=8, conv_size=4, std=0.3).double()
+    layer = KimiDeltaAttention(hidden_size=16, num_heads=2, head_dim=8, conv_size=4, std=0.3).double()
     x = torch.randn(2, 7, 16, dtype=torch.float64, requires_grad=True)
     dy = torch.randn(2, 7, 16, dtype=torch.float64)
     params = [x, *layer.parameters()]
@@ -87,7 +87,7 @@ def test_attnres_embedding_joins_the_blocks_in_the_autocast_dtype(world1):
 
 
 def test_mla_matches_written_out_attention(world1):
-    layer = GatedMLA(16, num_heads=2, q_lora_rank=8, kv_lora_rank=6, qk_nope_head_dim=4,
+    layer = GatedMLA(hidden_size=16, num_heads=2, q_lora_rank=8, kv_lora_rank=6, qk_nope_head_dim=4,
                      qk_rope_head_dim=3, v_head_dim=5, std=0.3).double()
     B, T = 2, 7
     x = torch.randn(B, T, 16, dtype=torch.float64)
@@ -114,7 +114,7 @@ def test_mla_matches_written_out_attention(world1):
 
 
 def test_situ_glu_ffn_formula(world1):
-    ffn = SiTUGLU(8, 12, beta=4.0, beta_lin=25.0, std=0.5).double()
+    ffn = SiTUGLU(hidden_size=8, intermediate_size=12, beta=4.0, beta_lin=25.0, std=0.5).double()
     x = torch.randn(3, 5, 8, dtype=torch.float64) * 3
     g, u = x @ ffn.gate_proj.weight.T, x @ ffn.up_proj.weight.T
     h = 4.0 * torch.tanh(g / 4.0) * torch.sigmoid(g) * (25.0 * torch.tanh(u / 25.0))
@@ -153,7 +153,7 @@ def _rms(x):
 
 @pytest.mark.parametrize("index, closes", [(0, None), (1, 1)], ids=["mid-block", "block-end"])
 def test_attnres_layer_partial_sums_and_block_closing(index, closes):
-    layer = K3Layer(index, _Scale(2.0), _Scale(-0.5), 4, attnres_block_size=2).double()
+    layer = K3Layer(index=index, mixer=_Scale(2.0), ffn=_Scale(-0.5), hidden_size=4, attnres_block_size=2).double()
     b0 = torch.randn(1, 3, 4, dtype=torch.float64)
     partial = None if index == 0 else torch.randn(1, 3, 4, dtype=torch.float64)
     out = layer(StageIO(hidden=partial, blocks={0: b0}))
@@ -171,7 +171,7 @@ def test_attnres_layer_partial_sums_and_block_closing(index, closes):
 
 
 def test_standard_residual_layer():
-    layer = K3Layer(0, _Scale(2.0), _Scale(-0.5), 4, attnres_block_size=None).double()
+    layer = K3Layer(index=0, mixer=_Scale(2.0), ffn=_Scale(-0.5), hidden_size=4, attnres_block_size=None).double()
     x = torch.randn(1, 3, 4, dtype=torch.float64)
     h = x + 2.0 * _rms(x)
     ref = h + (-0.5) * _rms(h)

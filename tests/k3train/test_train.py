@@ -53,6 +53,9 @@ def test_resume_equals_uninterrupted_bit_for_bit(tmp_path, optim_name):
     train(_cfg(*extra), split, stop_at=3)
     train(_cfg(*extra), split, resume=True)
     assert [r["loss"] for r in _records(full)] == [r["loss"] for r in _records(split)]
+    # The load tracker is checkpointed: the running MaxVio continues instead of restarting.
+    running = [[r["moe/maxvio_running"] for r in _records(d)] for d in (full, split)]
+    assert running[0] == running[1]
     a = torch.load(latest_checkpoint(full / "checkpoints") / "rank_00000.pt", weights_only=False)
     b = torch.load(latest_checkpoint(split / "checkpoints") / "rank_00000.pt", weights_only=False)
     assert a["model"].keys() == b["model"].keys()

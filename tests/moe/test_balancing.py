@@ -140,13 +140,41 @@ def test_max_vio_and_load_tracker():
     assert tracker.load_matrix(running=False).tolist() == [[0, 2, 3, 3], [0, 0, 0, 0]]
 
 
+def test_load_tracker_reports_the_last_step_and_resumes():
+    """end_step closes a step: summary() reports the last one alone (MaxVio and dropped slots),
+    the running MaxVio keeps the whole history, and state_dict carries it to a new tracker."""
+    tracker = LoadTracker(num_layers=2, num_experts=4)
+    tracker.record(0, torch.tensor([4, 2, 1, 1]), dropped_tokens=3)
+    tracker.end_step()
+    tracker.record(0, torch.tensor([2, 2, 2, 2]), dropped_tokens=5)
+    tracker.record(1, torch.tensor([1, 1, 1, 5]))
+    tracker.end_step()
+    s = tracker.summary()
+    assert s["moe/maxvio/layer0"] == 0.0                       # step 2 only, not [6, 4, 3, 3]
+    assert s["moe/maxvio/layer1"] == pytest.approx(1.5)       # 5 / 2 - 1
+    assert s["moe/maxvio"] == pytest.approx(0.75) and s["moe/dropped_tokens"] == 5.0
+    assert s["moe/maxvio_running"] == pytest.approx((0.5 + 1.5) / 2)   # [6, 4, 3, 3]: 6/4 - 1
+    assert tracker.summary() == s                              # reading again changes nothing
+
+    resumed = LoadTracker(num_layers=2, num_experts=4)
+    resumed.load_state_dict(tracker.state_dict())
+    for t in (tracker, resumed):
+        t.record(0, torch.tensor([0, 2, 3, 3]))               # cumulative [6, 6, 6, 6]
+        t.end_step()
+    assert resumed.summary() == tracker.summary()
+    assert resumed.summary()["moe/maxvio_running"] == pytest.approx((0.0 + 1.5) / 2)
+    assert resumed.load_matrix().tolist() == [[6, 6, 6, 6], [1, 1, 1, 5]]
+    with pytest.raises(ValueError, match=r"shape \[2, 4\].*\[3, 4\]"):
+        LoadTracker(num_layers=3, num_experts=4).load_state_dict(tracker.state_dict())
+
+
 def test_balancer_names_and_updates():
     with pytest.raises(ValueError) as err:
         Balancer("quantil")
     for name in BALANCER_NAMES:
         assert name in str(err.value)
     torch.manual_seed(0)
-    moe = LatentMoE(16, 8, num_experts=8, topk=2, expert_ffn_size=8)
+    moe = LatentMoE(hidden_size=16, latent_size=8, num_experts=8, topk=2, expert_ffn_size=8)
     with pytest.raises(RuntimeError, match="forward"):
         Balancer("quantile").update(moe)
     x = torch.randn(64, 16) * 3
@@ -155,12 +183,12 @@ def test_balancer_names_and_updates():
         Balancer(name).update(moe)
         assert moe.router.bias.abs().sum() == 0
     Balancer("aux_free", rate=0.5).update(moe)
-    load = expert_load(moe.last_routing.indices, 8).float()
+    load = expert_load(moe.routing.last.indices, 8).float()
     torch.testing.assert_close(moe.router.bias, 0.5 * torch.sign(load.mean() - load))
     moe.router.bias.zero_()
     Balancer("quantile").update(moe)
     torch.testing.assert_close(moe.router.bias,
-                               quantile_balance(moe.last_routing.scores, torch.zeros(8), 2),
+                               quantile_balance(moe.routing.last.scores, torch.zeros(8), 2),
                                rtol=0, atol=0)
 
 
@@ -181,7 +209,7 @@ def _distributed_body(rank: int, world: int) -> None:
 
     # Balancer with a group: aux_free all-reduces the loads, quantile gathers the margins.
     torch.manual_seed(0)
-    moe = LatentMoE(16, 8, num_experts=8, topk=2, expert_ffn_size=8)
+    moe = LatentMoE(hidden_size=16, latent_size=8, num_experts=8, topk=2, expert_ffn_size=8)
     xs = torch.randn(2, 40, 16, generator=torch.Generator().manual_seed(3)) * 3
     load = sum(expert_load(moe.router(x).indices, 8) for x in xs).float()  # both ranks, bias 0
     moe(xs[rank])
@@ -193,6 +221,25 @@ def _distributed_body(rank: int, world: int) -> None:
     Balancer("quantile").update(moe, group=group)
     full = quantile_balance(moe.router(xs.reshape(-1, 16)).scores, torch.zeros(8), 2)
     assert torch.equal(moe.router.bias, full)
+
+    # LoadTracker.gathered: each rank holds one layer (as pipeline stages do); the gathered
+    # tracker equals one that recorded both layers itself.
+    loads = [torch.tensor([3, 1, 0, 0]), torch.tensor([1, 1, 1, 1])]
+    mine = LoadTracker(num_layers=2, num_experts=4)
+    mine.record(rank, loads[rank] * 2, dropped_tokens=rank + 1)
+    mine.end_step()
+    mine.record(rank, loads[rank], dropped_tokens=10 * (rank + 1))
+    mine.end_step()
+    both = LoadTracker(num_layers=2, num_experts=4)
+    both.record(0, loads[0] * 2)
+    both.record(1, loads[1] * 2)
+    both.end_step()
+    both.record(0, loads[0], dropped_tokens=30)
+    both.record(1, loads[1])
+    both.end_step()
+    gathered = mine.gathered(group)
+    assert gathered.summary() == both.summary()
+    assert torch.equal(gathered.load_matrix(), both.load_matrix())
 
 
 @pytest.mark.slow

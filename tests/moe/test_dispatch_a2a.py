@@ -30,8 +30,8 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 def _full_model() -> LatentMoE:
     torch.manual_seed(0)
-    moe = LatentMoE(HIDDEN, LATENT, E, K, FFN, num_shared_experts=1, shared_ffn_size=8,
-                    init_std=0.3)
+    moe = LatentMoE(hidden_size=HIDDEN, latent_size=LATENT, num_experts=E, topk=K, expert_ffn_size=FFN,
+                    num_shared_experts=1, shared_ffn_size=8, init_std=0.3)
     with torch.no_grad():
         moe.router.bias.copy_(torch.randn(E) * 0.3)      # the bias changes some selections
         moe.norm.weight.uniform_(0.5, 1.5)
@@ -40,8 +40,8 @@ def _full_model() -> LatentMoE:
 
 def _ep_model(full: LatentMoE, dispatcher) -> LatentMoE:
     """Same weights as ``full``; experts = this rank's contiguous slice of full's experts."""
-    moe = LatentMoE(HIDDEN, LATENT, E, K, FFN, num_shared_experts=1, shared_ffn_size=8,
-                    dispatcher=dispatcher)
+    moe = LatentMoE(hidden_size=HIDDEN, latent_size=LATENT, num_experts=E, topk=K, expert_ffn_size=FFN,
+                    num_shared_experts=1, shared_ffn_size=8, dispatcher=dispatcher)
     lo = dispatcher.ep_rank * dispatcher.num_local_experts
     hi = lo + dispatcher.num_local_experts
     state = {name: (t[lo:hi] if name.startswith("experts.") else t)
@@ -111,7 +111,7 @@ def _check_case(group, ranks: list[int], sizes: list[int], cf: float | None,
     ctx = f"ep={len(ranks)} rank={i} cf={cf}"
     torch.testing.assert_close(y, ref[i].detach(), **TOL, msg=lambda m: f"{ctx} out: {m}")
     torch.testing.assert_close(x.grad, xr[i].grad, **TOL, msg=lambda m: f"{ctx} dx: {m}")
-    assert int(moe.dropped_tokens) == drops[i], (ctx, int(moe.dropped_tokens), drops[i])
+    assert int(moe.routing.last_dropped) == drops[i], (ctx, int(moe.routing.last_dropped), drops[i])
 
     full_params = dict(full.named_parameters())
     lo, hi = i * disp.num_local_experts, (i + 1) * disp.num_local_experts
@@ -182,7 +182,7 @@ def test_single_rank_without_distributed(cf):
     if cf is None:
         assert torch.equal(y, full(x))
     torch.testing.assert_close(y, ref[0], **TOL)
-    assert int(moe.dropped_tokens) == drops[0]
+    assert int(moe.routing.last_dropped) == drops[0]
     assert (drops[0] > 0) == (cf == 0.5)
 
 
@@ -210,4 +210,5 @@ def test_argument_errors():
     with pytest.raises(ValueError, match="capacity_factor"):
         GroupedAllToAllDispatcher(4, capacity_factor=0.0)
     with pytest.raises(ValueError, match="dispatcher routes 4 experts, layer has 8"):
-        LatentMoE(HIDDEN, LATENT, 8, K, FFN, dispatcher=GroupedAllToAllDispatcher(4))
+        LatentMoE(hidden_size=HIDDEN, latent_size=LATENT, num_experts=8, topk=K, expert_ffn_size=FFN,
+                  dispatcher=GroupedAllToAllDispatcher(4))

@@ -221,25 +221,27 @@ def test_latent_moe_matches_per_token_loop(shared, dtype, tol):
 
 def test_latent_moe_state_and_aux_loss():
     torch.manual_seed(0)
-    moe = LatentMoE(16, 16, num_experts=4, topk=2, expert_ffn_size=8,
+    moe = LatentMoE(hidden_size=16, latent_size=16, num_experts=4, topk=2, expert_ffn_size=8,
                     num_shared_experts=1, shared_ffn_size=8, aux_loss_coef=0.01)
     assert moe.down.weight.shape == (16, 16)      # latent == hidden keeps down/up
     x = torch.randn(10, 16)
     y = moe(x)
     assert y.shape == (10, 16)
-    r = moe.last_routing
+    r = moe.routing.last
     assert not r.scores.requires_grad and r.indices.shape == (10, 2)
-    assert moe.tokens_per_expert.tolist() == torch.bincount(r.indices.flatten(), minlength=4).tolist()
+    assert moe.routing.last_tokens_per_expert.tolist() == torch.bincount(r.indices.flatten(), minlength=4).tolist()
     f = torch.bincount(r.indices.flatten(), minlength=4).double() / 20
     p = (r.scores / r.scores.sum(-1, keepdim=True)).mean(0).double()
-    assert moe.aux_loss.item() == pytest.approx(0.01 * 4 * (f * p).sum().item(), rel=1e-5)
-    moe.aux_loss.backward()
+    assert moe.routing.aux_loss.item() == pytest.approx(0.01 * 4 * (f * p).sum().item(), rel=1e-5)
+    moe.routing.aux_loss.backward()
     assert moe.router.weight.grad.abs().sum() > 0
     # Perfectly uniform routing gives the loss its minimum value 1.
     uniform = torch.full((8, 4), 0.5)
     idx = torch.tensor([[0, 1], [2, 3]] * 4)
     assert switch_aux_loss(uniform, idx, 4, 2).item() == pytest.approx(1.0)
-    assert LatentMoE(16, 8, 4, 2, 8, 0, 0).aux_loss is None
+    plain = LatentMoE(hidden_size=16, latent_size=8, num_experts=4, topk=2, expert_ffn_size=8)
+    plain(torch.randn(3, 16))
+    assert plain.routing.aux_loss is None             # no coefficient, no loss
 
 
 def test_dispatcher_roundtrip_identity_experts():

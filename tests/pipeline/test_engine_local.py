@@ -16,7 +16,8 @@ def test_single_rank_matches_reference(transport, attnres):
     mbs = make_batch(3)
     ref_loss, ref_grads = reference(chunks, mbs)
     rec = CommRecorder()
-    engine = PipelineEngine(dict(enumerate(chunks)), 4, produced, transport=transport, recorder=rec)
+    engine = PipelineEngine(local_chunks=dict(enumerate(chunks)), num_chunks=4, produced_blocks=produced,
+                            transport=transport, recorder=rec)
     loss = engine.train_step(mbs)
     torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
     for c, ch in enumerate(chunks):
@@ -35,7 +36,7 @@ def test_wrong_chunks_and_missing_blocks():
     layout = PipelineLayout(4, pp_size=1, vpp_size=2)
     chunks, produced = build_chunks(layout)
     with pytest.raises(ValueError, match="must hold chunks"):
-        PipelineEngine({0: chunks[0]}, 2, produced)
+        PipelineEngine(local_chunks={0: chunks[0]}, num_chunks=2, produced_blocks=produced)
 
     class Forgetful(torch.nn.Module):
         def __init__(self, inner):
@@ -46,6 +47,7 @@ def test_wrong_chunks_and_missing_blocks():
             out = self.inner(x)
             return StageIO(out.hidden, {})
 
-    engine = PipelineEngine({0: Forgetful(chunks[0]), 1: chunks[1]}, 2, produced)
+    engine = PipelineEngine(local_chunks={0: Forgetful(chunks[0]), 1: chunks[1]}, num_chunks=2,
+                            produced_blocks=produced)
     with pytest.raises(KeyError, match="lacks blocks"):
         engine.train_step(make_batch(1))

@@ -38,8 +38,8 @@ def _run_config(group, P, V, m, layers, first, last, transport, attnres, microba
     rank = dist.get_rank(group)
     local = {c: chunks[c] for c in layout.chunks_of_rank(rank)}
     rec = CommRecorder()
-    engine = PipelineEngine(local, layout.num_chunks, produced, pp_group=group, transport=transport,
-                            dp_group=dp_group, recorder=rec)
+    engine = PipelineEngine(local_chunks=local, num_chunks=layout.num_chunks, produced_blocks=produced,
+                            pp_group=group, transport=transport, dp_group=dp_group, recorder=rec)
     what = f"P{P} V{V} m{m} L{layers} {transport} attnres={attnres}"
     for step in range(2):
         for ch in local.values():

@@ -1,0 +1,92 @@
+"""The one owner of an MoE layer's routing statistics: what its forwards routed and dropped.
+
+``LatentMoE.forward`` writes its ``RoutingRecord`` (``layer.routing``); the balancer, the load
+metrics and the CUDA-graph wrapper read it, and the trainer clears it after each step. Nothing
+else about routing is stored on the layer.
+
+A step runs several training forwards per layer (one per microbatch); the record keeps each
+one's routing and dropped-slot count until ``clear``, so balancing and the step's load see
+every token of the step whatever the microbatch split. Evaluation forwards (no grad or eval
+mode) only update the ``last_*`` fields.
+
+CUDA graphs: the tensors a captured forward writes live at fixed addresses in the graph's
+pool, and a replay refills those same tensors. ``snapshot`` after the capture and ``restore``
+after every replay re-attach exactly those tensors, so no Python-side state changes between
+replays (k3train/trainer/cuda_graph.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .metrics import expert_load
+from .router import RouterOutput
+
+
+@dataclass(eq=False)
+class RoutingRecord:
+    """Routing statistics of one MoE layer (module docstring).
+
+    last: ``RouterOutput`` of the last forward (any mode), detached; None before the first.
+    last_tokens_per_expert: ``[E_local]`` int64 rows each local expert got in the last forward.
+    last_dropped: 0-dim int64 slots the dispatcher dropped on this rank in the last forward, or
+        None for dispatchers that never drop.
+    aux_loss: scalar balance loss of the last forward, in the autograd graph, or None.
+    step: routing of each training forward since ``clear`` (detached).
+    step_dropped: 0-dim int64 dropped slots of each training forward since ``clear`` (only for
+        dispatchers that drop).
+    """
+
+    last: RouterOutput | None = None
+    last_tokens_per_expert: torch.Tensor | None = None
+    last_dropped: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    step: list[RouterOutput] = field(default_factory=list)
+    step_dropped: list[torch.Tensor] = field(default_factory=list)
+
+    def add(self, routing: RouterOutput, tokens_per_expert: torch.Tensor,
+            dropped: torch.Tensor | None, aux_loss: torch.Tensor | None, training: bool) -> None:
+        """Called by the layer once per forward; ``training``: the forward counts for the step."""
+        self.last = routing.detach()
+        self.last_tokens_per_expert = tokens_per_expert.detach()
+        self.last_dropped = dropped
+        self.aux_loss = aux_loss
+        if training:
+            self.step.append(self.last)
+            if dropped is not None:
+                self.step_dropped.append(dropped)
+
+    def clear(self) -> None:
+        """Start a new step (the trainer calls it after each step)."""
+        self.step = []
+        self.step_dropped = []
+
+    def step_routing(self) -> RouterOutput | None:
+        """Routing of every training forward since ``clear`` concatenated along N, else the
+        last forward's (None before any forward)."""
+        return RouterOutput.cat(self.step) if self.step else self.last
+
+    def step_load(self, num_experts: int) -> torch.Tensor:
+        """``[E]`` int64 slots routed to each expert by ``step_routing()`` (no host sync)."""
+        routing = self.step_routing()
+        if routing is None:
+            raise RuntimeError("the MoE layer has not run a forward yet: no routing to count")
+        return expert_load(routing.indices, num_experts)
+
+    def step_dropped_tokens(self, device: torch.device | None = None) -> torch.Tensor:
+        """0-dim int64: slots dropped on this rank by the step's training forwards (no sync)."""
+        if not self.step_dropped:
+            return torch.zeros((), dtype=torch.int64, device=device)
+        return torch.stack(self.step_dropped).sum()
+
+    def snapshot(self) -> "RoutingRecord":
+        """A shallow copy: the same tensors, new lists (kept by the CUDA-graph wrapper)."""
+        return RoutingRecord(self.last, self.last_tokens_per_expert, self.last_dropped,
+                             self.aux_loss, list(self.step), list(self.step_dropped))
+
+    def restore(self, saved: "RoutingRecord") -> None:
+        """Re-attach a ``snapshot`` (after a CUDA-graph replay refilled its tensors)."""
+        self.last, self.last_tokens_per_expert = saved.last, saved.last_tokens_per_expert
+        self.last_dropped, self.aux_loss = saved.last_dropped, saved.aux_loss
+        self.step, self.step_dropped = list(saved.step), list(saved.step_dropped)
