@@ -62,6 +62,7 @@ def _run(cfg, tokens):
     return model, loss.detach(), grads, saved.total
 
 
+@pytest.mark.slow   # ~7 s per case on the shared 2-core machine
 @pytest.mark.parametrize("balancing", ["quantile", "aux_loss"])
 @pytest.mark.parametrize("attnres", [True, False], ids=["attnres", "standard"])
 @pytest.mark.parametrize("mode", MODES)
