@@ -182,6 +182,13 @@ class TrainConfig(_Strict):
     it (k3train/trainer/cuda_graph.py): the host no longer launches every kernel. Needs one
     CUDA device (pp = tp = ep = dp = 1) and precision.recipe bf16 or fp32. true: required (an
     error otherwise); "auto": on exactly when those hold; false: off."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation checkpointing of every layer (k3train/model/recompute.py). none: autograd keeps
+    every activation (fastest, most memory). full: a layer keeps only its inputs (hidden state
+    and the AttnRes blocks it reads, stored once) and recomputes its whole forward in backward
+    (least memory, about one extra forward). selective: keeps the KDA and attention core outputs
+    (costly to recompute) and recomputes norms, projections, convs, gates, depth mixes and the
+    FFN. Default none until step time and peak memory of each mode are measured on a GPU."""
 
 
 class OptimConfig(_Strict):

@@ -16,6 +16,7 @@ import torch.nn as nn
 from k3train.model.common import (
     ColumnLinear, RowLinear, divide, replicated_linear, sharded_param, tp_rank, tp_size,
 )
+from k3train.model.recompute import keep_output
 from k3train.ops.gated_norm import head_norm_gate
 from k3train.ops.kda import kda_gated
 from k3train.ops.short_conv import short_conv_silu
@@ -69,6 +70,7 @@ class KimiDeltaAttention(nn.Module):
         q = self._qkv(self.q_proj, self.q_conv, x)
         k = self._qkv(self.k_proj, self.k_conv, x)
         f = self.f_up(self.f_down(x)).view(shape)
-        o = kda_gated(q, k, v, f, self.b_proj(x), self.A_log, self.dt_bias, self.lower_bound)
+        # The KDA core's output is kept under train.recompute=selective (costly to recompute).
+        o = keep_output(kda_gated, q, k, v, f, self.b_proj(x), self.A_log, self.dt_bias, self.lower_bound)
         o = head_norm_gate(o, self.o_norm_weight, self.g_proj(x).view(shape), self.eps)
         return self.o_proj(o.reshape(B, T, -1).to(x.dtype))

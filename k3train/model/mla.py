@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from k3train.model.common import (
     ColumnLinear, RMSNorm, RowLinear, divide, replicated_linear, sum_grad_over_tp, tp_size,
 )
+from k3train.model.recompute import keep_output
 
 
 class GatedMLA(nn.Module):
@@ -43,8 +44,10 @@ class GatedMLA(nn.Module):
         k_nope, v = self.kv_up(self.kv_norm(c_kv)).view(B, T, H, self.nope + self.v_dim).split(
             [self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_shared.unsqueeze(2).expand(B, T, H, self.rope)], dim=-1)
-        attn = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.scale,
+        # The attention core's output is kept under train.recompute=selective.
+        attn = keep_output(
+            F.scaled_dot_product_attention, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            is_causal=True, scale=self.scale,
         ).transpose(1, 2)  # [B, T, H, v_dim]
         gate = torch.sigmoid(self.gate_proj(x)).view(B, T, H, self.v_dim)
         return self.o_proj((attn * gate).reshape(B, T, H * self.v_dim))

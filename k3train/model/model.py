@@ -23,6 +23,7 @@ from k3train.model.kda_layer import KimiDeltaAttention
 from k3train.model.layer import K3Layer
 from k3train.model.layout import expand_layer_pattern
 from k3train.model.mla import GatedMLA
+from k3train.model.recompute import run_layer
 from k3train.quant.recipes import apply_precision, resolve_device
 from moe import GroupedAllToAllDispatcher, LatentMoE, LocalDispatcher
 from moe.norm import autocast_dtype
@@ -117,6 +118,7 @@ class K3Chunk(nn.Module):
         m = cfg.model
         self.first, self.last, self.attnres = first, last, m.attnres.enabled
         self.layer_range = (start, end)
+        self.recompute = cfg.train.recompute  # activation checkpointing of each layer (recompute.py)
         if first:
             with seeded(cfg.train.seed, _EMBED_SALT):
                 self.embed = nn.Embedding(m.vocab_size, m.hidden_size)
@@ -158,7 +160,7 @@ class K3Chunk(nn.Module):
     def forward(self, x, targets: torch.Tensor | None = None):
         io = self.embed_tokens(x) if self.first else x
         for layer in self.layers:
-            io = layer(io)
+            io = run_layer(layer, io, self.recompute)
         if not self.last:
             return io
         logits = self.logits(io)

@@ -1,0 +1,155 @@
+"""Activation checkpointing of K3 layers (``train.recompute``: none | selective | full).
+
+``full``: each layer runs inside one non-reentrant ``torch.utils.checkpoint`` region. Autograd
+stores only the region's inputs (the hidden state / partial sum and the AttnRes blocks the layer
+reads) and recomputes everything else in backward. Non-reentrant because it composes with the
+pipeline engine's partial backwards (``run_backward`` on a chunk's roots), with saved-tensor
+hooks (the engine's ``_SavedStorages`` sees the region's inputs and keeps their data) and with
+CUDA graph capture (no RNG state is read: ``preserve_rng_state=False``, see ``run_layer``).
+
+``selective``: the same region, but the outputs of the costly cores marked with
+``keep_output`` (the KDA recurrence, the MLA attention) are kept from the forward, and the
+tensors the core saves for its own backward are saved for real; the recompute returns the kept
+output instead of running the core again, so only the norms, projections, short convs, gates,
+depth mixes and the FFN (SiTU-GLU, MoE) are recomputed. torch's op-level policy
+(``create_selective_checkpoint_contexts``) cannot do this here: on CUDA the KDA core is fla's
+Triton autograd.Function, whose kernels a dispatch-mode policy never sees as one op.
+
+AttnRes: the blocks are region inputs, stored once (in the pipeline's block cache under PP) and
+shared by every layer that reads them; nothing inside a region saves them again under ``full``,
+and under ``selective`` only the cores' own inputs are saved, never a block.
+
+Side effects: a recomputed forward writes the same module state again (MoE routing records,
+load counts, aux loss, depth-mix weights). ``_LayerRegion`` snapshots that state before a
+recompute and restores it after, so balancers and metrics see each forward exactly once.
+Routing itself is identical on recompute: the inputs are the stored ones, the router bias only
+changes after the optimizer step, and the model draws no random numbers.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from moe.dispatch import TokenDispatcher
+from pipeline.stage_io import StageIO
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+# nn.Module's own bookkeeping attributes; everything else in a module's __dict__ is state a
+# forward may write (e.g. LatentMoE.last_routing, ._step_routing, DepthAttention.last_weights).
+_MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"training"}
+
+# The region being run (forward or recompute) on this thread. Thread-local because CUDA backward
+# runs recomputes on autograd's device threads; it is set and cleared around each run.
+_active = threading.local()
+
+
+def _identity(t):
+    return t
+
+
+def _state_of(obj) -> dict:
+    """Shallow copy of the writable state of ``obj`` (lists and dicts copied one level)."""
+    out = {}
+    for k, v in vars(obj).items():
+        if isinstance(obj, nn.Module) and k in _MODULE_INTERNALS:
+            continue
+        out[k] = (v, list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else None)
+    return out
+
+
+def _restore(obj, state: dict) -> None:
+    """Put back what ``_state_of`` saw, keeping the identity of lists and dicts."""
+    attrs = vars(obj)  # written directly: Module.__setattr__ would re-register parameters
+    for k in [k for k in attrs if k not in state and not (isinstance(obj, nn.Module) and k in _MODULE_INTERNALS)]:
+        del attrs[k]
+    for k, (v, contents) in state.items():
+        if isinstance(v, list):
+            v[:] = contents
+        elif isinstance(v, dict):
+            v.clear()
+            v.update(contents)
+        attrs[k] = v
+
+
+def _stateful_objects(layer: nn.Module) -> list:
+    """The layer's modules plus the token dispatchers they hold (plain objects with state)."""
+    objs = list(layer.modules())
+    objs += [v for m in layer.modules() for v in vars(m).values() if isinstance(v, TokenDispatcher)]
+    return objs
+
+
+class _LayerRegion:
+    """The function a checkpoint region runs: ``(hidden, *blocks) -> StageIO``.
+
+    The first call is the forward, later calls are recomputes (one per backward graph task).
+    outer_hooks: the saved-tensor hooks active around the region (e.g. the pipeline engine's),
+    applied to what ``keep_output`` saves for real so they still see every saved tensor.
+    """
+
+    def __init__(self, *, layer: nn.Module, block_ids: list[int], selective: bool, outer_hooks):
+        self.layer, self.block_ids, self.selective = layer, block_ids, selective
+        self.outer_hooks = outer_hooks or (_identity, _identity)
+        self.calls = 0
+        self.recomputing = False
+        self.kept: list = []   # (packed core output, requires_grad) of the forward, in call order
+        self.next_kept = 0
+
+    def __call__(self, hidden, *blocks) -> StageIO:
+        self.recomputing, self.next_kept = self.calls > 0, 0
+        self.calls += 1
+        objs = _stateful_objects(self.layer) if self.recomputing else []
+        states = [_state_of(o) for o in objs]
+        previous = getattr(_active, "region", None)
+        _active.region = self
+        try:
+            return self.layer(StageIO(hidden=hidden, blocks=dict(zip(self.block_ids, blocks))))
+        finally:
+            _active.region = previous
+            for o, s in zip(objs, states):
+                _restore(o, s)
+
+
+def keep_output(fn, *args, **kwargs) -> torch.Tensor:
+    """``fn(*args, **kwargs)`` (a tensor); under ``selective`` recompute its output is kept.
+
+    Outside a selective region this is a plain call. In a selective forward, ``fn`` saves its
+    tensors for real (not as recompute placeholders) and its output is kept; in the recompute
+    the kept output comes back without running ``fn``.
+    """
+    region = getattr(_active, "region", None)
+    if region is None or not region.selective:
+        return fn(*args, **kwargs)
+    pack, unpack = region.outer_hooks
+    if region.recomputing:
+        packed, requires_grad = region.kept[region.next_kept]
+        region.next_kept += 1
+        # A leaf that requires grad, so the ops after it save what they saved in the forward.
+        return unpack(packed).detach().requires_grad_(requires_grad)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        out = fn(*args, **kwargs)
+    # The kept output is a saved tensor of the region: it goes through the same hooks.
+    region.kept.append((pack(out.detach()), out.requires_grad))
+    return out
+
+
+def run_layer(layer: nn.Module, io: StageIO, mode: str) -> StageIO:
+    """``layer(io)`` under the recompute ``mode`` (one of ``RECOMPUTE_MODES``).
+
+    Without grad (eval) there is nothing to recompute and the layer runs plainly. The region's
+    inputs are ``io.hidden`` (``[B, T, D]`` or None) and the blocks ``[B, T, D]`` in id order.
+    preserve_rng_state=False: no K3 layer draws random numbers (no dropout), and reading the CUDA
+    RNG state would be recorded by a CUDA graph capture; a layer that adds dropout must revisit it.
+    """
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"train.recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
+    if mode == "none" or not torch.is_grad_enabled():
+        return layer(io)
+    ids = sorted(io.blocks)
+    region = _LayerRegion(layer=layer, block_ids=ids, selective=mode == "selective",
+                          outer_hooks=torch._C._autograd._top_saved_tensors_default_hooks(False))
+    return checkpoint(region, io.hidden, *(io.blocks[i] for i in ids),
+                      use_reentrant=False, preserve_rng_state=False)
