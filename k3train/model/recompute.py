@@ -27,6 +27,8 @@ changes after the optimizer step, and the model draws no random numbers.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import threading
 
 import torch
@@ -76,9 +78,12 @@ def _restore(obj, state: dict) -> None:
 
 
 def _stateful_objects(layer: nn.Module) -> list:
-    """The layer's modules plus the token dispatchers they hold (plain objects with state)."""
+    """The layer's modules plus the plain objects with state they hold: token dispatchers and
+    dataclass records (``moe.RoutingRecord``, which a forward appends to)."""
     objs = list(layer.modules())
-    objs += [v for m in layer.modules() for v in vars(m).values() if isinstance(v, TokenDispatcher)]
+    objs += [v for m in layer.modules() for v in vars(m).values()
+             if isinstance(v, TokenDispatcher) or dataclasses.is_dataclass(v) and not isinstance(v, type)
+             and hasattr(v, "__dict__")]
     return objs
 
 

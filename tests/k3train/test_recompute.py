@@ -109,7 +109,7 @@ def test_balancer_and_load_tracker_see_each_forward_once(mode):
     for layer, ref_layer in zip(state.moe_layers, ref.moe_layers, strict=True):
         assert ref_layer.router.bias.abs().sum() > 0          # the balancer did move it
         torch.testing.assert_close(layer.router.bias, ref_layer.router.bias, **EXACT)
-    for load, ref_load in zip(state.loads._total_load, ref.loads._total_load, strict=True):
+    for load, ref_load in zip(state.moe_stats.tracker._total_load, ref.moe_stats.tracker._total_load, strict=True):
         torch.testing.assert_close(load, ref_load, **EXACT)
     for p, q in zip(state.params, ref.params, strict=True):
         torch.testing.assert_close(p, q, **EXACT)
