@@ -20,6 +20,7 @@ from k3train.flops import flops_per_token
 from k3train.trainer.metrics import MetricsLogger
 from k3train.trainer.report import measure_peak_flops, write_end_of_run_plots
 from k3train.trainer.state import TrainState
+from k3train.trainer.stop import stop_agreed
 from optim import apply_lr, lr_factor
 
 
@@ -121,7 +122,8 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, stop_at: in
     last_step = min(cfg.train.steps, stop_at or cfg.train.steps)
     bar = tqdm(total=last_step, initial=start_step, disable=not (main and cfg.logging.progress_bar),
                desc="train", dynamic_ncols=True, file=sys.stdout)
-    summary: dict = {"first_loss": None, "last_loss": None, "val_loss": None, "steps": start_step}
+    summary: dict = {"first_loss": None, "last_loss": None, "val_loss": None, "steps": start_step,
+                     "stopped_by_signal": False}
     skips, window_tokens, window_start = 0, 0, time.perf_counter()
     warmup = min(cfg.optim.warmup_steps, cfg.train.steps)  # a short run (train.steps=5) keeps working
     with _SignalGuard() as guard:
@@ -158,11 +160,14 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, stop_at: in
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
                 window_tokens, window_start = 0, time.perf_counter()
             interval = cfg.checkpoint.interval
-            stop_now = guard.requested or step == last_step
+            # Every rank stops at the same step when any one got a signal (k3train/trainer/stop.py).
+            signalled = stop_agreed(guard.requested, dev)
+            stop_now = signalled or step == last_step
             if (interval and step % interval == 0) or stop_now:
                 save_checkpoint(ckpt_dir, step, {**state.state_dict(step), "data": data.train.state_dict()},
                                 layout=layout, keep_last=cfg.checkpoint.keep_last, coords=parallel_coords())
-            if guard.requested:
+            if signalled:
+                summary["stopped_by_signal"] = True
                 if main:
                     print(f"\n[k3train] signal received: saved step {step} to {ckpt_dir}; exiting")
                 break
