@@ -159,10 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("WANDB_SILENT", "true")
     _arm_stack_dump(os.environ.get("K3TRAIN_STACKS_AFTER"))
     from k3train.config import ConfigError
+    from k3train.errors import K3TrainError
 
     try:
         return args.fn(args)
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
+    except (ConfigError, K3TrainError, ValueError, FileNotFoundError) as exc:
         # Bad input: one clear message, no traceback. Bugs (other exceptions) keep their traceback.
         print(f"k3train: error: {exc}", file=sys.stderr)
         return 2

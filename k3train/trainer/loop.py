@@ -1,6 +1,7 @@
 """The training run: set-up, the step loop, evaluation, logging, checkpoints, signals."""
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from k3train.trainer.data import build_data
 from k3train.flops import flops_per_token
 from k3train.trainer.metrics import MetricsLogger
 from k3train.trainer.report import measure_peak_flops, write_end_of_run_plots
+from k3train.trainer.run_lock import RunDirLock
 from k3train.trainer.state import TrainState
 from k3train.trainer.stop import stop_agreed
 from optim import apply_lr, lr_factor
@@ -76,7 +78,15 @@ class _SignalGuard:
 
 def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, stop_at: int | None = None) -> dict:
     """Run training; returns a summary dict. ``stop_at`` ends the run early after that step
-    (as a preemption would), keeping the schedule of ``train.steps``."""
+    (as a preemption would), keeping the schedule of ``train.steps``. Rank 0 holds the run
+    directory's lock (k3train/trainer/run_lock.py) for the whole run, before anything in the
+    directory is read or written; a second run on the directory raises ``RunDirError``."""
+    # The global rank from torchrun's environment: the lock comes before the process group.
+    with RunDirLock(run_dir, enabled=int(os.environ.get("RANK", "0")) == 0):
+        return _train(cfg, run_dir, resume=resume, stop_at=stop_at)
+
+
+def _train(cfg: RunConfig, run_dir: str | Path, resume: bool, stop_at: int | None) -> dict:
     run_dir = Path(run_dir)
     device = pick_device(cfg.train.device)
     if cfg.train.threads:
