@@ -122,7 +122,7 @@ def _train(cfg: RunConfig, run_dir: str | Path, resume: bool, stop_at: int | Non
     if cfg.train.compile_ahead:
         state.compile_kernels()
     logger = MetricsLogger(run_dir, cfg.logging.wandb, cfg.model_dump(mode="json"), enabled=main,
-                           resume=resume and start_step > 0)
+                           resume=resume and start_step > 0, keep_through=start_step)
     if main:
         print(f"[k3train] code {code_version()} | device {device} | world {info.world_size} "
               f"(tp {p.tp} pp {p.pp} dp {info.dp}) | {state.describe()}")
