@@ -169,5 +169,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def entry() -> None:
+    """``k3train`` and ``python -m k3train``: ``main``, then an exit that leftover compile
+    workers, executor threads or process groups cannot delay (k3train/process_exit.py)."""
+    code = main()
+    from k3train.process_exit import finish_process
+
+    finish_process(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

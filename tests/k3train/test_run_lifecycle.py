@@ -117,3 +117,38 @@ def test_wandb_images_do_not_replace_scalar_series(tmp_path, monkeypatch):
         final.update(values)
     assert final["loss"] == 1.25 and final["plots/loss"] == ("image", str(png))
     assert "plots/expert_load" not in final
+
+
+@pytest.mark.slow
+def test_process_exits_promptly_after_a_signal_save_despite_queued_compiles(tmp_path):
+    proc = subprocess.Popen([sys.executable, "tests/k3train/exit_worker.py", "train", "--config",
+                             "configs/k3_tiny.yaml", *SMALL, "--run-dir", str(tmp_path), "train.steps=100000",
+                             "train.log_interval=1"], env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        assert _wait_for(lambda: (tmp_path / "metrics.jsonl").exists())
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=90)  # the queued "compiles" alone would hold it 300 s
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("the process did not exit within 90 s of its SIGTERM")
+    assert proc.returncode == 0, out
+    assert "signal received: saved step" in out
+    assert "without waiting for thread queued-compile_0" in out
+
+
+@pytest.mark.slow
+def test_inductor_compile_workers_are_killed_not_awaited():
+    from torch._inductor import async_compile
+
+    from k3train.process_exit import stop_inductor_compile_workers
+
+    pool = async_compile.AsyncCompile.process_pool()  # what torch.compile starts on CUDA
+    if not hasattr(pool, "process"):
+        pytest.skip(f"this torch's Inductor pool is a {type(pool).__name__}, not a SubprocPool")
+    job = pool.submit(time.sleep, 600)  # a compile that outlives the run
+    t0 = time.time()
+    assert stop_inductor_compile_workers() == 1
+    assert pool.process.poll() is not None and time.time() - t0 < 10
+    assert len(async_compile._pool_set) == 0, "Inductor's atexit handler must find no pool"
+    assert job.done()
