@@ -55,16 +55,25 @@ def code_version() -> str:
 
 
 class _SignalGuard:
-    """First SIGTERM/SIGINT: finish the step, checkpoint, exit 0. Second: abort at once."""
+    """First SIGTERM/SIGINT: finish the step, checkpoint, exit 0. Another one, ``REPEAT_S`` or
+    more later: abort at once. Repeats within ``REPEAT_S`` are the same stop request delivered
+    more than once: SLURM signals every process of a job step, and torchrun and
+    scripts/run_torchrun.sh forward the one they got, so a worker sees two or three SIGTERMs
+    within milliseconds and must still save."""
+
+    REPEAT_S = 5.0
 
     def __init__(self):
         self.requested = False
+        self._first = 0.0
         self._previous = {}
 
     def _handle(self, signum, frame):
-        if self.requested:
+        now = time.monotonic()
+        if self.requested and now - self._first >= self.REPEAT_S:
             raise KeyboardInterrupt(f"second signal {signum}: aborting without a checkpoint")
-        self.requested = True
+        if not self.requested:
+            self.requested, self._first = True, now
 
     def __enter__(self):
         for sig in (signal.SIGTERM, signal.SIGINT):
