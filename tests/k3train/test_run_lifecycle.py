@@ -152,3 +152,15 @@ def test_inductor_compile_workers_are_killed_not_awaited():
     assert pool.process.poll() is not None and time.time() - t0 < 10
     assert len(async_compile._pool_set) == 0, "Inductor's atexit handler must find no pool"
     assert job.done()
+
+
+def test_repeats_of_one_stop_signal_count_once():
+    from k3train.trainer.loop import _SignalGuard
+
+    with _SignalGuard() as guard:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # the copy torchrun or SLURM also delivered
+        assert guard.requested
+        guard._first -= guard.REPEAT_S  # a signal REPEAT_S later is a second request: abort
+        with pytest.raises(KeyboardInterrupt, match="second signal"):
+            os.kill(os.getpid(), signal.SIGTERM)
