@@ -26,7 +26,7 @@ trap 'rm -rf "$status_dir"' EXIT
 export K3TRAIN_WORKER_STATUS_DIR=$status_dir
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}
 signalled=0
-"${TORCHRUN:-torchrun}" "${opts[@]}" --no-python bash "$here/worker_exit_status.sh" "${PYTHON:-python3}" -m k3train "$@" &
+"${TORCHRUN:-torchrun}" ${opts[@]+"${opts[@]}"} --no-python bash "$here/worker_exit_status.sh" "${PYTHON:-python3}" -m k3train "$@" &
 pid=$!
 trap 'signalled=1; kill -TERM "$pid" 2>/dev/null' TERM
 trap 'signalled=1; kill -INT "$pid" 2>/dev/null' INT
