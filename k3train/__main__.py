@@ -1,5 +1,3 @@
-import sys
+from k3train.cli import entry
 
-from k3train.cli import main
-
-sys.exit(main())
+entry()

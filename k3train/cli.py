@@ -195,14 +195,25 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("WANDB_SILENT", "true")
     _arm_stack_dump(os.environ.get("K3TRAIN_STACKS_AFTER"))
     from k3train.config import ConfigError
+    from k3train.errors import K3TrainError
 
     try:
         return args.fn(args)
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
+    except (ConfigError, K3TrainError, ValueError, FileNotFoundError) as exc:
         # Bad input: one clear message, no traceback. Bugs (other exceptions) keep their traceback.
         print(f"k3train: error: {exc}", file=sys.stderr)
         return 2
 
 
+def entry() -> None:
+    """``k3train`` and ``python -m k3train``: ``main``, then an exit that leftover compile
+    workers, executor threads or process groups cannot delay (k3train/process_exit.py)."""
+    code = main()
+    from k3train.process_exit import finish_process
+
+    finish_process(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -40,6 +40,23 @@ def _launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def _attempt_store(timeout: timedelta) -> dist.Store:
+    """torchrun's rendezvous store, seen through a prefix of its own for each restart attempt.
+
+    ``torchrun --max-restarts`` keeps one TCP store server for all attempts (its agent shares
+    it with the workers, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` unset), and torch's ``env://``
+    rendezvous adds no per-attempt prefix. A restarted worker group then reads the addresses
+    the dead attempt's ranks published for gloo's full mesh and for every later group, and
+    fails in ``connectFullMesh ... Connection refused`` or hangs creating megatron-core's
+    groups. Keys under ``attempt_<TORCHELASTIC_RESTART_COUNT>/`` are fresh in each attempt.
+    """
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_store and rank == 0, timeout=timeout, multi_tenant=True)
+    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def check_layout(world_size: int, tp: int, pp: int, ep: int) -> int:
     """Return the data-parallel size or raise naming the impossible layout."""
     if world_size % (tp * pp):
@@ -63,7 +80,9 @@ def init_distributed(tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, device
         if _launched_by_torchrun():
             if device == "cuda":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(backend, timeout=timedelta(minutes=30))
+            timeout = timedelta(minutes=30)
+            dist.init_process_group(backend, store=_attempt_store(timeout), rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     world, rank = dist.get_world_size(), dist.get_rank()

@@ -12,13 +12,16 @@ An ablation file::
       - {name: off, overrides: [model.attnres.enabled=false]}
 
 Variants run one after another in this process (``k3train.trainer.loop.train``), each in
-``OUT/<variant>/``. A variant whose directory holds ``DONE`` is skipped; one with a checkpoint
-but no ``DONE`` (an interrupted sweep) resumes from it. Results go to ``OUT/results.md``,
+``OUT/<variant>/``. A finished variant's directory holds ``DONE``, keyed by the variant's
+resolved config (``config_key``); a rerun skips it when the key matches and refuses when it
+does not (the variant was made with other settings: another ``--out`` keeps both). One with a
+checkpoint but no ``DONE`` (an interrupted sweep) resumes from it. Results go to ``OUT/results.md``,
 ``OUT/results.csv`` and ``OUT/loss_curves.png``.
 """
 from __future__ import annotations
 
 import csv
+import hashlib
 import itertools
 import json
 import re
@@ -28,6 +31,7 @@ from pathlib import Path
 import yaml
 
 from k3train.config import ConfigError, RunConfig, load_config
+from k3train.errors import RunDirError
 from k3train.plots import plot_loss_curves, read_metrics
 
 __all__ = ["Sweep", "Variant", "load_sweep", "run_sweep", "collect_result", "write_results"]
@@ -129,6 +133,29 @@ def variant_config(sweep: Sweep, variant: Variant, extra: list[str] = ()) -> Run
         raise ConfigError(f"sweep variant '{variant.name}': {exc}") from None
 
 
+# Sections that do not change what a variant trains: a rerun that only changes them reuses it.
+_KEY_IGNORES = ("logging", "checkpoint")
+
+
+def config_key(cfg: RunConfig) -> str:
+    """The sha256 of a variant's resolved config (without ``_KEY_IGNORES``), kept in ``DONE``."""
+    fields = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in _KEY_IGNORES}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def _done_state(run_dir: Path, cfg: RunConfig) -> str:
+    """"to run" (no DONE), "done" (DONE with this config's key) or "stale" (DONE of other
+    settings, or of a k3train that wrote no key)."""
+    done = run_dir / "DONE"
+    if not done.is_file():
+        return "to run"
+    try:
+        key = json.loads(done.read_text()).get("config_key")
+    except (ValueError, AttributeError):
+        key = None
+    return "done" if key == config_key(cfg) else "stale"
+
+
 def _final_recall_accuracy(cfg: RunConfig, run_dir: Path) -> float | None:
     """MQAR recall accuracy of the run's final checkpoint on its validation batches (one-process
     layouts only: the single rank file then holds the whole model)."""
@@ -209,9 +236,14 @@ def run_sweep(path: str | Path, out: str | Path | None = None, extra: list[str] 
     configs = [(v, variant_config(sweep, v, list(extra))) for v in sweep.variants]  # fail before any training
     if dry_run:
         for v, cfg in configs:
-            state = "done" if (out / v.name / "DONE").is_file() else "to run"
+            state = _done_state(out / v.name, cfg)
             print(f"{v.name:<28} {state:<7} {out / v.name}  {' '.join(v.overrides)}")
         return []
+    stale = [v.name for v, cfg in configs if _done_state(out / v.name, cfg) == "stale"]
+    if stale:  # before any training, so that nothing is half redone
+        raise RunDirError(f"sweep variants {stale} in {out} were finished with other settings than "
+                          f"this sweep resolves to (their DONE key differs); pass another --out, or "
+                          f"delete those variant directories to train them again")
     rows, curves = [], {}
     for v, cfg in configs:
         run_dir = out / v.name
@@ -224,7 +256,8 @@ def run_sweep(path: str | Path, out: str | Path | None = None, extra: list[str] 
             if summary.get("steps", 0) < cfg.train.steps:  # stopped by a signal: leave it resumable
                 print(f"[sweep] {v.name} stopped at step {summary.get('steps')}; rerun the sweep to resume")
                 break
-            (run_dir / "DONE").write_text(f"{summary.get('steps')}\n")
+            (run_dir / "DONE").write_text(json.dumps({"steps": summary.get("steps"),
+                                                      "config_key": config_key(cfg)}) + "\n")
         row, records = collect_result(v.name, cfg, run_dir)
         rows.append(row)
         curves[v.name] = records

@@ -1,6 +1,7 @@
 """The training run: set-up, the step loop, evaluation, logging, checkpoints, signals."""
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -21,7 +22,9 @@ from k3train.trainer.data import build_data
 from k3train.flops import flops_per_token
 from k3train.trainer.metrics import MetricsLogger
 from k3train.trainer.report import measure_peak_flops, write_end_of_run_plots
+from k3train.trainer.run_lock import RunDirLock
 from k3train.trainer.state import TrainState
+from k3train.trainer.stop import stop_agreed
 from optim import apply_lr, lr_factor
 
 
@@ -54,16 +57,25 @@ def code_version() -> str:
 
 
 class _SignalGuard:
-    """First SIGTERM/SIGINT: finish the step, checkpoint, exit 0. Second: abort at once."""
+    """First SIGTERM/SIGINT: finish the step, checkpoint, exit 0. Another one, ``REPEAT_S`` or
+    more later: abort at once. Repeats within ``REPEAT_S`` are the same stop request delivered
+    more than once: SLURM signals every process of a job step, and torchrun and
+    scripts/run_torchrun.sh forward the one they got, so a worker sees two or three SIGTERMs
+    within milliseconds and must still save."""
+
+    REPEAT_S = 5.0
 
     def __init__(self):
         self.requested = False
+        self._first = 0.0
         self._previous = {}
 
     def _handle(self, signum, frame):
-        if self.requested:
+        now = time.monotonic()
+        if self.requested and now - self._first >= self.REPEAT_S:
             raise KeyboardInterrupt(f"second signal {signum}: aborting without a checkpoint")
-        self.requested = True
+        if not self.requested:
+            self.requested, self._first = True, now
 
     def __enter__(self):
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -77,7 +89,15 @@ class _SignalGuard:
 
 def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, stop_at: int | None = None) -> dict:
     """Run training; returns a summary dict. ``stop_at`` ends the run early after that step
-    (as a preemption would), keeping the schedule of ``train.steps``."""
+    (as a preemption would), keeping the schedule of ``train.steps``. Rank 0 holds the run
+    directory's lock (k3train/trainer/run_lock.py) for the whole run, before anything in the
+    directory is read or written; a second run on the directory raises ``RunDirError``."""
+    # The global rank from torchrun's environment: the lock comes before the process group.
+    with RunDirLock(run_dir, enabled=int(os.environ.get("RANK", "0")) == 0):
+        return _train(cfg, run_dir, resume=resume, stop_at=stop_at)
+
+
+def _train(cfg: RunConfig, run_dir: str | Path, resume: bool, stop_at: int | None) -> dict:
     run_dir = Path(run_dir)
     prepare_cuda_env(cfg)
     kernels.apply(cfg)  # the run's kernels: section decides every op family's backend
@@ -116,7 +136,7 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, stop_at: in
     if cfg.train.compile_ahead:
         state.compile_kernels()
     logger = MetricsLogger(run_dir, cfg.logging.wandb, cfg.model_dump(mode="json"), enabled=main,
-                           resume=resume and start_step > 0)
+                           resume=resume and start_step > 0, keep_through=start_step)
     if main:
         print(f"[k3train] code {code_version()} | device {device} | world {info.world_size} "
               f"(tp {p.tp} pp {p.pp} dp {info.dp}) | {state.describe()}")
@@ -126,7 +146,8 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, stop_at: in
     last_step = min(cfg.train.steps, stop_at or cfg.train.steps)
     bar = tqdm(total=last_step, initial=start_step, disable=not (main and cfg.logging.progress_bar),
                desc="train", dynamic_ncols=True, file=sys.stdout)
-    summary: dict = {"first_loss": None, "last_loss": None, "val_loss": None, "steps": start_step}
+    summary: dict = {"first_loss": None, "last_loss": None, "val_loss": None, "steps": start_step,
+                     "stopped_by_signal": False}
     skips, window_tokens, window_start = 0, 0, time.perf_counter()
     warmup = min(cfg.optim.warmup_steps, cfg.train.steps)  # a short run (train.steps=5) keeps working
     with _SignalGuard() as guard:
@@ -163,11 +184,14 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, stop_at: in
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
                 window_tokens, window_start = 0, time.perf_counter()
             interval = cfg.checkpoint.interval
-            stop_now = guard.requested or step == last_step
+            # Every rank stops at the same step when any one got a signal (k3train/trainer/stop.py).
+            signalled = stop_agreed(guard.requested, dev)
+            stop_now = signalled or step == last_step
             if (interval and step % interval == 0) or stop_now:
                 save_checkpoint(ckpt_dir, step, {**state.state_dict(step), "data": data.train.state_dict()},
                                 layout=layout, keep_last=cfg.checkpoint.keep_last, coords=parallel_coords())
-            if guard.requested:
+            if signalled:
+                summary["stopped_by_signal"] = True
                 if main:
                     print(f"\n[k3train] signal received: saved step {step} to {ckpt_dir}; exiting")
                 break

@@ -13,7 +13,10 @@ class MetricsLogger:
     """Main-rank logger. ``log(record)`` appends one JSON line and forwards it to wandb."""
 
     def __init__(self, run_dir: Path, wandb_cfg: WandbConfig, config: dict, enabled: bool = True,
-                 resume: bool = False):
+                 resume: bool = False, keep_through: int | None = None):
+        """``resume``: append to the existing file; ``keep_through``: with ``resume``, the step
+        of the checkpoint resumed from: records of later steps (logged before a crash, after
+        that save) are dropped, as the resumed run logs those steps again."""
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self._wandb = None
@@ -21,6 +24,8 @@ class MetricsLogger:
             return
         if not resume and self.path.exists():
             self.path.unlink()
+        if resume and keep_through is not None:
+            _drop_records_after(self.path, keep_through)
         if wandb_cfg.mode != "disabled":
             self._wandb = _start_wandb(Path(run_dir), wandb_cfg, config)
 
@@ -33,13 +38,14 @@ class MetricsLogger:
             self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 
     def log_images(self, paths: dict[str, str | Path], step: int) -> None:
-        """Log PNGs (e.g. from ``k3train.plots``) under their keys in one wandb step; files
+        """Log PNGs (e.g. from ``k3train.plots``) as ``plots/<key>`` in one wandb step; files
         that do not exist are skipped, so a plot that could not be drawn never stops a run."""
         if self._wandb is None:
             return
         import wandb
 
-        images = {k: wandb.Image(str(p)) for k, p in paths.items() if Path(p).is_file()}
+        # Under "plots/": a bare "loss" image would replace the scalar "loss" series at this step.
+        images = {f"plots/{k}": wandb.Image(str(p)) for k, p in paths.items() if Path(p).is_file()}
         if images:
             self._wandb.log(images, step=step)
 
@@ -47,6 +53,26 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+def _drop_records_after(path: Path, step: int) -> None:
+    """Rewrite ``path`` (atomically) without the records of steps after ``step``, and without a
+    torn last line that a kill mid-write can leave."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines()
+    kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]
+    if len(kept) < len(lines):
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        os.replace(tmp, path)
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _start_wandb(run_dir: Path, cfg: WandbConfig, config: dict):

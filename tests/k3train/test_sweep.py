@@ -79,3 +79,30 @@ def test_shipped_ablation_files_resolve(name):
     assert len(sweep.variants) >= 2
     for v in sweep.variants:
         variant_config(sweep, v)
+
+
+def test_rerun_with_other_settings_refuses_finished_variants(tmp_path, monkeypatch, capsys):
+    from k3train.errors import RunDirError
+
+    calls = []
+
+    def fake_train(cfg, run_dir, resume=False):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        calls.append((run_dir.name, cfg.optim.lr))
+        return {"steps": cfg.train.steps}
+
+    monkeypatch.setattr(loop, "train", fake_train)
+    path = _ablation(tmp_path, overrides=["train.steps=2"], grid={"optim.name": ["adamw", "muon"]})
+    out = tmp_path / "out"
+    run_sweep(path, out)
+    assert [c[0] for c in calls] == ["name-adamw", "name-muon"]
+    calls.clear()
+    run_sweep(path, out, ["logging.progress_bar=false"])  # logging does not change what is trained
+    assert calls == []
+    with pytest.raises(RunDirError, match=r"\['name-adamw', 'name-muon'\].*other settings.*--out"):
+        run_sweep(path, out, ["optim.lr=1e-4"])
+    assert calls == [], "nothing retrained or reused under the new settings"
+    assert cli_main(["sweep", str(path), "--out", str(out), "--dry-run", "optim.lr=1e-4"]) == 0
+    assert capsys.readouterr().out.count("stale") == 2
+    run_sweep(path, tmp_path / "other", ["optim.lr=1e-4"])  # another --out trains them afresh
+    assert calls == [("name-adamw", 1e-4), ("name-muon", 1e-4)]

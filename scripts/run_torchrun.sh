@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# torchrun for k3train, exiting with the workers' outcome (what SLURM requeue logic needs):
+#   scripts/run_torchrun.sh TORCHRUN_OPTIONS... -- K3TRAIN_ARGS...
+# e.g. scripts/run_torchrun.sh --standalone --nproc-per-node 2 -- train --config configs/k3_tiny.yaml
+#
+# torchrun exits 1 whenever it received a signal (it raises its own SignalException), even when
+# every worker finished its step, saved a checkpoint and exited 0, as k3train's workers do on
+# SIGTERM. So each worker runs under scripts/worker_exit_status.sh, which records its exit
+# status; when a signal stopped the run and every worker that started on this node exited 0,
+# this script exits 0. Any other outcome passes torchrun's status through (non-zero).
+# Signals reaching this script go to torchrun, which forwards them to the workers; k3train
+# treats repeats of one stop request (SLURM signals every process of a step) as one.
+# TORCH_ELASTIC_SHUTDOWN_TIMEOUT (default here 300 s; torchrun's own default is 30 s): how
+# long torchrun lets signalled workers finish their step and save before it SIGKILLs them.
+set -u
+opts=()
+while [[ $# -gt 0 && $1 != -- ]]; do opts+=("$1"); shift; done
+if [[ $# -lt 2 ]]; then
+  echo "usage: $0 TORCHRUN_OPTIONS... -- K3TRAIN_ARGS..." >&2
+  exit 2
+fi
+shift
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+status_dir=$(mktemp -d "${TMPDIR:-/tmp}/k3train-workers.XXXXXX")
+trap 'rm -rf "$status_dir"' EXIT
+export K3TRAIN_WORKER_STATUS_DIR=$status_dir
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}
+signalled=0
+"${TORCHRUN:-torchrun}" ${opts[@]+"${opts[@]}"} --no-python bash "$here/worker_exit_status.sh" "${PYTHON:-python3}" -m k3train "$@" &
+pid=$!
+trap 'signalled=1; kill -TERM "$pid" 2>/dev/null' TERM
+trap 'signalled=1; kill -INT "$pid" 2>/dev/null' INT
+wait "$pid"
+rc=$?
+# A trapped signal interrupts wait (status > 128): wait again while the child lives, and once
+# more after, for its own status (127: the shell had already reaped it).
+while [[ $rc -gt 128 ]] && kill -0 "$pid" 2>/dev/null; do wait "$pid"; rc=$?; done
+if [[ $rc -gt 128 ]]; then wait "$pid" 2>/dev/null; again=$?; [[ $again -ne 127 ]] && rc=$again; fi
+if [[ $rc -ne 0 && $signalled -eq 1 ]]; then
+  started=$(find "$status_dir" -name 'rank_*.started' | wc -l)
+  clean=$(grep -lx 0 "$status_dir"/rank_*.status 2>/dev/null | wc -l)
+  if [[ $started -gt 0 && $clean -eq $started ]]; then
+    echo "[k3train] stopped by a signal: all $started workers on this node saved and exited 0" \
+         "(torchrun's own status $rc reflects only that it was signalled)" >&2
+    exit 0
+  fi
+fi
+exit "$rc"
