@@ -17,30 +17,31 @@ from pipeline.stage_io import StageIO
 
 
 class AuxLossAttach(torch.autograd.Function):
-    """Identity on ``x`` whose backward also sends ``grad_scale`` into ``aux``.
+    """Identity on ``x`` whose backward also sends ``scale`` into ``aux``.
 
     Lets a layer deep inside a pipeline chunk contribute a loss term (the MoE balance loss)
     without returning it through every stage boundary.
     """
 
-    grad_scale = 1.0  # the trainer sets 1/microbatches, matching how the main loss is averaged
-
     @staticmethod
-    def forward(ctx, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.save_for_backward(aux)
+        ctx.scale = scale
         return x
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (aux,) = ctx.saved_tensors
-        return grad, torch.full_like(aux, AuxLossAttach.grad_scale)
+        return grad, torch.full_like(aux, ctx.scale), None
 
 
 class K3Layer(nn.Module):
     def __init__(self, *, index: int, mixer: nn.Module, ffn: nn.Module, hidden_size: int,
-                 attnres_block_size: int | None, eps: float = 1e-6):
+                 attnres_block_size: int | None, eps: float = 1e-6, aux_grad_scale: float = 1.0):
         super().__init__()
         self.index = index
+        # The balance loss's gradient weight: 1/microbatches, as the main loss is averaged.
+        self.aux_grad_scale = aux_grad_scale
         self.mixer_norm, self.mixer = RMSNorm(hidden_size, eps), mixer
         self.ffn_norm, self.ffn = RMSNorm(hidden_size, eps), ffn
         self.block_size = attnres_block_size
@@ -61,7 +62,7 @@ class K3Layer(nn.Module):
         # routing record; dense FFNs have none.
         aux = self.ffn.routing.aux_loss if isinstance(self.ffn, LatentMoE) else None
         if aux is not None and torch.is_grad_enabled():
-            y = AuxLossAttach.apply(y, aux)
+            y = AuxLossAttach.apply(y, aux, self.aux_grad_scale)
         return y
 
     def forward(self, io: StageIO) -> StageIO:

@@ -88,7 +88,8 @@ def build_layer(cfg: RunConfig, index: int) -> K3Layer:
                             init_std=std)
         block = m.attnres.block_size if m.attnres.enabled else None
         return K3Layer(index=index, mixer=mixer, ffn=ffn, hidden_size=m.hidden_size,
-                       attnres_block_size=block, eps=m.norm_eps)
+                       attnres_block_size=block, eps=m.norm_eps,
+                       aux_grad_scale=1.0 / cfg.train.microbatches)
 
 
 def produced_blocks(cfg: RunConfig, ranges: list[tuple[int, int]]) -> list[list[int]]:

@@ -8,7 +8,6 @@ import torch
 from k3train.config import RunConfig
 from k3train.distributed import ParallelContext, ParallelInfo, parallel_context
 from k3train.model.info import count_parameters
-from k3train.model.layer import AuxLossAttach
 from k3train import kernels
 from k3train.model.model import moe_layer_indices
 from k3train.ops.triton_compile import compile_ahead
@@ -134,7 +133,6 @@ class TrainState:
         on the device). Gradients accumulate in ``.grad``; nothing is reduced or stepped."""
         m = self.cfg.train.microbatches
         batch = batch.to(self.device, non_blocking=True)
-        AuxLossAttach.grad_scale = 1.0 / m
         self.model.train()
         if self.engine is not None:
             with self.autocast:
