@@ -60,7 +60,10 @@ def depth_attention_weights(state, batch: torch.Tensor, targets) -> list[torch.T
     state.model.eval()
     try:
         if state.engine is not None:
-            state.engine.eval_step([(batch[:, :-1], targets(batch))])
+            # The interleaved schedule (vpp > 1) needs at least P microbatches: run the same one
+            # P times, so every recorded weight is still this batch's.
+            copies = state.engine.P if state.engine.V > 1 else 1
+            state.engine.eval_step([(batch[:, :-1], targets(batch))] * copies)
         else:
             state.model(batch[:, :-1], targets(batch))
     finally:

@@ -87,18 +87,19 @@ def _train_rank_saving_plots(rank, world_size, run_dir, overrides):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides, ref_overrides, same_val_batch", [
-    (["parallel.pp=2"], [], True),
+    (["parallel.pp=2", "parallel.vpp=2"], [], True),
     (["parallel.tp=2"], [], True),
     # EP=2 is DP=2: the reference sees both ranks' micro-batches as one of 8; the depth plot
     # uses the main rank's validation batch, half of the reference's.
     (["parallel.ep=2"], ["train.micro_batch_size=8"], False),
-], ids=["pp2", "tp2", "ep2"])
+], ids=["pp2-vpp2", "tp2", "ep2"])
 def test_moe_metrics_and_plots_cover_every_rank(tmp_path, monkeypatch, overrides, ref_overrides,
                                                 same_val_batch):
-    """Two ranks. pp=2: rank 0 holds MoE layer 0, rank 1 layers 1-2; tp/ep=2: the AttnRes
-    forward needs both ranks. The logged moe/* metrics, the expert load heatmap and the AttnRes
-    depth heatmap must cover every layer, as the one-process run does (under PP they covered
-    rank 0's layer only, and attnres_depth.png was written under none of the three)."""
+    """Two ranks. pp=2, vpp=2: one layer per chunk, rank 0 holds MoE layer 1 (chunk 2), rank 1
+    MoE layers 0 and 2 (chunks 1 and 3); tp/ep=2: the AttnRes forward needs both ranks. The
+    logged moe/* metrics, the expert load heatmap and the AttnRes depth heatmap must cover
+    every layer, as the one-process run does (under PP they covered rank 0's layers only, and
+    attnres_depth.png was written under none of the three)."""
     import torch
 
     import k3train.trainer.report as report
