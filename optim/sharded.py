@@ -10,8 +10,8 @@ the part of the model it owns, updates that part, and shares the result.
 reduces each Muon gradient to its owner (both to ``optim.grads``' convention: summed over the
 copies, divided by the DP size), computes the global grad norm from the owned parts and clips
 (``optim.grads``), updates the owned parts (torch's AdamW; Muon), then all-gathers the AdamW
-shards and broadcasts each Muon matrix from its owner. Ownership, communication volume, memory and the
-expert / pipeline cases are described in ``docs/optim_sharding.md``.
+shards and broadcasts each Muon matrix from its owner. Ownership, communication volume, memory
+and the expert / pipeline cases are described in ``docs/optim_sharding.md``.
 """
 from __future__ import annotations
 
