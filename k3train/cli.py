@@ -158,12 +158,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     os.environ.setdefault("WANDB_SILENT", "true")
     _arm_stack_dump(os.environ.get("K3TRAIN_STACKS_AFTER"))
-    from k3train.config import ConfigError
+    from k3train.errors import K3TrainError
 
     try:
         return args.fn(args)
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
-        # Bad input: one clear message, no traceback. Bugs (other exceptions) keep their traceback.
+    except K3TrainError as exc:  # ConfigError is one too
+        # Bad input or a refused operation: one clear message, no traceback. Everything else
+        # (an internal ValueError included) is a bug and keeps its traceback.
         print(f"k3train: error: {exc}", file=sys.stderr)
         return 2
 

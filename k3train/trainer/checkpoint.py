@@ -22,11 +22,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from k3train.errors import CheckpointError
 from k3train.trainer import faults
 
-
-class CheckpointError(RuntimeError):
-    pass
+__all__ = ["CheckpointError", "latest_checkpoint", "load_checkpoint", "save_checkpoint", "verify_checkpoint"]
 
 
 def _sha256(path: Path) -> str:

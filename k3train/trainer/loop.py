@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from k3train.config import RunConfig, save_config
 from k3train.distributed import init_distributed
+from k3train.errors import TrainingStopped, UsageError
 from k3train.trainer import faults
 from k3train.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from k3train.trainer.data import build_data
@@ -30,13 +31,9 @@ def parallel_coords() -> dict:
             "ep": ps.get_expert_model_parallel_rank(), "dp": ps.get_data_parallel_rank()}
 
 
-class TrainingStopped(RuntimeError):
-    """Raised to stop a run with a clear message (e.g. too many non-finite steps)."""
-
-
 def pick_device(choice: str) -> str:
     if choice == "cuda" and not torch.cuda.is_available():
-        raise ValueError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
+        raise UsageError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
     if choice == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return choice

@@ -6,6 +6,7 @@ import contextlib
 import torch
 from megatron.core import parallel_state
 
+from k3train.errors import LayoutError, UsageError
 from k3train.config import RunConfig
 from k3train.distributed import ParallelInfo
 from k3train.model.info import count_parameters
@@ -38,12 +39,12 @@ def use_cuda_graph(cfg: RunConfig, info: ParallelInfo, device: torch.device) -> 
     if want == "auto":
         return device.type == "cuda" and info.dp == 1 and not cfg.cuda_graph_blockers()
     if device.type != "cuda":
-        raise ValueError(f"train.cuda_graph needs a CUDA device, this run is on {device.type}; "
+        raise UsageError(f"train.cuda_graph needs a CUDA device, this run is on {device.type}; "
                          "set train.cuda_graph=false (or auto)")
     if info.dp > 1:
         # Nothing data-parallel is recorded (gradients are reduced after the replay), but only
         # the one-GPU path has been run on hardware so far.
-        raise ValueError(f"train.cuda_graph runs on one GPU only (this run has dp={info.dp}); "
+        raise UsageError(f"train.cuda_graph runs on one GPU only (this run has dp={info.dp}); "
                          "set train.cuda_graph=false (or auto) for data-parallel runs")
     return True
 
@@ -56,7 +57,7 @@ class TrainState:
         """targets: windows [B, T+1] -> loss targets [B, T] (default: every next token; MQAR
         masks all but the recalled values with -100)."""
         if info.ep > 1 and info.tp > 1:
-            raise ValueError("parallel.ep > 1 together with parallel.tp > 1 is not supported yet "
+            raise LayoutError("parallel.ep > 1 together with parallel.tp > 1 is not supported yet "
                              "(experts would need expert-tensor-parallel groups); use tp=1 with ep")
         self.cfg, self.info, self.device = cfg, info, device
         self.targets = targets if targets is not None else (lambda w: w[:, 1:])

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from k3train.errors import DataError
 from k3train.data import (
     BatchIterator,
     ByteTokenizer,
@@ -102,11 +103,11 @@ def test_truncated_and_missing_files_detected(prepared, tok):
     with pytest.raises(ValueError, match="ds.bin is truncated or corrupt"):
         TokenSource.from_prefix(prefix, tok)
     bin_path.unlink()
-    with pytest.raises(FileNotFoundError, match="ds.bin is missing"):
+    with pytest.raises(DataError, match="ds.bin is missing"):
         TokenSource.from_prefix(prefix, tok)
     bin_path.write_bytes(data)
     (prefix.parent / "ds.meta.json").unlink()
-    with pytest.raises(FileNotFoundError, match="did not finish"):
+    with pytest.raises(DataError, match="did not finish"):
         TokenSource.from_prefix(prefix, tok)
 
 
@@ -116,7 +117,7 @@ def test_prepare_input_errors(tmp_path, tok):
     allowed = r"allowed: \.txt, \.jsonl, \.parquet"
     with pytest.raises(ValueError, match=r"d\.csv has unsupported extension '\.csv'; " + allowed):
         prepare_data([tmp_path / "d.csv"], out, tok)
-    with pytest.raises(FileNotFoundError, match="input file not found: .*nope.txt"):
+    with pytest.raises(DataError, match="input file not found: .*nope.txt"):
         prepare_data([tmp_path / "nope.txt"], out, tok)
     (tmp_path / "e.jsonl").write_text('{"text": "ok"}\n{"body": "no text"}\n')
     with pytest.raises(ValueError, match=r"e\.jsonl:2: no field 'text' \(found: \['body'\]\)"):
