@@ -26,7 +26,7 @@ def _cmd_train(args) -> int:
     from k3train.trainer.loop import train
 
     run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem)
-    train(cfg, run_dir, resume=args.resume)
+    train(cfg, run_dir, resume=args.resume, overwrite=args.overwrite)
     return 0
 
 
@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", help="where config.yaml, metrics.jsonl and checkpoints go "
                                      "(default runs/<config name>)")
     p.add_argument("--resume", action="store_true", help="continue from the newest verified checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over in a run directory that holds a run: its files move to "
+                        "RUN_DIR/archive/<time>/ first (docs/run-directory.md)")
     p.set_defaults(fn=_cmd_train)
 
     p = sub.add_parser("model-info", help="print total and activated parameters per component")

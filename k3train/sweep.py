@@ -220,7 +220,7 @@ def run_sweep(path: str | Path, out: str | Path | None = None, extra: list[str] 
         else:
             resume = (run_dir / "checkpoints" / "latest").is_file()
             print(f"[sweep] {v.name}: {'resuming' if resume else 'training'} in {run_dir}")
-            summary = loop.train(cfg, run_dir, resume=resume)
+            summary = loop.train(cfg, run_dir, resume=resume, overwrite=not resume)
             if summary.get("steps", 0) < cfg.train.steps:  # stopped by a signal: leave it resumable
                 print(f"[sweep] {v.name} stopped at step {summary.get('steps')}; rerun the sweep to resume")
                 break

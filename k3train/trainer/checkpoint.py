@@ -100,13 +100,16 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, state: dict[str, Any
         os.replace(tmp, final)
         _fsync_dir(ckpt_dir)
         _write_atomic_text(ckpt_dir / "latest", final.name)
-        _prune(ckpt_dir, keep_last)
+        _prune(ckpt_dir, keep_last, step)
     _barrier()
     return final
 
 
-def _prune(ckpt_dir: Path, keep_last: int) -> None:
-    steps = sorted(p for p in ckpt_dir.glob("step_*") if p.is_dir())
+def _prune(ckpt_dir: Path, keep_last: int, step: int) -> None:
+    """Keep the ``keep_last`` newest checkpoints up to ``step``, the one just saved. Directories
+    of later steps (a resume from an older checkpoint) are never pruned in their favour: keeping
+    "the highest numbers" once deleted the checkpoint just written."""
+    steps = sorted(p for p in ckpt_dir.glob("step_*") if p.is_dir() and p.name <= _step_name(step))
     for old in steps[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
 

@@ -15,11 +15,12 @@ from k3train.config import RunConfig, save_config
 from k3train.distributed import init_distributed
 from k3train.errors import TrainingStopped, UsageError
 from k3train.trainer import faults
-from k3train.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from k3train.trainer.checkpoint import load_checkpoint, save_checkpoint
 from k3train.trainer.data import build_data
 from k3train.flops import flops_per_token
 from k3train.trainer.metrics import MetricsLogger
 from k3train.trainer.report import measure_peak_flops, write_end_of_run_plots
+from k3train.trainer.run_dir import decided_on_rank0, load_error, plan_run_dir
 from k3train.trainer.state import TrainState
 from optim import apply_lr, lr_factor
 
@@ -70,9 +71,12 @@ class _SignalGuard:
             signal.signal(sig, handler)
 
 
-def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, stop_at: int | None = None) -> dict:
+def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, stop_at: int | None = None,
+          overwrite: bool = False) -> dict:
     """Run training; returns a summary dict. ``stop_at`` ends the run early after that step
-    (as a preemption would), keeping the schedule of ``train.steps``."""
+    (as a preemption would), keeping the schedule of ``train.steps``. A ``run_dir`` that holds
+    a run needs ``resume`` (continue it) or ``overwrite`` (archive it, start over): see
+    ``k3train.trainer.run_dir``."""
     run_dir = Path(run_dir)
     device = pick_device(cfg.train.device)
     if cfg.train.threads:
@@ -83,28 +87,26 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, stop_at: in
         torch.cuda.set_device(info.local_rank)
     dev = torch.device(device, info.local_rank) if device == "cuda" else torch.device("cpu")
     main = info.is_main
-    if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
+    layout = {**info.__dict__, "zero1": cfg.optim.zero1}
+    resume_from = decided_on_rank0(lambda: plan_run_dir(run_dir, resume, overwrite, info.world_size, layout))
 
     data = build_data(cfg, parallel_state.get_data_parallel_rank(), info.dp)
     state = TrainState(cfg, info, dev, targets=data.targets)
     peak_flops = measure_peak_flops(dev)
     flops_token = flops_per_token(cfg)
     ckpt_dir = run_dir / "checkpoints"
-    layout = {**info.__dict__, "zero1": cfg.optim.zero1}
     start_step = 0
-    if resume:
-        path = latest_checkpoint(ckpt_dir)
-        if path is None:
-            if main:
-                print(f"[k3train] --resume: no checkpoint in {ckpt_dir}, starting from step 0")
-        else:
-            _, saved = load_checkpoint(path, layout=layout, coords=parallel_coords())
+    if resume_from is not None:
+        _, saved = load_checkpoint(resume_from, layout=layout, coords=parallel_coords())
+        try:
             start_step = state.load_state_dict(saved)
             data.train.load_state_dict(saved["data"])
-            if main:
-                print(f"[k3train] resumed from {path} (step {start_step})")
+        except (RuntimeError, KeyError, ValueError) as exc:  # shapes or keys of another model
+            raise load_error(resume_from, exc, run_dir) from None
+        if main:
+            print(f"[k3train] resumed from {resume_from} (step {start_step})")
+    if main:  # only now: a refused resume must leave the config its checkpoints were saved with
+        save_config(cfg, run_dir / "config.yaml")
     if cfg.train.compile_ahead:
         state.compile_kernels()
     logger = MetricsLogger(run_dir, cfg.logging.wandb, cfg.model_dump(mode="json"), enabled=main,
