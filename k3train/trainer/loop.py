@@ -17,6 +17,7 @@ from k3train.errors import TrainingStopped, UsageError
 from k3train.trainer import faults
 from k3train.trainer.checkpoint import load_checkpoint, save_checkpoint
 from k3train.trainer.data import build_data
+from k3train.trainer.guards import last_checkpoint_note, params_finite
 from k3train.flops import flops_per_token
 from k3train.trainer.metrics import MetricsLogger
 from k3train.trainer.report import measure_peak_flops, write_end_of_run_plots
@@ -137,7 +138,7 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, stop_at: in
             if skips >= cfg.train.max_consecutive_skips:
                 raise TrainingStopped(
                     f"{skips} consecutive steps had a non-finite loss or gradient (last at step {step}); "
-                    f"lower optim.lr or inspect the data. The last checkpoint is in {ckpt_dir}")
+                    f"lower optim.lr or inspect the data. {last_checkpoint_note(ckpt_dir, cfg.checkpoint.interval)}")
             window_tokens += tokens_per_step
             loss = out["loss"]
             summary["first_loss"] = summary["first_loss"] if summary["first_loss"] is not None else loss
@@ -159,6 +160,11 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, stop_at: in
             interval = cfg.checkpoint.interval
             stop_now = guard.requested or step == last_step
             if (interval and step % interval == 0) or stop_now:
+                if not params_finite(state.params, dev):
+                    raise TrainingStopped(
+                        f"step {step}: the parameters hold inf or NaN values, so step {step} was not saved "
+                        f"(it could not resume); lower optim.lr or inspect the data. "
+                        f"{last_checkpoint_note(ckpt_dir, interval)}")
                 save_checkpoint(ckpt_dir, step, {**state.state_dict(step), "data": data.train.state_dict()},
                                 layout=layout, keep_last=cfg.checkpoint.keep_last, coords=parallel_coords())
             if guard.requested:
