@@ -207,3 +207,35 @@ def test_embedded_corpus_split(tok):
     assert int((stream == tok.eod_id).sum()) == len(docs)
     assert tok.decode(stream[: len(docs[0].encode()) + 1].tolist()) == docs[0]
     assert SequenceDataset(val, 256).__len__() > 50
+
+
+@pytest.mark.parametrize("bad_id", [300, 400], ids=["between-tokenizer-and-model-vocab", "past-model-vocab"])
+def test_token_ids_outside_the_vocabulary_are_refused_when_opened(prepared, tok, bad_id):
+    # The byte tokenizer has 257 ids (uint16 on disk); k3_tiny's model has 320 rows. 400 used to
+    # end in an IndexError inside the embedding, 300 trained silently on rows no text produces.
+    prefix, _, _ = prepared
+    bin_path = prefix.parent / "ds.bin"
+    tokens = np.fromfile(bin_path, dtype=np.uint16)
+    tokens[7] = bad_id
+    tokens.tofile(bin_path)
+    with pytest.raises(DataError, match=rf"ds\.bin holds token id {bad_id} at position 7, outside the "
+                                        rf"vocabulary \[0, {tok.vocab_size}\)"):
+        TokenSource.from_prefix(prefix, tok)
+
+
+def test_token_range_check_samples_long_streams(monkeypatch):
+    from k3train.data import dataset as ds_mod
+
+    monkeypatch.setattr(ds_mod, "_FULL_SCAN_TOKENS", 100)
+    monkeypatch.setattr(ds_mod, "_SAMPLES", 3)
+    monkeypatch.setattr(ds_mod, "_SAMPLE_TOKENS", 10)
+    tokens = np.zeros(1000, dtype=np.uint16)
+    tokens[500] = 999  # the middle sample is [495, 505) (linspace over 0..990)
+    tokens[996] = 257  # in the last chunk: found
+    with pytest.raises(DataError, match="token id 999 at position 500"):
+        ds_mod.check_token_range(tokens, 257, "stream")
+    tokens[500] = 0
+    with pytest.raises(DataError, match="token id 257 at position 996"):
+        ds_mod.check_token_range(tokens, 257, "stream")
+    tokens[996] = 256  # the largest valid id (the byte tokenizer's EOD) passes
+    ds_mod.check_token_range(tokens, 257, "stream")
