@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import socket
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -137,6 +139,39 @@ def _remove_quietly(*paths: Path) -> None:
             pass
 
 
+def _this_host() -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_temporaries(prefix: Path) -> list[Path]:
+    """Delete ``PREFIX.tmp<pid>-<host>.{bin,idx,meta.json}`` left by a killed prepare-data run
+    (up to the whole token stream each) whose process is gone; returns what was removed.
+
+    Files of a process still running, or of another host (a shared filesystem: its pid means
+    nothing here), are left alone. Names without a host come from older versions, written on
+    this host or not; they are treated as this host's."""
+    pattern = re.compile(rf"^{re.escape(prefix.name)}\.tmp(\d+)(?:-([A-Za-z0-9_-]+))?\.(bin|idx|meta\.json)$")
+    host, removed = _this_host(), []
+    if not prefix.parent.is_dir():
+        return removed
+    for path in sorted(prefix.parent.iterdir()):
+        m = pattern.match(path.name)
+        if m and m.group(2) in (None, host) and int(m.group(1)) != os.getpid() and not _running(int(m.group(1))):
+            _remove_quietly(path)
+            removed.append(path)
+    return removed
+
+
 def prepare_data(
     inputs: list[str | Path],
     output_prefix: str | Path,
@@ -160,8 +195,11 @@ def prepare_data(
     if progress is None:
         progress = sum(p.stat().st_size for p in paths) >= _PROGRESS_MIN_BYTES
 
-    # The pid in the temporary name keeps two concurrent runs from writing the same files.
-    tmp = Path(f"{prefix}.tmp{os.getpid()}")
+    for path in remove_stale_temporaries(prefix):
+        print(f"[prepare-data] removed {path}, left by an earlier run that was killed", file=sys.stderr)
+    # The pid and host in the temporary name keep two concurrent runs from writing the same
+    # files, and tell a later run whether the writer is gone.
+    tmp = Path(f"{prefix}.tmp{os.getpid()}-{_this_host()}")
     tmp_bin, tmp_idx, tmp_meta = Path(f"{tmp}.bin"), Path(f"{tmp}.idx"), Path(f"{tmp}.meta.json")
     num_docs = num_tokens = 0
     builder = None

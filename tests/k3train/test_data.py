@@ -239,3 +239,26 @@ def test_token_range_check_samples_long_streams(monkeypatch):
         ds_mod.check_token_range(tokens, 257, "stream")
     tokens[996] = 256  # the largest valid id (the byte tokenizer's EOD) passes
     ds_mod.check_token_range(tokens, 257, "stream")
+
+
+def test_prepare_removes_temporaries_of_killed_runs_only(tmp_path, tok):
+    import subprocess
+
+    from k3train.data.prepare import _this_host
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid whose process has exited
+    out, host = tmp_path / "out", _this_host()
+    out.mkdir()
+    stale = [out / f"ds.tmp{gone.pid}-{host}.bin", out / f"ds.tmp{gone.pid}-{host}.meta.json",
+             out / f"ds.tmp{gone.pid}.idx"]  # the last: the name older versions wrote
+    kept = [out / f"ds.tmp{os.getppid()}-{host}.bin",  # a live writer (pytest's parent)
+            out / f"ds.tmp{gone.pid}-otherhost.bin",  # another host's, on a shared filesystem
+            out / f"ds2.tmp{gone.pid}-{host}.bin"]  # another prefix
+    for p in stale + kept:
+        p.write_bytes(b"x" * 64)
+    (tmp_path / "a.txt").write_text(TEXTS[0], encoding="utf-8")
+    prepare_data([tmp_path / "a.txt"], out / "ds", tok)
+    assert [p for p in stale if p.exists()] == []
+    assert all(p.exists() for p in kept)
+    assert len(TokenSource.from_prefix(out / "ds", tok)) > 0
