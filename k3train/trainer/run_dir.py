@@ -5,9 +5,10 @@
   checkpoints would delete the new run's (lower-numbered) ones. ``--overwrite`` first moves the
   old run's files into ``archive/<UTC time>/`` inside the directory: nothing is deleted.
 * ``--resume`` continues from the checkpoint ``latest`` names. When ``latest`` is missing or
-  names nothing, it takes the newest step directory that verifies, and says so. When no
-  checkpoint verifies but the directory holds a run, it refuses rather than start over; an
-  empty (or new) directory starts from step 0, as a requeued job's first attempt needs.
+  names nothing, it takes the newest step directory that verifies, and says so. When step
+  directories exist but none verifies, it refuses rather than start over. With no step
+  directory at all it starts from step 0, as a requeued job's or an elastic restart's first
+  attempt needs; metrics of a run that died before its first save are archived first.
 * A directory (or its ``checkpoints/``) that cannot be written is refused here, not at the
   first save.
 
@@ -134,11 +135,19 @@ def plan_run_dir(run_dir: Path, resume: bool, overwrite: bool, world_size: int, 
         skipped = f" (skipped: {'; '.join(refused)})" if refused else ""
         log(f"[k3train] --resume: {why}; resuming from {path.name}, the newest checkpoint that verifies{skipped}")
         return path
+    if refused:
+        raise CheckpointError(f"--resume: no checkpoint in {ckpt_dir} verifies: {'; '.join(refused)}; refusing "
+                              f"to start over in a directory that holds a run. Pass --overwrite to archive it "
+                              f"and start from step 0, or choose another --run-dir")
     if holds_a_run(run_dir):
-        detail = f": {'; '.join(refused)}" if refused else ""
-        raise CheckpointError(f"--resume: no checkpoint in {ckpt_dir} verifies{detail}; refusing to start over "
-                              f"in a directory that holds a run. Pass --overwrite to archive it and start "
-                              f"from step 0, or choose another --run-dir")
+        # Metrics but no step directory at all: a run that stopped before its first save (an
+        # elastic restart's first attempt, say). Nothing can be resumed and nothing is lost by
+        # starting over, as long as its files are kept: they are archived, never deleted.
+        dest = archive_run(run_dir)
+        check_writable(run_dir)
+        log(f"[k3train] --resume: {run_dir} holds no checkpoint (the run stopped before its first save); "
+            f"its files moved to {dest}; starting from step 0")
+        return None
     log(f"[k3train] --resume: nothing to resume in {run_dir} (no checkpoints, no metrics): starting from step 0")
     return None
 

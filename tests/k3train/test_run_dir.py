@@ -129,3 +129,14 @@ def test_unusable_run_directory_is_refused_before_training(tmp_path, blocker):
     with pytest.raises(RunDirError, match=rf"{blocker if blocker != 'run_dir' else 'run'} is a file, not a directory"):
         train(_cfg("train.steps=2"), run)
     assert not (run / "metrics.jsonl").exists() if run.is_dir() else run.read_text() == "not a directory"
+
+
+def test_resume_of_a_run_that_died_before_its_first_save_archives_its_metrics(tmp_path):
+    # An elastic restart's first attempt crashed before any checkpoint: nothing to resume, and
+    # its metrics are kept (archived), not deleted or appended to.
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    notes = []
+    assert plan_run_dir(tmp_path, True, False, 1, LAYOUT, log=notes.append) is None
+    (archive,) = (tmp_path / "archive").iterdir()
+    assert (archive / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
+    assert not (tmp_path / "metrics.jsonl").exists() and "stopped before its first save" in notes[0]
