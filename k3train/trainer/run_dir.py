@@ -61,12 +61,15 @@ def holds_a_run(run_dir: Path) -> bool:
 
 
 def check_writable(run_dir: Path) -> None:
-    """Create ``run_dir`` and ``run_dir/checkpoints`` and write a probe file in each; raise
-    RunDirError naming the path that cannot be used."""
+    """Create ``run_dir`` and write a probe file in it and in ``checkpoints/`` if that exists
+    (the first save creates it inside a writable run_dir); raise RunDirError naming the path
+    that cannot be used."""
     ckpt = run_dir / "checkpoints"
     for path in (run_dir, ckpt):
         if path.exists() and not path.is_dir():
             raise RunDirError(f"{path} is a file, not a directory; move it away or choose another --run-dir")
+        if path == ckpt and not path.exists():
+            continue
         try:
             path.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryFile(dir=path):
@@ -115,7 +118,6 @@ def plan_run_dir(run_dir: Path, resume: bool, overwrite: bool, world_size: int, 
     if overwrite:
         if holds_a_run(run_dir):
             log(f"[k3train] --overwrite: moved the previous run's files to {archive_run(run_dir)}")
-            check_writable(run_dir)  # checkpoints/ moved with them
         return None
     if not resume:
         if holds_a_run(run_dir):
@@ -144,7 +146,6 @@ def plan_run_dir(run_dir: Path, resume: bool, overwrite: bool, world_size: int, 
         # elastic restart's first attempt, say). Nothing can be resumed and nothing is lost by
         # starting over, as long as its files are kept: they are archived, never deleted.
         dest = archive_run(run_dir)
-        check_writable(run_dir)
         log(f"[k3train] --resume: {run_dir} holds no checkpoint (the run stopped before its first save); "
             f"its files moved to {dest}; starting from step 0")
         return None

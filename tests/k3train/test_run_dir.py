@@ -100,7 +100,7 @@ def test_resume_of_an_empty_directory_starts_at_step_zero(tmp_path):
     # What a requeued job's first attempt (torchrun --max-restarts ... --resume) needs.
     notes = []
     assert plan_run_dir(tmp_path / "new", True, False, 1, LAYOUT, log=notes.append) is None
-    assert "nothing to resume" in notes[0] and (tmp_path / "new" / "checkpoints").is_dir()
+    assert "nothing to resume" in notes[0] and (tmp_path / "new").is_dir()
 
 
 @pytest.mark.slow  # trains a tiny model (about 10-30 s on two shared cores)
@@ -140,3 +140,34 @@ def test_resume_of_a_run_that_died_before_its_first_save_archives_its_metrics(tm
     (archive,) = (tmp_path / "archive").iterdir()
     assert (archive / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
     assert not (tmp_path / "metrics.jsonl").exists() and "stopped before its first save" in notes[0]
+
+
+def test_run_directory_that_cannot_be_written_is_refused(tmp_path, monkeypatch):
+    # Root (as in CI containers) ignores permission bits, so the failing write is simulated at
+    # the probe the check makes; the point is the one-line refusal before training.
+    import k3train.trainer.run_dir as run_dir_mod
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(run_dir_mod.tempfile, "TemporaryFile", read_only)
+    with pytest.raises(RunDirError, match=r"run directory .*run cannot be written \(Permission denied\); fix its "
+                                          r"permissions or choose another --run-dir"):
+        plan_run_dir(tmp_path / "run", False, False, 1, LAYOUT)
+
+
+def _refused_on_every_rank(rank, world, root):
+    from k3train.trainer.run_dir import decided_on_rank0
+
+    # Only rank 0 looks at the directory; rank 1 must still refuse rather than go on into the
+    # first collective and wait there.
+    with pytest.raises(RunDirError, match="already holds a run"):
+        decided_on_rank0(lambda: plan_run_dir(root, False, False, world, LAYOUT))
+
+
+@pytest.mark.slow  # spawns two gloo processes
+def test_refusal_reaches_every_rank(tmp_path):
+    from tests.multiproc import run_multiprocess
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    run_multiprocess(_refused_on_every_rank, 2, tmp_path)
