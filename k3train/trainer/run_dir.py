@@ -34,16 +34,23 @@ ARCHIVE = "archive"
 
 def decided_on_rank0(decide: Callable[[], T]) -> T:
     """Run ``decide`` on global rank 0 only and return its result on every rank; a K3TrainError
-    it raises is raised on every rank (other exceptions are bugs and stay on rank 0)."""
+    it raises is raised on every rank. Any other exception (a bug) keeps its traceback on rank 0,
+    and the other ranks stop with a line pointing there instead of waiting for rank 0."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     outcome: list = [None, None]
+    bug = None
     if rank == 0:
         try:
             outcome[0] = decide()
         except K3TrainError as exc:
             outcome[1] = exc
+        except Exception as exc:  # noqa: BLE001 - re-raised below, on rank 0 with its traceback
+            bug, outcome[1] = exc, RunDirError(f"rank 0 failed while checking the run directory "
+                                               f"({type(exc).__name__}: {exc}); see rank 0's traceback")
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(outcome, src=0)
+    if bug is not None:
+        raise bug
     if outcome[1] is not None:
         raise outcome[1]
     return outcome[0]
@@ -86,10 +93,14 @@ def archive_run(run_dir: Path) -> Path:
     base, n = dest, 1
     while dest.exists():  # two overwrites within one second
         dest, n = base.with_name(f"{base.name}-{n}"), n + 1
-    dest.mkdir(parents=True)
-    for entry in sorted(run_dir.iterdir()):
-        if entry.name != ARCHIVE and not entry.name.startswith("."):
-            shutil.move(str(entry), str(dest / entry.name))
+    try:
+        dest.mkdir(parents=True)
+        for entry in sorted(run_dir.iterdir()):
+            if entry.name != ARCHIVE and not entry.name.startswith("."):
+                shutil.move(str(entry), str(dest / entry.name))
+    except OSError as exc:
+        raise RunDirError(f"archiving the previous run in {run_dir} to {dest} failed at {exc.filename or dest} "
+                          f"({exc.strerror or exc}); what was moved is in {dest}, the rest is where it was") from None
     return dest
 
 
