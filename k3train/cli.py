@@ -26,7 +26,7 @@ def _cmd_train(args) -> int:
     from k3train.trainer.loop import train
 
     run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem)
-    train(cfg, run_dir, resume=args.resume)
+    train(cfg, run_dir, resume=args.resume, overwrite=args.overwrite)
     return 0
 
 
@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", help="where config.yaml, metrics.jsonl and checkpoints go "
                                      "(default runs/<config name>)")
     p.add_argument("--resume", action="store_true", help="continue from the newest verified checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over in a run directory that holds a run: its files move to "
+                        "RUN_DIR/archive/<time>/ first (docs/run-directory.md)")
     p.set_defaults(fn=_cmd_train)
 
     p = sub.add_parser("model-info", help="print total and activated parameters per component")
@@ -194,13 +197,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     os.environ.setdefault("WANDB_SILENT", "true")
     _arm_stack_dump(os.environ.get("K3TRAIN_STACKS_AFTER"))
-    from k3train.config import ConfigError
     from k3train.errors import K3TrainError
 
     try:
         return args.fn(args)
-    except (ConfigError, K3TrainError, ValueError, FileNotFoundError) as exc:
-        # Bad input: one clear message, no traceback. Bugs (other exceptions) keep their traceback.
+    except K3TrainError as exc:  # ConfigError is one too
+        # Bad input or a refused operation: one clear message, no traceback. Everything else
+        # (an internal ValueError included) is a bug and keeps its traceback.
         print(f"k3train: error: {exc}", file=sys.stderr)
         return 2
 

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from k3train.errors import LayoutError
+
 
 @dataclass(frozen=True)
 class ParallelInfo:
@@ -57,16 +59,25 @@ def _attempt_store(timeout: timedelta) -> dist.Store:
     return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def check_layout(world_size: int, tp: int, pp: int, ep: int) -> int:
-    """Return the data-parallel size or raise naming the impossible layout."""
+def check_layout(world_size: int, tp: int, pp: int, ep: int, vpp: int = 1) -> int:
+    """Return the data-parallel size or raise ``LayoutError`` naming the impossible layout.
+
+    Checked here, before megatron-core builds its groups: its own refusals are bare
+    RuntimeErrors or assertions that name neither our config keys nor a fix."""
+    if vpp > 1 and pp == 1:
+        raise LayoutError(f"parallel.vpp={vpp} needs parallel.pp > 1 (virtual stages interleave over "
+                          f"pipeline ranks); set parallel.vpp=1 or parallel.pp >= 2")
+    if ep > 1 and tp > 1:
+        raise LayoutError(f"parallel.ep={ep} together with parallel.tp={tp} is not supported yet (experts "
+                          f"would need expert-tensor-parallel groups); use parallel.tp=1 with ep, or ep=1")
     if world_size % (tp * pp):
-        raise ValueError(
+        raise LayoutError(
             f"world size {world_size} is not divisible by parallel.tp*parallel.pp = {tp}*{pp}; "
             f"launch a multiple of {tp * pp} processes or change tp/pp"
         )
     dp = world_size // (tp * pp)
     if (dp * tp) % ep:
-        raise ValueError(
+        raise LayoutError(
             f"parallel.ep={ep} must divide data-parallel x tensor-parallel size {dp * tp} "
             f"(world {world_size} / pp {pp})"
         )
@@ -86,7 +97,7 @@ def init_distributed(tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, device
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     world, rank = dist.get_world_size(), dist.get_rank()
-    dp = check_layout(world, tp, pp, ep)
+    dp = check_layout(world, tp, pp, ep, vpp)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(

@@ -3,6 +3,10 @@
 Anything raised as a ``K3TrainError`` is bad input or a refused operation: the message names what
 is wrong and what to do, and the CLI prints it without a traceback. Every other exception is a
 bug and keeps its traceback.
+
+The kinds that replaced a ``ValueError`` (data, layout, usage; ``ConfigError`` in
+``k3train.config``) are still ``ValueError`` subclasses, so code and tests written against the
+old type keep working.
 """
 from __future__ import annotations
 
@@ -19,9 +23,18 @@ class CheckpointError(K3TrainError):
     """A checkpoint is missing, corrupt, or does not fit the model or the parallel layout."""
 
 
-class DataError(K3TrainError):
+class DataError(K3TrainError, ValueError):
     """A dataset cannot be read or does not fit the model (e.g. token ids past the vocabulary)."""
 
 
-class LayoutError(K3TrainError):
+class LayoutError(K3TrainError, ValueError):
     """The parallel layout (tp, pp, vpp, ep, dp) cannot be built on this world size."""
+
+
+class UsageError(K3TrainError, ValueError):
+    """A setting cannot run here (device, precision recipe, export format, environment)."""
+
+
+class TrainingStopped(K3TrainError):
+    """The run stopped itself (e.g. too many non-finite steps); the message names the last
+    checkpoint that exists, or says that none was saved."""

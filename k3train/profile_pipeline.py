@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from megatron.core import parallel_state
 
+from k3train.errors import LayoutError
 from k3train.config import RunConfig
 from k3train.distributed import init_distributed
 from k3train.trainer.data import build_data
@@ -43,7 +44,7 @@ def profile_pipeline(cfg: RunConfig, json_path: str | Path, steps: int = 3) -> d
     """Collective over all ranks; returns the report on global rank 0 (None elsewhere)."""
     p = cfg.parallel
     if p.pp * p.vpp < 2:
-        raise ValueError("profile-pipeline needs parallel.pp * parallel.vpp >= 2 (e.g. parallel.pp=2)")
+        raise LayoutError("profile-pipeline needs parallel.pp * parallel.vpp >= 2 (e.g. parallel.pp=2)")
     device_name = pick_device(cfg.train.device)
     info = init_distributed(p.tp, p.pp, p.vpp, p.ep, device_name)
     device = torch.device("cuda", info.local_rank) if device_name == "cuda" else torch.device("cpu")

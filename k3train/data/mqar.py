@@ -24,6 +24,7 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
+from k3train.errors import DataError
 from k3train.config.schema import MQARConfig
 
 __all__ = ["MQARBatchIterator", "mqar_sequence", "mqar_batch", "mqar_targets", "mqar_val_batches",
@@ -37,11 +38,11 @@ def check_mqar_fits(cfg: MQARConfig, seq_len: int, vocab_size: int) -> None:
     """Raise ValueError naming the fields when the task does not fit the window or vocabulary."""
     need = 2 * cfg.num_pairs + 2 * cfg.queries
     if need > seq_len + 1:
-        raise ValueError(f"data.mqar needs 2*num_pairs + 2*num_queries = {need} tokens per window, "
+        raise DataError(f"data.mqar needs 2*num_pairs + 2*num_queries = {need} tokens per window, "
                          f"more than train.seq_len + 1 = {seq_len + 1}")
     top = max(cfg.key_range[1], cfg.value_range[1], cfg.filler_id + 1)
     if top > vocab_size:
-        raise ValueError(f"data.mqar token ids reach {top - 1}, outside model.vocab_size={vocab_size}")
+        raise DataError(f"data.mqar token ids reach {top - 1}, outside model.vocab_size={vocab_size}")
 
 
 def mqar_sequence(cfg: MQARConfig, length: int, rng: np.random.Generator) -> np.ndarray:

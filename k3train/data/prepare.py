@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import socket
 import sys
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
+
+from k3train.errors import DataError
 
 __all__ = ["prepare_data", "meta_path", "token_dtype", "ALLOWED_EXTENSIONS"]
 
@@ -42,22 +46,22 @@ def token_dtype(vocab_size: int) -> type[np.number]:
         return np.uint16
     if vocab_size <= 2**31:
         return np.int32
-    raise ValueError(f"vocab size {vocab_size} does not fit the indexed dataset's int32 tokens")
+    raise DataError(f"vocab size {vocab_size} does not fit the indexed dataset's int32 tokens")
 
 
 def _check_inputs(inputs: list[str | Path]) -> list[Path]:
     """Fail before any work on a missing file or an extension we cannot read."""
     if not inputs:
-        raise ValueError("prepare_data needs at least one input file (.txt, .jsonl or .parquet)")
+        raise DataError("prepare_data needs at least one input file (.txt, .jsonl or .parquet)")
     paths = [Path(p) for p in inputs]
     allowed = ", ".join(ALLOWED_EXTENSIONS)
     for p in paths:
         if not p.exists():
-            raise FileNotFoundError(f"input file not found: {p}")
+            raise DataError(f"input file not found: {p}")
         if not p.is_file():
-            raise ValueError(f"input {p} is not a file; pass files with extension {allowed}")
+            raise DataError(f"input {p} is not a file; pass files with extension {allowed}")
         if p.suffix.lower() not in ALLOWED_EXTENSIONS:
-            raise ValueError(
+            raise DataError(
                 f"input {p} has unsupported extension {p.suffix!r}; allowed: {allowed}"
             )
     return paths
@@ -68,7 +72,7 @@ def _read_txt(path: Path) -> Iterator[str]:
         yield path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         msg = f"{path} is not valid UTF-8 (byte {e.start}); re-encode it as UTF-8"
-        raise ValueError(msg) from None
+        raise DataError(msg) from None
 
 
 def _read_jsonl(path: Path, text_key: str) -> Iterator[str]:
@@ -79,19 +83,19 @@ def _read_jsonl(path: Path, text_key: str) -> Iterator[str]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
             if not isinstance(record, dict) or text_key not in record:
                 if isinstance(record, dict):
                     found = f"found: {sorted(record)}"
                 else:
                     found = f"the line is a JSON {type(record).__name__}, not an object"
-                raise ValueError(
+                raise DataError(
                     f"{path}:{lineno}: no field {text_key!r} ({found}); "
                     f"set text_key to the field that holds the text"
                 )
             text = record[text_key]
             if not isinstance(text, str):
-                raise ValueError(
+                raise DataError(
                     f"{path}:{lineno}: field {text_key!r} is {type(text).__name__}, "
                     f"expected a string"
                 )
@@ -108,7 +112,7 @@ def _read_parquet(path: Path, text_key: str) -> Iterator[str]:
     pf = pq.ParquetFile(path)
     names = pf.schema_arrow.names
     if text_key not in names:
-        raise ValueError(
+        raise DataError(
             f"{path}: no column {text_key!r} (found: {names}); set text_key to the text column"
         )
     # Record batches keep memory bounded for files much larger than RAM.
@@ -135,6 +139,39 @@ def _remove_quietly(*paths: Path) -> None:
             pass
 
 
+def _this_host() -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_temporaries(prefix: Path) -> list[Path]:
+    """Delete ``PREFIX.tmp<pid>-<host>.{bin,idx,meta.json}`` left by a killed prepare-data run
+    (up to the whole token stream each) whose process is gone; returns what was removed.
+
+    Files of a process still running, or of another host (a shared filesystem: its pid means
+    nothing here), are left alone. Names without a host come from older versions, written on
+    this host or not; they are treated as this host's."""
+    pattern = re.compile(rf"^{re.escape(prefix.name)}\.tmp(\d+)(?:-([A-Za-z0-9_-]+))?\.(bin|idx|meta\.json)$")
+    host, removed = _this_host(), []
+    if not prefix.parent.is_dir():
+        return removed
+    for path in sorted(prefix.parent.iterdir()):
+        m = pattern.match(path.name)
+        if m and m.group(2) in (None, host) and int(m.group(1)) != os.getpid() and not _running(int(m.group(1))):
+            _remove_quietly(path)
+            removed.append(path)
+    return removed
+
+
 def prepare_data(
     inputs: list[str | Path],
     output_prefix: str | Path,
@@ -158,8 +195,11 @@ def prepare_data(
     if progress is None:
         progress = sum(p.stat().st_size for p in paths) >= _PROGRESS_MIN_BYTES
 
-    # The pid in the temporary name keeps two concurrent runs from writing the same files.
-    tmp = Path(f"{prefix}.tmp{os.getpid()}")
+    for path in remove_stale_temporaries(prefix):
+        print(f"[prepare-data] removed {path}, left by an earlier run that was killed", file=sys.stderr)
+    # The pid and host in the temporary name keep two concurrent runs from writing the same
+    # files, and tell a later run whether the writer is gone.
+    tmp = Path(f"{prefix}.tmp{os.getpid()}-{_this_host()}")
     tmp_bin, tmp_idx, tmp_meta = Path(f"{tmp}.bin"), Path(f"{tmp}.idx"), Path(f"{tmp}.meta.json")
     num_docs = num_tokens = 0
     builder = None
@@ -180,7 +220,7 @@ def prepare_data(
         builder.finalize(str(tmp_idx))
         if num_docs == 0:
             names = ", ".join(str(p) for p in paths)
-            raise ValueError(f"no non-empty documents found in inputs: {names}")
+            raise DataError(f"no non-empty documents found in inputs: {names}")
         stats = {
             "format": META_FORMAT,
             "tokenizer": tokenizer.name,

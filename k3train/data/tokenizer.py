@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from k3train.errors import DataError
+
 __all__ = ["ByteTokenizer", "get_tokenizer", "TOKENIZER_NAMES"]
 
 
@@ -71,4 +73,4 @@ def get_tokenizer(name: str) -> ByteTokenizer:
         return _TOKENIZERS[name]()
     except KeyError:
         allowed = ", ".join(repr(n) for n in TOKENIZER_NAMES)
-        raise ValueError(f"unknown tokenizer {name!r}; allowed: {allowed}") from None
+        raise DataError(f"unknown tokenizer {name!r}; allowed: {allowed}") from None

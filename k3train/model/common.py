@@ -21,6 +21,7 @@ from megatron.core import parallel_state
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
+from k3train.errors import LayoutError
 from moe.layer import RMSNorm  # noqa: F401 - one RMSNorm module for the model and the MoE layer
 from moe.norm import rms_norm_eager
 
@@ -41,7 +42,7 @@ def tp_rank() -> int:
 
 def divide(total: int, parts: int, what: str) -> int:
     if total % parts:
-        raise ValueError(f"{what} ({total}) must be divisible by parallel.tp ({parts})")
+        raise LayoutError(f"{what} ({total}) must be divisible by parallel.tp ({parts})")
     return total // parts
 
 

@@ -24,7 +24,11 @@ def expand_layer_pattern(pattern: str, num_layers: int) -> list[str]:
                 f"model.layer_pattern: term '{term}' of '{pattern}' is not letters K/M optionally "
                 f"followed by *N (K = KDA, M = gated MLA), e.g. 'KKKM' or 'KKKM*21+KKM*3'"
             )
-        units.append(m.group(1) * int(m.group(2) or 1))
+        repeat = int(m.group(2) or 1)
+        if repeat < 1:
+            raise ValueError(f"model.layer_pattern: term '{term}' of '{pattern}' repeats its unit "
+                             f"{repeat} times; a repeat count must be at least 1")
+        units.append(m.group(1) * repeat)
     layers = "".join(units)
     if len(terms) == 1 and "*" not in text:
         if num_layers % len(layers):

@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from megatron.core import parallel_state
 
+from k3train.errors import LayoutError
 from k3train.config.schema import RunConfig
 from k3train.model.attnres import DepthAttention
 from k3train.model.common import RMSNorm
@@ -48,7 +49,7 @@ def build_dispatcher(cfg: RunConfig):
         kind = "grouped_a2a" if cfg.parallel.ep > 1 else "local"
     if kind == "local":
         if cfg.parallel.ep > 1:
-            raise ValueError("moe.dispatcher=local cannot run with parallel.ep > 1; use grouped_a2a or auto")
+            raise LayoutError("moe.dispatcher=local cannot run with parallel.ep > 1; use grouped_a2a or auto")
         return LocalDispatcher(cfg.moe.num_experts)
     group = parallel_state.get_expert_model_parallel_group() if cfg.parallel.ep > 1 else None
     return GroupedAllToAllDispatcher(cfg.moe.num_experts, ep_group=group, capacity_factor=cfg.moe.capacity_factor)
@@ -134,7 +135,7 @@ class K3Chunk(nn.Module):
                 nn.init.normal_(self.head.weight, std=m.init_std)
             if m.tie_embeddings:
                 if not first:
-                    raise ValueError("model.tie_embeddings needs the embedding and head in one chunk (pp=1)")
+                    raise LayoutError("model.tie_embeddings needs the embedding and head in one chunk (pp=1)")
                 self.head.weight = self.embed.weight
         # The precision recipe is part of what the layers are: configured here, at build time.
         # A pipeline chunk may legitimately hold none of a scope pattern's modules.

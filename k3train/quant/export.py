@@ -26,6 +26,7 @@ import torch
 from megatron.core import parallel_state
 from safetensors.torch import load_file, save_file
 
+from k3train.errors import CheckpointError, UsageError
 from k3train.config import RunConfig, load_config
 from k3train.config.schema import PrecisionConfig
 from k3train.quant.mx import dequantize_mx, pack_fp4, quantize_mx, unpack_fp4
@@ -42,7 +43,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         return p
     if (p / "latest").is_file():
         return latest_checkpoint(p)
-    raise FileNotFoundError(f"{p} is neither a checkpoint step directory (no manifest.json) nor a "
+    raise CheckpointError(f"{p} is neither a checkpoint step directory (no manifest.json) nor a "
                             f"checkpoints/ directory (no 'latest' file)")
 
 
@@ -71,7 +72,7 @@ def quantized_params(cfg: RunConfig) -> dict[str, int]:
     from moe import GroupedExperts
 
     if cfg.precision.recipe not in ("mxfp4_qat", "bf16", "fp32"):
-        raise ValueError(f"mxfp4-packed export needs a checkpoint trained with precision.recipe=mxfp4_qat "
+        raise UsageError(f"mxfp4-packed export needs a checkpoint trained with precision.recipe=mxfp4_qat "
                          f"(or bf16/fp32, quantised after training); this one used {cfg.precision.recipe}")
     precision = PrecisionConfig(recipe="mxfp4_qat", scope=cfg.precision.scope)
     cfg = cfg.model_copy(update={"precision": precision,
@@ -98,18 +99,18 @@ def export_mxfp4(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     step_dir = resolve_checkpoint(checkpoint)
     world = json.loads((step_dir / "manifest.json").read_text())["world_size"]
     if world != 1:
-        raise ValueError(f"{step_dir} was written by {world} ranks; export supports world-size-1 "
+        raise UsageError(f"{step_dir} was written by {world} ranks; export supports world-size-1 "
                          f"checkpoints only (merge the shards first)")
     manifest = verify_checkpoint(step_dir, 1)
     cfg_path = Path(config) if config is not None else step_dir.parent.parent / "config.yaml"
     if not cfg_path.is_file():
-        raise FileNotFoundError(f"no run config at {cfg_path}; pass --config")
+        raise CheckpointError(f"no run config at {cfg_path}; pass --config")
     cfg = load_config(cfg_path)
     axes = quantized_params(cfg)
     state = torch.load(step_dir / "rank_00000.pt", map_location="cpu", weights_only=False)["model"]
     missing = sorted(set(axes) - set(state))
     if missing:
-        raise ValueError(f"checkpoint {step_dir} lacks {missing[:3]}: does {cfg_path} describe this model?")
+        raise UsageError(f"checkpoint {step_dir} lacks {missing[:3]}: does {cfg_path} describe this model?")
 
     tensors, entries = {}, {}
     for name, value in state.items():
@@ -157,7 +158,7 @@ def load_mxfp4_export(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     path = Path(path)
     meta = json.loads((path / "export.json").read_text())
     if meta.get("format") != FORMAT:
-        raise ValueError(f"{path} holds format {meta.get('format')!r}, expected {FORMAT!r}")
+        raise UsageError(f"{path} holds format {meta.get('format')!r}, expected {FORMAT!r}")
     raw = load_file(str(path / "model.safetensors"))
     out = {k: v for k, v in raw.items() if not k.endswith((".mx_codes", ".mx_scales"))}
     for name, e in meta["quantized"].items():

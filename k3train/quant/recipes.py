@@ -19,6 +19,7 @@ import re
 import torch
 import torch.nn as nn
 
+from k3train.errors import UsageError
 from k3train.config.schema import PrecisionConfig
 from k3train.model.common import ColumnLinear, RowLinear, tp_size
 from k3train.quant.spec import MX_SPECS, MXLinear, QuantSpec
@@ -65,20 +66,20 @@ def validate_precision(precision: PrecisionConfig, device: str | torch.device) -
         return
     dev = resolve_device(device)
     if dev.type != "cuda":
-        raise ValueError(f"{_FP8_INSTALL}; this run is on {dev.type}. On CPU use precision.recipe="
+        raise UsageError(f"{_FP8_INSTALL}; this run is on {dev.type}. On CPU use precision.recipe="
                          f"bf16, mxfp8 or mxfp4_qat (MX is emulated exactly)")
     cap = torch.cuda.get_device_capability(dev)
     if cap < (8, 9):
-        raise ValueError(f"{_FP8_INSTALL}; this GPU has compute capability {cap[0]}.{cap[1]}")
+        raise UsageError(f"{_FP8_INSTALL}; this GPU has compute capability {cap[0]}.{cap[1]}")
     backend = _fp8_backend()
     if backend is None:
-        raise ValueError(f"{_FP8_INSTALL}; torchao is not importable "
+        raise UsageError(f"{_FP8_INSTALL}; torchao is not importable "
                          f'(Transformer Engine, pip install -e ".[te]", is not used: k3train layers are not TE layers)')
     if backend == "te":
-        raise ValueError(f"{_FP8_INSTALL}; only Transformer Engine is importable, and k3train's layers "
+        raise UsageError(f"{_FP8_INSTALL}; only Transformer Engine is importable, and k3train's layers "
                          f"are not TE layers")
     if precision.fp8_recipe != "current":
-        raise ValueError(f"precision.fp8_recipe={precision.fp8_recipe} needs Transformer Engine layers, "
+        raise UsageError(f"precision.fp8_recipe={precision.fp8_recipe} needs Transformer Engine layers, "
                          f"which k3train does not build; torchao implements fp8_recipe=current")
 
 
@@ -108,7 +109,7 @@ def select_scope(model: nn.Module, patterns: list[str], layer_offset: int = 0,
         if require_match and not picked:
             shown = f"it matches only {hits[:3]}, which hold no linear or expert weights" if hits else \
                 "no module name matches it"
-            raise ValueError(f"precision.scope pattern {pattern!r} selects nothing: {shown} "
+            raise UsageError(f"precision.scope pattern {pattern!r} selects nothing: {shown} "
                              f"(names look like 'layers.1.ffn.experts'; see docs/quantization.md)")
         chosen |= picked
     # Leaves never nest (a TP linear's inner megatron module is not an nn.Linear).
@@ -123,7 +124,7 @@ def _set_child(model: nn.Module, local: str, new: nn.Module) -> None:
 def _check_blocks(name: str, dims: dict[str, int], block: int) -> None:
     for what, size in dims.items():
         if size % block:
-            raise ValueError(f"cannot MX-quantise {name}: its {what} ({size}) is not a multiple of the "
+            raise UsageError(f"cannot MX-quantise {name}: its {what} ({size}) is not a multiple of the "
                              f"block size {block}; change the width or drop it from precision.scope")
 
 
@@ -135,7 +136,7 @@ def _apply_mx(model: nn.Module, name: str, local: str, spec: QuantSpec) -> None:
         mod.weight_quant, mod.act_quant = spec.grouped_weight, spec.activation
     elif isinstance(mod, (ColumnLinear, RowLinear)):
         if tp_size() > 1:
-            raise ValueError(f"precision.scope selects {name}, a tensor-parallel linear; MX recipes support "
+            raise UsageError(f"precision.scope selects {name}, a tensor-parallel linear; MX recipes support "
                              f"those at parallel.tp=1 only (tp is {tp_size()})")
         _check_blocks(name, {"input features": mod.weight.shape[1]}, bs)
         mod.quant = spec.linear
@@ -152,10 +153,10 @@ def _apply_fp8(model: nn.Module, targets: dict[str, str]) -> None:
         if type(mod).__name__ == "Float8Linear":
             continue
         if type(mod) is not nn.Linear:
-            raise ValueError(f"precision.recipe=fp8 converts plain nn.Linear modules only; precision.scope "
+            raise UsageError(f"precision.recipe=fp8 converts plain nn.Linear modules only; precision.scope "
                              f"selects {name}, a {type(mod).__name__}")
         if mod.in_features % 16 or mod.out_features % 16:
-            raise ValueError(f"fp8 GEMMs need both dims of {name} to be multiples of 16; "
+            raise UsageError(f"fp8 GEMMs need both dims of {name} to be multiples of 16; "
                              f"got {mod.in_features}x{mod.out_features}")
     wanted = set(targets.values())
     convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn in wanted,

@@ -22,11 +22,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from k3train.errors import CheckpointError
 from k3train.trainer import faults
 
-
-class CheckpointError(RuntimeError):
-    pass
+__all__ = ["CheckpointError", "latest_checkpoint", "load_checkpoint", "save_checkpoint", "verify_checkpoint"]
 
 
 def _sha256(path: Path) -> str:
@@ -58,41 +57,92 @@ def _step_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+def _gather(value: Any) -> list:
+    """Every rank's ``value`` (a collective; also the save's synchronisation point)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [value]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _state_bytes(state: Any) -> int:
+    """Bytes of the tensors in ``state`` (nested dicts/lists): about what its file needs."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(_state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_state_bytes(v) for v in state)
+    return 0
+
+
+def _save_failed(ckpt_dir: Path, step: int, where: Path, exc: OSError, needed: int) -> str:
+    try:
+        free = f"{shutil.disk_usage(ckpt_dir).free:,} bytes free there"
+    except OSError:
+        free = "free space unknown"
+    pointer = ckpt_dir / "latest"
+    previous = (f"the previous checkpoint ({pointer.read_text().strip()}) is intact" if pointer.is_file()
+                else "no earlier checkpoint exists")
+    return (f"saving checkpoint step {step} failed at {where}: {exc.strerror or exc}; it needs about "
+            f"{needed:,} bytes per rank ({free}); its temporary directory was removed and {previous}")
 
 
 def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, state: dict[str, Any], layout: dict,
                     keep_last: int = 2, coords: dict | None = None) -> Path:
     """Collective: every rank passes its own ``state`` (and its parallel ``coords``, recorded
     in the manifest so a run with another data-parallel size can find its source rank);
-    returns the final directory."""
+    returns the final directory.
+
+    An OSError on any rank (a full disk, most often) removes the temporary directory and
+    raises CheckpointError on every rank, naming the path and the bytes needed: the ranks
+    exchange their outcome at each stage instead of waiting in a barrier for a rank that died."""
     ckpt_dir = Path(ckpt_dir)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
     final, tmp = ckpt_dir / _step_name(step), ckpt_dir / f".tmp-{_step_name(step)}"
-    if rank == 0:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    _barrier()
-    rank_file = tmp / f"rank_{rank:05d}.pt"
-    with open(rank_file, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    all_coords: list = [coords]
-    if world > 1:
-        all_coords = [None] * world
-        dist.all_gather_object(all_coords, coords)
-    _barrier()
-    faults.maybe_slow_save(step)
-    if rank == 0:
+    needed = _state_bytes(state)
+
+    def stage(work) -> list:
+        error = None
+        try:
+            work()
+        except OSError as exc:
+            error = _save_failed(ckpt_dir, step, Path(exc.filename or tmp), exc, needed)
+        except CheckpointError as exc:
+            error = str(exc)
+        outcomes = _gather(error)
+        failed = [e for e in outcomes if e is not None]
+        if failed:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(failed[0])
+        return outcomes
+
+    def prepare():
+        if rank == 0:
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+
+    def write_rank_file():
+        rank_file = tmp / f"rank_{rank:05d}.pt"
+        try:
+            with open(rank_file, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            exc.filename = exc.filename or str(rank_file)
+            raise
+
+    def publish():
+        if rank != 0:
+            return
         files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in sorted(tmp.glob("rank_*.pt"))}
-        if len(files) != world:
-            raise CheckpointError(f"expected {world} rank files in {tmp}, found {len(files)}")
-        manifest = {"step": step, "world_size": world, "layout": layout, "files": files,
+        if len(files) != len(all_coords):
+            raise CheckpointError(f"expected {len(all_coords)} rank files in {tmp}, found {len(files)}")
+        manifest = {"step": step, "world_size": len(all_coords), "layout": layout, "files": files,
                     "coords": {str(r): c for r, c in enumerate(all_coords) if c is not None}}
         _write_atomic_text(tmp / "manifest.json", json.dumps(manifest, indent=1))
         _fsync_dir(tmp)
@@ -101,13 +151,21 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, state: dict[str, Any
         os.replace(tmp, final)
         _fsync_dir(ckpt_dir)
         _write_atomic_text(ckpt_dir / "latest", final.name)
-        _prune(ckpt_dir, keep_last)
-    _barrier()
+        _prune(ckpt_dir, keep_last, step)
+
+    stage(prepare)
+    stage(write_rank_file)
+    all_coords = _gather(coords)
+    faults.maybe_slow_save(step)
+    stage(publish)
     return final
 
 
-def _prune(ckpt_dir: Path, keep_last: int) -> None:
-    steps = sorted(p for p in ckpt_dir.glob("step_*") if p.is_dir())
+def _prune(ckpt_dir: Path, keep_last: int, step: int) -> None:
+    """Keep the ``keep_last`` newest checkpoints up to ``step``, the one just saved. Directories
+    of later steps (a resume from an older checkpoint) are never pruned in their favour: keeping
+    "the highest numbers" once deleted the checkpoint just written."""
+    steps = sorted(p for p in ckpt_dir.glob("step_*") if p.is_dir() and p.name <= _step_name(step))
     for old in steps[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -137,6 +195,33 @@ def _source_rank(manifest: dict, coords: dict | None) -> int | None:
     return None
 
 
+def _check_manifest(manifest: Any, path: Path, manifest_file: Path) -> None:
+    """The manifest's structure, before anything reads it: a malformed one used to end in a
+    bare KeyError or AttributeError, and one listing no files verified as complete."""
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{manifest_file} is malformed: {what}; the checkpoint cannot be trusted, "
+                               f"resume from another step directory")
+    if not isinstance(manifest, dict):
+        raise bad(f"expected a JSON object, got {type(manifest).__name__}")
+    missing = [k for k in ("step", "world_size", "layout", "files") if k not in manifest]
+    if missing:
+        raise bad(f"missing {', '.join(missing)}")
+    step, world, files = manifest["step"], manifest["world_size"], manifest["files"]
+    if not (isinstance(step, int) and isinstance(world, int) and world >= 1 and isinstance(manifest["layout"], dict)):
+        raise bad(f"step {step!r}, world_size {world!r}, layout of type {type(manifest['layout']).__name__}")
+    if path.name.startswith("step_") and path.name != _step_name(step):
+        raise bad(f"it records step {step}, but its directory is {path.name}")
+    expected = [f"rank_{r:05d}.pt" for r in range(world)]
+    if not isinstance(files, dict) or sorted(files) != expected:
+        listed = sorted(files) if isinstance(files, dict) else files
+        raise bad(f"files lists {listed or 'nothing'}, expected one per rank: {', '.join(expected)}")
+    for name, meta in files.items():
+        if not (isinstance(meta, dict) and isinstance(meta.get("sha256"), str) and isinstance(meta.get("bytes"), int)):
+            raise bad(f"entry {name} needs a sha256 string and a bytes count, got {meta!r}")
+    if not isinstance(manifest.get("coords", {}), dict):
+        raise bad("coords is not an object")
+
+
 def verify_checkpoint(path: Path, world_size: int, layout: dict | None = None) -> dict:
     """Check the manifest (world size and, if given, the parallel layout) and every checksum;
     return the manifest or raise naming the bad file or the mismatch. A layout that differs in
@@ -148,7 +233,8 @@ def verify_checkpoint(path: Path, world_size: int, layout: dict | None = None) -
         manifest = json.loads(manifest_file.read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{manifest_file} is not valid JSON ({exc})") from None
-    saved = manifest.get("layout", {})
+    _check_manifest(manifest, path, manifest_file)
+    saved = manifest["layout"]
     if layout is None:
         if manifest["world_size"] != world_size:
             raise CheckpointError(f"checkpoint {path} was written by {manifest['world_size']} ranks, "

@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 
+from k3train.errors import DataError
 from k3train.config import RunConfig
 from k3train.data import BatchIterator, SequenceDataset, TokenSource, eval_batches, get_tokenizer
 from k3train.data.mqar import MQARBatchIterator, check_mqar_fits, mqar_targets, mqar_val_batches
@@ -45,7 +46,7 @@ def build_data(cfg: RunConfig, dp_rank: int = 0, dp_size: int = 1) -> RunData:
         return _build_mqar(cfg, dp_rank, dp_size)
     tokenizer = get_tokenizer(cfg.data.tokenizer)
     if cfg.model.vocab_size < tokenizer.vocab_size:
-        raise ValueError(
+        raise DataError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the '{tokenizer.name}' tokenizer's "
             f"vocabulary ({tokenizer.vocab_size}); set model.vocab_size >= {tokenizer.vocab_size}")
     t = cfg.train

@@ -16,13 +16,16 @@ from k3train import kernels
 from k3train.config import RunConfig, save_config
 from k3train.cuda_env import prepare_cuda_env
 from k3train.distributed import init_distributed
+from k3train.errors import TrainingStopped, UsageError
 from k3train.trainer import faults
-from k3train.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from k3train.trainer.checkpoint import load_checkpoint, save_checkpoint
 from k3train.trainer.data import build_data
+from k3train.trainer.guards import last_checkpoint_note, params_finite
 from k3train.flops import flops_per_token
 from k3train.trainer.metrics import MetricsLogger
 from k3train.trainer.report import measure_peak_flops, write_end_of_run_plots
 from k3train.trainer.run_lock import RunDirLock
+from k3train.trainer.run_dir import decided_on_rank0, load_error, plan_run_dir
 from k3train.trainer.state import TrainState
 from k3train.trainer.stop import stop_agreed
 from optim import apply_lr, lr_factor
@@ -35,13 +38,9 @@ def parallel_coords() -> dict:
             "ep": ps.get_expert_model_parallel_rank(), "dp": ps.get_data_parallel_rank()}
 
 
-class TrainingStopped(RuntimeError):
-    """Raised to stop a run with a clear message (e.g. too many non-finite steps)."""
-
-
 def pick_device(choice: str) -> str:
     if choice == "cuda" and not torch.cuda.is_available():
-        raise ValueError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
+        raise UsageError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
     if choice == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return choice
@@ -87,17 +86,20 @@ class _SignalGuard:
             signal.signal(sig, handler)
 
 
-def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, stop_at: int | None = None) -> dict:
+def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, stop_at: int | None = None,
+          overwrite: bool = False) -> dict:
     """Run training; returns a summary dict. ``stop_at`` ends the run early after that step
-    (as a preemption would), keeping the schedule of ``train.steps``. Rank 0 holds the run
-    directory's lock (k3train/trainer/run_lock.py) for the whole run, before anything in the
-    directory is read or written; a second run on the directory raises ``RunDirError``."""
+    (as a preemption would), keeping the schedule of ``train.steps``. A ``run_dir`` that holds
+    a run needs ``resume`` (continue it) or ``overwrite`` (archive it, start over): see
+    ``k3train.trainer.run_dir``. Rank 0 holds the run directory's lock
+    (k3train/trainer/run_lock.py) for the whole run, before anything in the directory is read or
+    written; a second run on the directory raises ``RunDirError``."""
     # The global rank from torchrun's environment: the lock comes before the process group.
     with RunDirLock(run_dir, enabled=int(os.environ.get("RANK", "0")) == 0):
-        return _train(cfg, run_dir, resume=resume, stop_at=stop_at)
+        return _train(cfg, run_dir, resume=resume, stop_at=stop_at, overwrite=overwrite)
 
 
-def _train(cfg: RunConfig, run_dir: str | Path, resume: bool, stop_at: int | None) -> dict:
+def _train(cfg: RunConfig, run_dir: str | Path, resume: bool, stop_at: int | None, overwrite: bool) -> dict:
     run_dir = Path(run_dir)
     prepare_cuda_env(cfg)
     kernels.apply(cfg)  # the run's kernels: section decides every op family's backend
@@ -110,29 +112,27 @@ def _train(cfg: RunConfig, run_dir: str | Path, resume: bool, stop_at: int | Non
         torch.cuda.set_device(info.local_rank)
     dev = torch.device(device, info.local_rank) if device == "cuda" else torch.device("cpu")
     main = info.is_main
-    if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
-        kernels.write_resolved(run_dir, dev)
+    layout = {**info.__dict__, "zero1": cfg.optim.zero1}
+    resume_from = decided_on_rank0(lambda: plan_run_dir(run_dir, resume, overwrite, info.world_size, layout))
 
     data = build_data(cfg, parallel_state.get_data_parallel_rank(), info.dp)
     state = TrainState(cfg, info, dev, targets=data.targets)
     peak_flops = measure_peak_flops(dev)
     flops_token = flops_per_token(cfg)
     ckpt_dir = run_dir / "checkpoints"
-    layout = {**info.__dict__, "zero1": cfg.optim.zero1}
     start_step = 0
-    if resume:
-        path = latest_checkpoint(ckpt_dir)
-        if path is None:
-            if main:
-                print(f"[k3train] --resume: no checkpoint in {ckpt_dir}, starting from step 0")
-        else:
-            _, saved = load_checkpoint(path, layout=layout, coords=parallel_coords())
+    if resume_from is not None:
+        _, saved = load_checkpoint(resume_from, layout=layout, coords=parallel_coords())
+        try:
             start_step = state.load_state_dict(saved)
             data.train.load_state_dict(saved["data"])
-            if main:
-                print(f"[k3train] resumed from {path} (step {start_step})")
+        except (RuntimeError, KeyError, ValueError) as exc:  # shapes or keys of another model
+            raise load_error(resume_from, exc, run_dir) from None
+        if main:
+            print(f"[k3train] resumed from {resume_from} (step {start_step})")
+    if main:  # only now: a refused resume must leave the config its checkpoints were saved with
+        save_config(cfg, run_dir / "config.yaml")
+        kernels.write_resolved(run_dir, dev)
     if cfg.train.compile_ahead:
         state.compile_kernels()
     logger = MetricsLogger(run_dir, cfg.logging.wandb, cfg.model_dump(mode="json"), enabled=main,
@@ -164,7 +164,7 @@ def _train(cfg: RunConfig, run_dir: str | Path, resume: bool, stop_at: int | Non
             if skips >= cfg.train.max_consecutive_skips:
                 raise TrainingStopped(
                     f"{skips} consecutive steps had a non-finite loss or gradient (last at step {step}); "
-                    f"lower optim.lr or inspect the data. The last checkpoint is in {ckpt_dir}")
+                    f"lower optim.lr or inspect the data. {last_checkpoint_note(ckpt_dir, cfg.checkpoint.interval)}")
             window_tokens += tokens_per_step
             loss = out["loss"]
             summary["first_loss"] = summary["first_loss"] if summary["first_loss"] is not None else loss
@@ -188,6 +188,11 @@ def _train(cfg: RunConfig, run_dir: str | Path, resume: bool, stop_at: int | Non
             signalled = stop_agreed(guard.requested, dev)
             stop_now = signalled or step == last_step
             if (interval and step % interval == 0) or stop_now:
+                if not params_finite(state.params, dev):
+                    raise TrainingStopped(
+                        f"step {step}: the parameters hold inf or NaN values, so step {step} was not saved "
+                        f"(it could not resume); lower optim.lr or inspect the data. "
+                        f"{last_checkpoint_note(ckpt_dir, interval)}")
                 save_checkpoint(ckpt_dir, step, {**state.state_dict(step), "data": data.train.state_dict()},
                                 layout=layout, keep_last=cfg.checkpoint.keep_last, coords=parallel_coords())
             if signalled:

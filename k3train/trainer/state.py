@@ -5,6 +5,7 @@ import contextlib
 
 import torch
 
+from k3train.errors import LayoutError, UsageError
 from k3train.config import RunConfig
 from k3train.distributed import ParallelContext, ParallelInfo, parallel_context
 from k3train.model.info import count_parameters
@@ -39,12 +40,12 @@ def use_cuda_graph(cfg: RunConfig, info: ParallelInfo, device: torch.device) -> 
     if want == "auto":
         return device.type == "cuda" and info.dp == 1 and not cfg.cuda_graph_blockers()
     if device.type != "cuda":
-        raise ValueError(f"train.cuda_graph needs a CUDA device, this run is on {device.type}; "
+        raise UsageError(f"train.cuda_graph needs a CUDA device, this run is on {device.type}; "
                          "set train.cuda_graph=false (or auto)")
     if info.dp > 1:
         # Nothing data-parallel is recorded (gradients are reduced after the replay), but only
         # the one-GPU path has been run on hardware so far.
-        raise ValueError(f"train.cuda_graph runs on one GPU only (this run has dp={info.dp}); "
+        raise UsageError(f"train.cuda_graph runs on one GPU only (this run has dp={info.dp}); "
                          "set train.cuda_graph=false (or auto) for data-parallel runs")
     return True
 
@@ -59,7 +60,7 @@ class TrainState:
         masks all but the recalled values with -100). parallel: this rank's groups (default:
         made from ``info`` by ``k3train.distributed.parallel_context``, collective)."""
         if info.ep > 1 and info.tp > 1:
-            raise ValueError("parallel.ep > 1 together with parallel.tp > 1 is not supported yet "
+            raise LayoutError("parallel.ep > 1 together with parallel.tp > 1 is not supported yet "
                              "(experts would need expert-tensor-parallel groups); use tp=1 with ep")
         self.cfg, self.info, self.device = cfg, info, device
         self.parallel = parallel if parallel is not None else parallel_context(

@@ -83,3 +83,50 @@ def test_full_k3_pattern_is_69_kda_24_mla_ending_in_mla():
     cfg = load_config("configs/k3_full.yaml")
     layers = expand_layer_pattern(cfg.model.layer_pattern, cfg.model.num_layers)
     assert layers.count("K") == 69 and layers.count("M") == 24 and layers[-1] == "M"
+
+
+def _fields_of_type(model_cls, wanted, prefix=()):
+    """Dotted paths of every field of ``model_cls`` (recursively) whose type is ``wanted`` or
+    ``wanted | None``: walked from the schema itself, so a new field is covered automatically."""
+    from pydantic import BaseModel
+
+    out = []
+    for name, field in model_cls.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out += _fields_of_type(ann, wanted, (*prefix, name))
+        elif ann is wanted or set(getattr(ann, "__args__", ())) == {wanted, type(None)}:
+            out.append(".".join((*prefix, name)))
+    return out
+
+
+def test_every_float_field_refuses_inf_and_nan():
+    from k3train.config.schema import RunConfig
+
+    paths = _fields_of_type(RunConfig, float)
+    # The walk itself must find the fields the issue was about (and more than a handful).
+    assert {"optim.lr", "train.grad_clip", "moe.capacity_factor", "model.kda.gate_lower_bound"} <= set(paths)
+    assert len(paths) >= 15
+    for path in paths:
+        for value in (".inf", "-.inf", ".nan"):
+            with pytest.raises(ConfigError, match=rf"{path}: Input should be a finite number"):
+                load_config("configs/k3_tiny.yaml", [f"{path}={value}"])
+
+
+def test_int_and_float_fields_refuse_booleans():
+    from k3train.config.schema import RunConfig
+
+    paths = _fields_of_type(RunConfig, int) + _fields_of_type(RunConfig, float)
+    assert "model.hidden_size" in paths and "optim.lr" in paths
+    for path in paths:
+        with pytest.raises(ConfigError, match=rf"{path}: expected a number, not a boolean"):
+            load_config("configs/k3_tiny.yaml", [f"{path}=true"])
+    # Fields typed bool (or bool | "auto") still take booleans.
+    cfg = load_config("configs/k3_tiny.yaml", ["model.attnres.enabled=false", "train.cuda_graph=false"])
+    assert cfg.model.attnres.enabled is False and cfg.train.cuda_graph is False
+
+
+def test_layer_pattern_refuses_a_zero_repeat():
+    with pytest.raises(ValueError, match=r"term 'KM\*0' of 'KM\*0\+KKKM' repeats its unit 0 times"):
+        expand_layer_pattern("KM*0+KKKM", 4)
+    assert expand_layer_pattern("KM*1+KK", 4) == list("KMKK")  # a repeat of 1 is fine

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from k3train.errors import DataError
 from k3train.data import (
     BatchIterator,
     ByteTokenizer,
@@ -102,11 +103,11 @@ def test_truncated_and_missing_files_detected(prepared, tok):
     with pytest.raises(ValueError, match="ds.bin is truncated or corrupt"):
         TokenSource.from_prefix(prefix, tok)
     bin_path.unlink()
-    with pytest.raises(FileNotFoundError, match="ds.bin is missing"):
+    with pytest.raises(DataError, match="ds.bin is missing"):
         TokenSource.from_prefix(prefix, tok)
     bin_path.write_bytes(data)
     (prefix.parent / "ds.meta.json").unlink()
-    with pytest.raises(FileNotFoundError, match="did not finish"):
+    with pytest.raises(DataError, match="did not finish"):
         TokenSource.from_prefix(prefix, tok)
 
 
@@ -116,7 +117,7 @@ def test_prepare_input_errors(tmp_path, tok):
     allowed = r"allowed: \.txt, \.jsonl, \.parquet"
     with pytest.raises(ValueError, match=r"d\.csv has unsupported extension '\.csv'; " + allowed):
         prepare_data([tmp_path / "d.csv"], out, tok)
-    with pytest.raises(FileNotFoundError, match="input file not found: .*nope.txt"):
+    with pytest.raises(DataError, match="input file not found: .*nope.txt"):
         prepare_data([tmp_path / "nope.txt"], out, tok)
     (tmp_path / "e.jsonl").write_text('{"text": "ok"}\n{"body": "no text"}\n')
     with pytest.raises(ValueError, match=r"e\.jsonl:2: no field 'text' \(found: \['body'\]\)"):
@@ -206,3 +207,58 @@ def test_embedded_corpus_split(tok):
     assert int((stream == tok.eod_id).sum()) == len(docs)
     assert tok.decode(stream[: len(docs[0].encode()) + 1].tolist()) == docs[0]
     assert SequenceDataset(val, 256).__len__() > 50
+
+
+@pytest.mark.parametrize("bad_id", [300, 400], ids=["between-tokenizer-and-model-vocab", "past-model-vocab"])
+def test_token_ids_outside_the_vocabulary_are_refused_when_opened(prepared, tok, bad_id):
+    # The byte tokenizer has 257 ids (uint16 on disk); k3_tiny's model has 320 rows. 400 used to
+    # end in an IndexError inside the embedding, 300 trained silently on rows no text produces.
+    prefix, _, _ = prepared
+    bin_path = prefix.parent / "ds.bin"
+    tokens = np.fromfile(bin_path, dtype=np.uint16)
+    tokens[7] = bad_id
+    tokens.tofile(bin_path)
+    with pytest.raises(DataError, match=rf"ds\.bin holds token id {bad_id} at position 7, outside the "
+                                        rf"vocabulary \[0, {tok.vocab_size}\)"):
+        TokenSource.from_prefix(prefix, tok)
+
+
+def test_token_range_check_samples_long_streams(monkeypatch):
+    from k3train.data import dataset as ds_mod
+
+    monkeypatch.setattr(ds_mod, "_FULL_SCAN_TOKENS", 100)
+    monkeypatch.setattr(ds_mod, "_SAMPLES", 3)
+    monkeypatch.setattr(ds_mod, "_SAMPLE_TOKENS", 10)
+    tokens = np.zeros(1000, dtype=np.uint16)
+    tokens[500] = 999  # the middle sample is [495, 505) (linspace over 0..990)
+    tokens[996] = 257  # in the last chunk: found
+    with pytest.raises(DataError, match="token id 999 at position 500"):
+        ds_mod.check_token_range(tokens, 257, "stream")
+    tokens[500] = 0
+    with pytest.raises(DataError, match="token id 257 at position 996"):
+        ds_mod.check_token_range(tokens, 257, "stream")
+    tokens[996] = 256  # the largest valid id (the byte tokenizer's EOD) passes
+    ds_mod.check_token_range(tokens, 257, "stream")
+
+
+def test_prepare_removes_temporaries_of_killed_runs_only(tmp_path, tok):
+    import subprocess
+
+    from k3train.data.prepare import _this_host
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid whose process has exited
+    out, host = tmp_path / "out", _this_host()
+    out.mkdir()
+    stale = [out / f"ds.tmp{gone.pid}-{host}.bin", out / f"ds.tmp{gone.pid}-{host}.meta.json",
+             out / f"ds.tmp{gone.pid}.idx"]  # the last: the name older versions wrote
+    kept = [out / f"ds.tmp{os.getppid()}-{host}.bin",  # a live writer (pytest's parent)
+            out / f"ds.tmp{gone.pid}-otherhost.bin",  # another host's, on a shared filesystem
+            out / f"ds2.tmp{gone.pid}-{host}.bin"]  # another prefix
+    for p in stale + kept:
+        p.write_bytes(b"x" * 64)
+    (tmp_path / "a.txt").write_text(TEXTS[0], encoding="utf-8")
+    prepare_data([tmp_path / "a.txt"], out / "ds", tok)
+    assert [p for p in stale if p.exists()] == []
+    assert all(p.exists() for p in kept)
+    assert len(TokenSource.from_prefix(out / "ds", tok)) > 0
