@@ -41,7 +41,7 @@ from pipeline.stage_io import StageIO
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 # nn.Module's own bookkeeping attributes; everything else in a module's __dict__ is state a
-# forward may write (e.g. LatentMoE.last_routing, ._step_routing, DepthAttention.last_weights).
+# forward may write (e.g. DepthAttention.last_weights; LatentMoE.routing is a dataclass record, restored too).
 _MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"training"}
 
 # The region being run (forward or recompute) on this thread. Thread-local because CUDA backward

@@ -40,6 +40,9 @@ class RunDirLock:
     def __enter__(self) -> "RunDirLock":
         if not self.enabled:
             return self
+        if self.path.parent.exists() and not self.path.parent.is_dir():
+            raise RunDirError(f"run directory {self.path.parent} is a file, not a directory; "
+                              f"pass another --run-dir or move the file away")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:

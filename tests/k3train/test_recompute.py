@@ -77,12 +77,12 @@ def test_loss_and_every_gradient_equal_none(world1, mode, attnres, balancing):
         torch.testing.assert_close(grads[name], g, **EXACT, msg=lambda s: f"{mode} {name}: {s}")
     # Routing recorded once per forward (not again by the recompute), and the same decisions.
     for layer, ref in zip(model.moe_layers(), ref_model.moe_layers(), strict=True):
-        assert len(layer.step_routing_list()) == len(ref.step_routing_list()) == 1
-        torch.testing.assert_close(layer.step_routing().indices, ref.step_routing().indices, **EXACT)
-        torch.testing.assert_close(layer.step_routing().scores, ref.step_routing().scores, **EXACT)
-        assert (layer.aux_loss is None) == (ref.aux_loss is None)
-        if ref.aux_loss is not None:
-            torch.testing.assert_close(layer.aux_loss, ref.aux_loss, **EXACT)
+        assert len(layer.routing.step) == len(ref.routing.step) == 1
+        torch.testing.assert_close(layer.routing.step_routing().indices, ref.routing.step_routing().indices, **EXACT)
+        torch.testing.assert_close(layer.routing.step_routing().scores, ref.routing.step_routing().scores, **EXACT)
+        assert (layer.routing.aux_loss is None) == (ref.routing.aux_loss is None)
+        if ref.routing.aux_loss is not None:
+            torch.testing.assert_close(layer.routing.aux_loss, ref.routing.aux_loss, **EXACT)
 
 
 def _train_two_steps(cfg):
@@ -157,7 +157,8 @@ def _pp_rank(rank, world_size, mode):
         cfg = _cfg(m, True, "model.num_layers=8", "model.attnres.block_size=3")
         local = {c: K3Chunk(cfg, *ranges[c], first=c == 0, last=c == layout.num_chunks - 1)
                  for c in layout.chunks_of_rank(rank)}
-        engine = PipelineEngine(local, layout.num_chunks, produced_blocks(cfg, ranges), pp_group=group)
+        engine = PipelineEngine(local_chunks=local, num_chunks=layout.num_chunks,
+                                produced_blocks=produced_blocks(cfg, ranges), pp_group=group)
         loss = engine.train_step(mbs)
         results[m] = (loss, {(c, n): p.grad for c, ch in local.items() for n, p in ch.named_parameters()},
                       engine.deallocated_outputs)
