@@ -204,7 +204,9 @@ class TrainConfig(_Strict):
     and the AttnRes blocks it reads, stored once) and recomputes its whole forward in backward
     (least memory, about one extra forward). selective: keeps the KDA and attention core outputs
     (costly to recompute) and recomputes norms, projections, convs, gates, depth mixes and the
-    FFN. Default none until step time and peak memory of each mode are measured on a GPU."""
+    FFN. Default none: on one H200, k3_mini (eager) peaked at 40.5 GiB with none and 14.3/14.1 GiB
+    with selective/full, at 23%/27% fewer tokens/s (docs/BENCHMARKS.md#activation-recompute-k3_mini-one-h200);
+    turn it on when activations do not fit, not by default."""
 
 
 class OptimConfig(_Strict):
