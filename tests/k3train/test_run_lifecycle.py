@@ -12,25 +12,9 @@ import pytest
 from k3train.cli import main as cli_main
 from k3train.errors import RunDirError
 from k3train.trainer.run_lock import RunDirLock
+from tests.cli_runs import CLI, cli_env as _env, wait_for as _wait_for
 from tests.k3train.test_train import SMALL, _cfg, _records
 
-CLI = [sys.executable, "-m", "k3train", "train", "--config", "configs/k3_tiny.yaml", *SMALL]
-
-
-def _env(**extra):
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    env.pop("K3TRAIN_FAULTS", None)
-    env.update(extra)
-    return env
-
-
-def _wait_for(predicate, timeout=120.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.2)
-    return False
 
 
 @pytest.mark.slow
