@@ -258,10 +258,10 @@ class PrecisionConfig(_Strict):
     and shared experts for fp8. Other names: ``\\.ffn\\.shared$`` shared experts,
     ``\\.ffn\\.(down|up)$`` latent projections, ``\\.ffn\\.(gate|up|down)_proj$`` dense FFN,
     ``\\.mixer\\.`` attention projections. A pattern that selects nothing is an error."""
-    fp8_recipe: Literal["delayed", "current", "block"] = "current"
-    """Scaling for recipe fp8, named after Transformer Engine's DelayedScaling,
-    Float8CurrentScaling, Float8BlockScaling. The torchao backend implements ``current``
-    (dynamic tensorwise scaling)."""
+    fp8_recipe: Literal["current"] = "current"
+    """Scaling for recipe fp8: ``current``, dynamic tensorwise scaling (torchao's float8 training;
+    Transformer Engine calls it Float8CurrentScaling). TE's delayed and block scaling need TE
+    layers, which k3train does not build, so they are not offered."""
 
     @model_validator(mode="after")
     def _scope_compiles(self) -> "PrecisionConfig":

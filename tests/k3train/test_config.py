@@ -130,3 +130,11 @@ def test_layer_pattern_refuses_a_zero_repeat():
     with pytest.raises(ValueError, match=r"term 'KM\*0' of 'KM\*0\+KKKM' repeats its unit 0 times"):
         expand_layer_pattern("KM*0+KKKM", 4)
     assert expand_layer_pattern("KM*1+KK", 4) == list("KMKK")  # a repeat of 1 is fine
+
+
+def test_fp8_recipe_offers_only_what_runs():
+    """Only torchao's dynamic (current) scaling runs; TE's delayed/block need TE layers."""
+    assert load_config("configs/k3_tiny.yaml", ["precision.fp8_recipe=current"]).precision.fp8_recipe == "current"
+    for other in ("delayed", "block"):
+        with pytest.raises(ConfigError, match=r"precision.fp8_recipe: Input should be 'current'"):
+            load_config("configs/k3_tiny.yaml", [f"precision.fp8_recipe={other}"])
