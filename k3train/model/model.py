@@ -51,7 +51,10 @@ def build_dispatcher(cfg: RunConfig):
         if cfg.parallel.ep > 1:
             raise LayoutError("moe.dispatcher=local cannot run with parallel.ep > 1; use grouped_a2a or auto")
         return LocalDispatcher(cfg.moe.num_experts)
-    group = parallel_state.get_expert_model_parallel_group() if cfg.parallel.ep > 1 else None
+    # Always megatron-core's expert group where it exists (size 1 at ep=1): None would mean the
+    # whole world, splitting the experts over the data-parallel ranks of an ep=1 run.
+    group = (parallel_state.get_expert_model_parallel_group()
+             if cfg.parallel.ep > 1 or parallel_state.model_parallel_is_initialized() else None)
     return GroupedAllToAllDispatcher(cfg.moe.num_experts, ep_group=group, capacity_factor=cfg.moe.capacity_factor)
 
 

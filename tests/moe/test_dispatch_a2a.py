@@ -212,3 +212,20 @@ def test_argument_errors():
     with pytest.raises(ValueError, match="dispatcher routes 4 experts, layer has 8"):
         LatentMoE(hidden_size=HIDDEN, latent_size=LATENT, num_experts=8, topk=K, expert_ffn_size=FFN,
                   dispatcher=GroupedAllToAllDispatcher(4))
+
+
+def _ep1_dp2_keeps_every_expert(rank, world_size):
+    from k3train.config import load_config
+    from k3train.distributed import init_distributed
+    from k3train.model.model import build_dispatcher
+
+    init_distributed()  # DP=2, EP=1
+    cfg = load_config("configs/k3_tiny.yaml", ["moe.dispatcher=grouped_a2a"])
+    d = build_dispatcher(cfg)
+    # With ep=1 every DP rank holds all experts; the world group would split them in two.
+    assert d.ep_size == 1 and d.num_local_experts == cfg.moe.num_experts, (d.ep_size, d.num_local_experts)
+
+
+@pytest.mark.slow
+def test_grouped_a2a_at_ep1_keeps_every_expert_on_each_dp_rank():
+    run_multiprocess(_ep1_dp2_keeps_every_expert, 2)
