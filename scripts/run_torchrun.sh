@@ -25,18 +25,11 @@ status_dir=$(mktemp -d "${TMPDIR:-/tmp}/k3train-workers.XXXXXX")
 trap 'rm -rf "$status_dir"' EXIT
 export K3TRAIN_WORKER_STATUS_DIR=$status_dir
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}
-signalled=0
-"${TORCHRUN:-torchrun}" ${opts[@]+"${opts[@]}"} --no-python bash "$here/worker_exit_status.sh" "${PYTHON:-python3}" -m k3train "$@" &
-pid=$!
-trap 'signalled=1; kill -TERM "$pid" 2>/dev/null' TERM
-trap 'signalled=1; kill -INT "$pid" 2>/dev/null' INT
-wait "$pid"
-rc=$?
-# A trapped signal interrupts wait (status > 128): wait again while the child lives, and once
-# more after, for its own status (127: the shell had already reaped it).
-while [[ $rc -gt 128 ]] && kill -0 "$pid" 2>/dev/null; do wait "$pid"; rc=$?; done
-if [[ $rc -gt 128 ]]; then wait "$pid" 2>/dev/null; again=$?; [[ $again -ne 127 ]] && rc=$again; fi
-if [[ $rc -ne 0 && $signalled -eq 1 ]]; then
+. "$here/forward_signals.sh"
+forward_signals_run "${TORCHRUN:-torchrun}" ${opts[@]+"${opts[@]}"} --no-python bash "$here/worker_exit_status.sh" \
+  "${PYTHON:-python3}" -m k3train "$@"
+rc=$FORWARDED_RC
+if [[ $rc -ne 0 && $FORWARDED_SIGNAL -eq 1 ]]; then
   started=$(find "$status_dir" -name 'rank_*.started' | wc -l)
   clean=$(grep -lx 0 "$status_dir"/rank_*.status 2>/dev/null | wc -l)
   if [[ $started -gt 0 && $clean -eq $started ]]; then

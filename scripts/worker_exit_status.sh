@@ -7,15 +7,8 @@ set -u
 out=$K3TRAIN_WORKER_STATUS_DIR/rank_$RANK
 rm -f "$out.status"  # a restarted attempt (--max-restarts) reports afresh
 : > "$out.started"
-"$@" &
-child=$!
-trap 'kill -TERM "$child" 2>/dev/null' TERM
-trap 'kill -INT "$child" 2>/dev/null' INT
-wait "$child"
-rc=$?
-# A trapped signal interrupts wait (status > 128): wait again while the child lives, and once
-# more after, for its own status (127: the shell had already reaped it).
-while [[ $rc -gt 128 ]] && kill -0 "$child" 2>/dev/null; do wait "$child"; rc=$?; done
-if [[ $rc -gt 128 ]]; then wait "$child" 2>/dev/null; again=$?; [[ $again -ne 127 ]] && rc=$again; fi
+. "$(dirname "${BASH_SOURCE[0]}")/forward_signals.sh"
+forward_signals_run "$@"
+rc=$FORWARDED_RC
 echo "$rc" > "$out.status"
 exit "$rc"
