@@ -83,9 +83,15 @@ class _Registry:
     def __init__(self):
         self.cfg = KernelsConfig()
         self.pipeline_gpu = False  # a PP > 1 run on GPUs: compile=auto resolves to off
+        self._cached: tuple | None = None  # (cfg, override values, settings)
 
     def settings(self) -> KernelsConfig:
-        return _env_overrides(self.cfg)
+        # Asked on every op call: recompute (a pydantic copy) only when the config or an
+        # override changed, not per call.
+        env = tuple(os.environ.get(var) for var in ENV_OVERRIDES)
+        if self._cached is None or self._cached[0] is not self.cfg or self._cached[1] != env:
+            self._cached = (self.cfg, env, _env_overrides(self.cfg))
+        return self._cached[2]
 
 
 _REGISTRY = _Registry()
