@@ -60,7 +60,7 @@ def _cmd_prepare_data(args) -> int:
 def _cmd_sweep(args) -> int:
     from k3train.sweep import run_sweep
 
-    run_sweep(args.ablation, args.out, args.overrides, dry_run=args.dry_run)
+    run_sweep(args.ablation, args.out, args.overrides, dry_run=args.dry_run, seeds=args.seeds)
     return 0
 
 
@@ -151,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("ablation", help="ablation file, e.g. configs/ablations/attnres.yaml")
     p.add_argument("--out", help="output directory (default runs/sweeps/<sweep name>)")
     p.add_argument("--dry-run", action="store_true", help="resolve and list the variants without training")
+    p.add_argument("--seeds", metavar="S1,S2,...",
+                   help="run every variant once per train.seed (replaces the file's 'seeds'); results.md "
+                        "then adds mean and standard deviation over seeds")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value",
                    help="overrides applied to every variant, after the file's own")
     p.set_defaults(fn=_cmd_sweep)

@@ -10,6 +10,12 @@ An ablation file::
       optim.name: [adamw, muon]
     variants:                      # ... or named override lists (instead of grid)
       - {name: off, overrides: [model.attnres.enabled=false]}
+    seeds: [1, 2, 3]               # optional: every variant once per train.seed
+
+With ``seeds`` (or ``k3train sweep FILE --seeds 1,2,3``, which replaces the file's list) each
+variant runs once per seed, in ``OUT/<variant>_seed-<S>/`` with ``train.seed=S`` (model
+initialisation and data order), and ``results.md`` gains a table over seeds: per variant, the
+mean and the sample standard deviation of each metric, with the number of seeds and tokens.
 
 Variants run one after another in this process (``k3train.trainer.loop.train``), each in
 ``OUT/<variant>/``. A finished variant's directory holds ``DONE``, keyed by the variant's
@@ -37,14 +43,21 @@ from k3train.plots import plot_loss_curves, read_metrics
 __all__ = ["Sweep", "Variant", "load_sweep", "run_sweep", "collect_result", "write_results"]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
-COLUMNS = ("variant", "steps", "final_train_loss", "final_val_loss", "best_val_loss", "tokens_per_s",
+COLUMNS = ("variant", "seed", "steps", "tokens", "final_train_loss", "final_val_loss", "best_val_loss", "tokens_per_s",
            "maxvio_running", "recall_acc")
+
+
+# Columns averaged over seeds in the table over seeds (mean and sample standard deviation).
+SEED_METRICS = ("final_train_loss", "final_val_loss", "best_val_loss", "maxvio_running", "recall_acc",
+                "tokens_per_s")
 
 
 @dataclass
 class Variant:
     name: str
     overrides: list[str]
+    group: str | None = None  # the variant a seeded copy belongs to (None without seeds)
+    seed: int | None = None
 
 
 @dataclass
@@ -53,6 +66,7 @@ class Sweep:
     base: Path
     overrides: list[str]
     variants: list[Variant] = field(default_factory=list)
+    seeds: list[int] | None = None
 
 
 def _value_text(value) -> str:
@@ -95,9 +109,10 @@ def load_sweep(path: str | Path) -> Sweep:
     if not path.is_file():
         raise ConfigError(f"ablation file '{path}' does not exist (configs/ablations/ lists the shipped ones)")
     spec = yaml.safe_load(path.read_text()) or {}
-    unknown = set(spec) - {"name", "base", "overrides", "grid", "variants"}
+    unknown = set(spec) - {"name", "base", "overrides", "grid", "variants", "seeds"}
     if unknown:
-        raise ConfigError(f"{path}: unknown keys {sorted(unknown)}; allowed: name, base, overrides, grid, variants")
+        raise ConfigError(f"{path}: unknown keys {sorted(unknown)}; allowed: name, base, overrides, grid, "
+                          f"variants, seeds")
     if "base" not in spec:
         raise ConfigError(f"{path}: 'base' (a run config such as configs/k3_tiny.yaml) is required")
     base = Path(spec["base"])
@@ -120,7 +135,33 @@ def load_sweep(path: str | Path) -> Sweep:
     overrides = spec.get("overrides") or []
     if not isinstance(overrides, list):
         raise ConfigError(f"{path}: 'overrides' must be a list of key=value")
-    return Sweep(str(spec.get("name", path.stem)), base, [str(o) for o in overrides], found)
+    seeds = check_seeds(spec["seeds"], f"{path}: 'seeds'") if spec.get("seeds") is not None else None
+    return Sweep(str(spec.get("name", path.stem)), base, [str(o) for o in overrides], found, seeds)
+
+
+def check_seeds(value, what: str = "seeds") -> list[int]:
+    """A seed list from the file (a YAML list) or the command line ("1,2,3"): distinct integers."""
+    if isinstance(value, str):
+        try:
+            value = [int(v) for v in value.split(",") if v.strip()]
+        except ValueError:
+            raise ConfigError(f"{what} must be comma-separated integers such as 1,2,3, got {value!r}") from None
+    if (not isinstance(value, list) or not value
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)):
+        raise ConfigError(f"{what} must be a non-empty list of integers >= 0, got {value!r}")
+    if len(set(value)) != len(value):
+        raise ConfigError(f"{what} repeat: {value}")
+    return list(value)
+
+
+def expand_seeds(sweep: Sweep, seeds: list[int] | None = None) -> list[Variant]:
+    """The runs of a sweep: its variants, or each of them once per seed (``seeds`` replaces the
+    file's list). A seeded run appends ``train.seed=S`` after the variant's own overrides."""
+    seeds = seeds if seeds is not None else sweep.seeds
+    if not seeds:
+        return list(sweep.variants)
+    return [Variant(f"{v.name}_seed-{s}", [*v.overrides, f"train.seed={s}"], group=v.name, seed=s)
+            for v in sweep.variants for s in seeds]
 
 
 def variant_config(sweep: Sweep, variant: Variant, extra: list[str] = ()) -> RunConfig:
@@ -189,9 +230,14 @@ def collect_result(name: str, cfg: RunConfig, run_dir: Path) -> tuple[dict, list
     val = [r["val_loss"] for r in records if r.get("val_loss") is not None]
     speed = [r["tokens_per_s"] for r in records if r.get("tokens_per_s") is not None]
     maxvio = [r["moe/maxvio_running"] for r in records if r.get("moe/maxvio_running") is not None]
+    steps = records[-1]["step"] if records else None
+    t = cfg.train
     row = {
         "variant": name,
-        "steps": records[-1]["step"] if records else None,
+        "seed": t.seed,
+        "steps": steps,
+        # tokens trained on (a sweep runs its variants in one process: data-parallel size 1)
+        "tokens": steps * t.seq_len * t.micro_batch_size * t.microbatches if steps else None,
         "final_train_loss": records[-1].get("loss") if records else None,
         "final_val_loss": val[-1] if val else None,
         "best_val_loss": min(val) if val else None,
@@ -202,6 +248,25 @@ def collect_result(name: str, cfg: RunConfig, run_dir: Path) -> tuple[dict, list
     return row, records
 
 
+def seed_table(rows: list[dict], variants: list[Variant]) -> list[dict]:
+    """Rows over seeds: per variant group, ``n`` seeds, ``tokens`` (of one run), and
+    ``<metric>_mean`` / ``<metric>_std`` (sample standard deviation, n-1; 0 for one seed)."""
+    import statistics
+
+    groups: dict[str, list[dict]] = {}
+    for v, r in zip(variants, rows):
+        groups.setdefault(v.group or v.name, []).append(r)
+    out = []
+    for name, rs in groups.items():
+        agg = {"variant": name, "n": len(rs), "tokens": rs[0].get("tokens")}
+        for m in SEED_METRICS:
+            vals = [r[m] for r in rs if r.get(m) is not None]
+            agg[f"{m}_mean"] = statistics.fmean(vals) if vals else None
+            agg[f"{m}_std"] = statistics.stdev(vals) if len(vals) > 1 else (0.0 if vals else None)
+        out.append(agg)
+    return out
+
+
 def _fmt(value) -> str:
     if value is None:
         return ""
@@ -210,8 +275,10 @@ def _fmt(value) -> str:
     return str(value)
 
 
-def write_results(rows: list[dict], out: Path, title: str) -> tuple[Path, Path]:
-    """``out/results.csv`` (full precision, empty cells for n/a) and ``out/results.md``."""
+def write_results(rows: list[dict], out: Path, title: str,
+                  variants: list[Variant] | None = None) -> tuple[Path, Path]:
+    """``out/results.csv`` (full precision, empty cells for n/a) and ``out/results.md``; with
+    seeded ``variants`` also ``out/results_seeds.csv`` and a table over seeds in results.md."""
     cols = [c for c in COLUMNS if c in ("variant", "steps") or any(r.get(c) is not None for r in rows)]
     csv_path, md_path = out / "results.csv", out / "results.md"
     with open(csv_path, "w", newline="") as f:
@@ -220,20 +287,41 @@ def write_results(rows: list[dict], out: Path, title: str) -> tuple[Path, Path]:
         writer.writerows({c: ("" if r.get(c) is None else r[c]) for c in cols} for r in rows)
     lines = [f"# Sweep {title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
-    lines += ["", "tokens_per_s: mean over logged steps; maxvio_running: last logged value (MoE runs); "
-                  "recall_acc: MQAR validation recall of the final checkpoint.", ""]
+    lines += ["", "tokens: tokens trained on; tokens_per_s: mean over logged steps; maxvio_running: last "
+                  "logged value (MoE runs); recall_acc: MQAR validation recall of the final checkpoint.", ""]
+    if variants and any(v.seed is not None for v in variants):
+        lines += _seed_lines(seed_table(rows, variants), out)
     md_path.write_text("\n".join(lines))
     return md_path, csv_path
 
 
+def _seed_lines(table: list[dict], out: Path) -> list[str]:
+    """The markdown table over seeds (mean ± std), and ``out/results_seeds.csv`` beside it."""
+    metrics = [m for m in SEED_METRICS if any(r.get(f"{m}_mean") is not None for r in table)]
+    with open(out / "results_seeds.csv", "w", newline="") as f:
+        fields = ["variant", "n", "tokens", *(f"{m}_{s}" for m in metrics for s in ("mean", "std"))]
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows({c: ("" if r.get(c) is None else r[c]) for c in fields} for r in table)
+    lines = ["## Over seeds (mean ± sample standard deviation)", "",
+             "| variant | n | tokens | " + " | ".join(metrics) + " |", "|" + "---|" * (3 + len(metrics))]
+    for r in table:
+        cells = [f"{_fmt(r[f'{m}_mean'])} ± {_fmt(r[f'{m}_std'])}" if r.get(f"{m}_mean") is not None else ""
+                 for m in metrics]
+        lines.append(f"| {r['variant']} | {r['n']} | {_fmt(r['tokens'])} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
 def run_sweep(path: str | Path, out: str | Path | None = None, extra: list[str] = (),
-              dry_run: bool = False) -> list[dict]:
-    """Run (or, with ``dry_run``, only resolve and list) every variant; returns the result rows."""
+              dry_run: bool = False, seeds: list[int] | str | None = None) -> list[dict]:
+    """Run (or, with ``dry_run``, only resolve and list) every variant (once per seed when the
+    file or ``seeds`` gives seeds); returns the result rows."""
     from k3train.trainer import loop  # attribute lookup at call time keeps ``loop.train`` patchable
 
     sweep = load_sweep(path)
     out = Path(out) if out is not None else Path("runs") / "sweeps" / sweep.name
-    configs = [(v, variant_config(sweep, v, list(extra))) for v in sweep.variants]  # fail before any training
+    runs = expand_seeds(sweep, check_seeds(seeds, "--seeds") if seeds is not None else None)
+    configs = [(v, variant_config(sweep, v, list(extra))) for v in runs]  # fail before any training
     if dry_run:
         for v, cfg in configs:
             state = _done_state(out / v.name, cfg)
@@ -265,7 +353,7 @@ def run_sweep(path: str | Path, out: str | Path | None = None, extra: list[str] 
         curves[v.name] = records
     if rows:
         out.mkdir(parents=True, exist_ok=True)
-        md, _ = write_results(rows, out, sweep.name)
+        md, _ = write_results(rows, out, sweep.name, [v for v, _ in configs][:len(rows)])
         plot_loss_curves(curves, out / "loss_curves.png")
         print(f"[sweep] results: {md}, {out / 'results.csv'}, {out / 'loss_curves.png'}")
     return rows

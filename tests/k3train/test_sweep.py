@@ -106,3 +106,53 @@ def test_rerun_with_other_settings_refuses_finished_variants(tmp_path, monkeypat
     assert capsys.readouterr().out.count("stale") == 2
     run_sweep(path, tmp_path / "other", ["optim.lr=1e-4"])  # another --out trains them afresh
     assert calls == [("name-adamw", 1e-4), ("name-muon", 1e-4)]
+
+
+def test_seeds_expand_variants_and_tabulate_mean_and_std(tmp_path, monkeypatch):
+    """Each variant runs once per seed with train.seed set; the table over seeds holds the mean and
+    the sample standard deviation (checked against numpy) of the per-run values."""
+    import json
+
+    import numpy as np
+
+    seen = []
+
+    def fake_train(cfg, run_dir, resume=False):
+        # a loss that depends on the variant and the seed, so that mean and spread are known
+        base = 2.0 if cfg.optim.name == "adamw" else 3.0
+        run_dir.mkdir(parents=True, exist_ok=True)
+        recs = [{"step": s, "loss": base + 0.1 * cfg.train.seed + 1.0 / s,
+                 "val_loss": base + 0.01 * cfg.train.seed ** 2 + 1.0 / s} for s in (1, 2)]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        seen.append((run_dir.name, cfg.train.seed, cfg.logging.wandb.name))
+        return {"steps": 2}
+
+    monkeypatch.setattr(loop, "train", fake_train)
+    path = _ablation(tmp_path, overrides=["train.steps=2"], grid={"optim.name": ["adamw", "muon"]}, seeds=[1, 2, 4])
+    out = tmp_path / "out"
+    rows = run_sweep(path, out)
+    names = [f"name-{o}_seed-{s}" for o in ("adamw", "muon") for s in (1, 2, 4)]
+    assert [r["variant"] for r in rows] == names
+    assert seen == [(n, int(n[-1]), n) for n in names]
+    seeds = np.array([1, 2, 4])
+    table = {r["variant"]: r for r in csv.DictReader(open(out / "results_seeds.csv"))}
+    assert set(table) == {"name-adamw", "name-muon"}
+    for name, base in (("name-adamw", 2.0), ("name-muon", 3.0)):
+        val = base + 0.01 * seeds ** 2 + 0.5
+        assert int(table[name]["n"]) == 3
+        assert float(table[name]["final_val_loss_mean"]) == pytest.approx(val.mean(), abs=1e-12)
+        assert float(table[name]["final_val_loss_std"]) == pytest.approx(val.std(ddof=1), abs=1e-12)
+        assert float(table[name]["final_train_loss_std"]) == pytest.approx((0.1 * seeds).std(ddof=1), abs=1e-12)
+    t = variant_config(load_sweep(path), load_sweep(path).variants[0]).train
+    assert int(table["name-adamw"]["tokens"]) == 2 * t.seq_len * t.micro_batch_size * t.microbatches
+    md = (out / "results.md").read_text()
+    assert "## Over seeds" in md and "| name-muon | 3 |" in md and " ± " in md
+
+    seen.clear()  # --seeds replaces the file's list
+    run_sweep(path, tmp_path / "cli", seeds="7")
+    assert [s[0] for s in seen] == ["name-adamw_seed-7", "name-muon_seed-7"]
+    for bad in ("1,x", "1,1", ""):
+        with pytest.raises(ConfigError, match="--seeds"):
+            run_sweep(path, tmp_path / "bad", seeds=bad)
+    with pytest.raises(ConfigError, match="'seeds'"):
+        load_sweep(_ablation(tmp_path, grid={"optim.name": ["adamw"]}, seeds=[1, True]))
