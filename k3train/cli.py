@@ -60,7 +60,8 @@ def _cmd_prepare_data(args) -> int:
 def _cmd_sweep(args) -> int:
     from k3train.sweep import run_sweep
 
-    run_sweep(args.ablation, args.out, args.overrides, dry_run=args.dry_run, seeds=args.seeds)
+    run_sweep(args.ablation, args.out, args.overrides, dry_run=args.dry_run, seeds=args.seeds,
+              only=args.only, jobs=args.jobs)
     return 0
 
 
@@ -154,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", metavar="S1,S2,...",
                    help="run every variant once per train.seed (replaces the file's 'seeds'); results.md "
                         "then adds mean and standard deviation over seeds")
+    p.add_argument("--only", metavar="NAME,...", help="train and tabulate only these variants (as --dry-run lists them)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="variants trained at once, each in its own process (default 1: one after another)")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value",
                    help="overrides applied to every variant, after the file's own")
     p.set_defaults(fn=_cmd_sweep)

@@ -21,7 +21,9 @@ Variants run one after another in this process (``k3train.trainer.loop.train``),
 ``OUT/<variant>/``. A finished variant's directory holds ``DONE``, keyed by the variant's
 resolved config (``config_key``); a rerun skips it when the key matches and refuses when it
 does not (the variant was made with other settings: another ``--out`` keeps both). One with a
-checkpoint but no ``DONE`` (an interrupted sweep) resumes from it. Results go to ``OUT/results.md``,
+checkpoint but no ``DONE`` (an interrupted sweep) resumes from it. ``--only NAME,...`` trains
+and tabulates just those variants; ``--jobs N`` trains N variants at once, each in a
+``k3train sweep --only NAME`` subprocess (small models share one GPU well), then tabulates. Results go to ``OUT/results.md``,
 ``OUT/results.csv`` and ``OUT/loss_curves.png``.
 """
 from __future__ import annotations
@@ -312,15 +314,61 @@ def _seed_lines(table: list[dict], out: Path) -> list[str]:
     return [*lines, ""]
 
 
+def _select(runs: list[Variant], only: list[str] | str | None) -> list[Variant]:
+    if only is None:
+        return runs
+    names = [n for n in only.split(",") if n] if isinstance(only, str) else list(only)
+    unknown = [n for n in names if n not in {v.name for v in runs}]
+    if unknown or not names:
+        raise ConfigError(f"--only {unknown or only!r}: no such variant; allowed: {[v.name for v in runs]}")
+    return [v for v in runs if v.name in names]
+
+
+def _train_in_subprocesses(path, out: Path, todo: list[Variant], extra, seeds, jobs: int) -> None:
+    """Train ``todo`` with at most ``jobs`` ``k3train sweep --only NAME`` processes at once (small
+    models on one GPU, or several CPU cores); each one's output goes to ``OUT/logs/NAME.log``."""
+    import subprocess
+    import sys
+    import time
+
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    seed_args = ["--seeds", ",".join(map(str, seeds))] if seeds is not None else []
+    pending, running, failed = list(todo), [], []
+    while pending or running:
+        while pending and len(running) < jobs:
+            v = pending.pop(0)
+            log = open(logs / f"{v.name}.log", "w")
+            cmd = [sys.executable, "-m", "k3train", "sweep", str(path), "--out", str(out), "--only", v.name,
+                   *seed_args, *extra]
+            print(f"[sweep] {v.name}: training in a subprocess (log {log.name})")
+            running.append((v, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
+        time.sleep(0.5)
+        for item in [r for r in running if r[1].poll() is not None]:
+            running.remove(item)
+            item[2].close()
+            if item[1].returncode != 0 or not (out / item[0].name / "DONE").is_file():
+                failed.append(item[0].name)
+                print(f"[sweep] {item[0].name}: failed (exit {item[1].returncode}); see {item[2].name}")
+    if failed:
+        raise RunDirError(f"sweep variants {failed} did not finish; their logs are in {logs}; rerun the "
+                          f"sweep to resume them")
+
+
 def run_sweep(path: str | Path, out: str | Path | None = None, extra: list[str] = (),
-              dry_run: bool = False, seeds: list[int] | str | None = None) -> list[dict]:
+              dry_run: bool = False, seeds: list[int] | str | None = None,
+              only: list[str] | str | None = None, jobs: int = 1) -> list[dict]:
     """Run (or, with ``dry_run``, only resolve and list) every variant (once per seed when the
-    file or ``seeds`` gives seeds); returns the result rows."""
+    file or ``seeds`` gives seeds; only those named in ``only``; ``jobs`` > 1 trains that many at
+    once in subprocesses); returns the result rows."""
     from k3train.trainer import loop  # attribute lookup at call time keeps ``loop.train`` patchable
 
+    if jobs < 1:
+        raise ConfigError(f"--jobs must be >= 1, got {jobs}")
     sweep = load_sweep(path)
     out = Path(out) if out is not None else Path("runs") / "sweeps" / sweep.name
-    runs = expand_seeds(sweep, check_seeds(seeds, "--seeds") if seeds is not None else None)
+    seeds = check_seeds(seeds, "--seeds") if seeds is not None else None
+    runs = _select(expand_seeds(sweep, seeds), only)
     configs = [(v, variant_config(sweep, v, list(extra))) for v in runs]  # fail before any training
     if dry_run:
         for v, cfg in configs:
@@ -332,6 +380,9 @@ def run_sweep(path: str | Path, out: str | Path | None = None, extra: list[str] 
         raise RunDirError(f"sweep variants {stale} in {out} were finished with other settings than "
                           f"this sweep resolves to (their DONE key differs); pass another --out, or "
                           f"delete those variant directories to train them again")
+    todo = [v for v, _ in configs if not (out / v.name / "DONE").is_file()]
+    if jobs > 1 and len(todo) > 1:
+        _train_in_subprocesses(path, out, todo, list(extra), seeds, jobs)
     rows, curves = [], {}
     for v, cfg in configs:
         run_dir = out / v.name

@@ -156,3 +156,21 @@ def test_seeds_expand_variants_and_tabulate_mean_and_std(tmp_path, monkeypatch):
             run_sweep(path, tmp_path / "bad", seeds=bad)
     with pytest.raises(ConfigError, match="'seeds'"):
         load_sweep(_ablation(tmp_path, grid={"optim.name": ["adamw"]}, seeds=[1, True]))
+
+
+@pytest.mark.slow
+def test_jobs_train_in_subprocesses_with_the_results_of_one_process(tmp_path):
+    """--jobs 2 trains the variants in two `sweep --only` processes at once; every row equals the
+    one-process sweep's (CPU training is deterministic), and --only trains just what it names."""
+    overrides = [*SMALL, "train.steps=3", "train.log_interval=1", "train.eval_interval=3",
+                 "logging.progress_bar=false"]
+    path = _ablation(tmp_path, overrides=overrides, grid={"model.attnres.enabled": [True, False]})
+    serial = run_sweep(path, tmp_path / "serial")
+    parallel = run_sweep(path, tmp_path / "parallel", jobs=2)
+    keys = ("variant", "steps", "tokens", "final_train_loss", "final_val_loss", "best_val_loss")
+    assert [{k: r[k] for k in keys} for r in parallel] == [{k: r[k] for k in keys} for r in serial]
+    assert all((tmp_path / "parallel" / "logs" / f"{r['variant']}.log").is_file() for r in parallel)
+    one = run_sweep(path, tmp_path / "one", only="enabled-false")
+    assert [r["variant"] for r in one] == ["enabled-false"] and not (tmp_path / "one" / "enabled-true").exists()
+    with pytest.raises(ConfigError, match="no such variant.*allowed"):
+        run_sweep(path, tmp_path / "one", only="enabled-maybe")
