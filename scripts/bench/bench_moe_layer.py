@@ -262,7 +262,10 @@ def run_k3(args, tokens: int) -> dict:
             with autocast:
                 outs = fn()
             outs = outs if isinstance(outs, tuple) else (outs,)
-            grads = [out_grads.setdefault((o.shape, o.dtype), torch.randn_like(o)) for o in outs]
+            for o in outs:
+                if (o.shape, o.dtype) not in out_grads:
+                    out_grads[o.shape, o.dtype] = torch.randn_like(o)
+            grads = [out_grads[o.shape, o.dtype] for o in outs]
             torch.autograd.backward(outs, grads)
         return run
 
