@@ -10,7 +10,9 @@ For each (EP, tokens, layout of the rows over the experts), measured side by sid
   shape); ``down``: ``[M, 3072] x [G, 3072, 3584]``; each against ``[M, K] @ [K, N]``;
 * ``expert``: the whole SiTU-GLU expert (``moe.experts.GroupedExperts``: gate, up, SiTU-GLU,
   down) forward+backward against the dense SiTU-GLU MLP of the same widths on the same M rows
-  (``moe.experts.SiTUGLUMLP``), bf16 weights.
+  (``moe.experts.SiTUGLUMLP``), bf16 weights;
+* ``1 group``: the gate GEMM with all M rows in one group, over dense: the grouped kernel's own
+  rate apart from the split into groups.
 TFLOP/s counts ``2 M K N`` per GEMM (times 3 for forward+backward); the ratio is
 grouped over dense (target >= 0.85). Layouts: ``balanced`` (M/G rows each, M/G not a multiple
 of 128 at these sizes), ``aligned`` (each count rounded down to a multiple of 128, the dense
@@ -83,6 +85,9 @@ def bench_case(experts: int, tokens: int, layout: str, dims: tuple[int, int], de
     ms = {
         "gate_grouped": timeit(lambda: torch._grouped_mm(x, wg, offs=offs), **timer),
         "gate_dense": timeit(lambda: x @ wg0, **timer),
+        # All M rows in one group: the grouped kernel's own rate against cuBLAS, apart from
+        # anything the split into groups costs.
+        "gate1_grouped": timeit(lambda: torch._grouped_mm(x, wg[:1], offs=offs[-1:]), **timer),
         "down_grouped": timeit(lambda: torch._grouped_mm(h, wd, offs=offs), **timer),
         "down_dense": timeit(lambda: h @ wd0, **timer),
     }
@@ -103,13 +108,14 @@ def bench_case(experts: int, tokens: int, layout: str, dims: tuple[int, int], de
     for p in (xg, *grouped.parameters(), *dense.parameters()):
         p.grad = None
     gemm = 2 * m * latent * ffn
-    flops = {"gate": gemm, "down": gemm, "expert": 3 * 3 * gemm}
+    flops = {"gate": gemm, "gate1": gemm, "down": gemm, "expert": 3 * 3 * gemm}
     tflops = {name: flops[name.split("_")[0]] / (t * 1e-3) / 1e12 for name, t in ms.items()}
     return {"experts": experts, "ep": K3_EXPERTS // experts, "tokens": tokens, "layout": layout,
             "rows": m, "rows_per_expert": {"mean": m / experts, "min": min(counts), "max": max(counts)},
             "max_over_mean": max(counts) / (m / experts), "tile_waste": tile_waste(counts),
             "ms": ms, "tflops": tflops,
-            "ratio": {p: ms[f"{p}_dense"] / ms[f"{p}_grouped"] for p in ("gate", "down", "expert")}}
+            "ratio": {p: ms[f"{p.rstrip('1')}_dense"] / ms[f"{p}_grouped"]
+                      for p in ("gate", "gate1", "down", "expert")}}
 
 
 def main() -> None:
@@ -140,7 +146,7 @@ def main() -> None:
           f"{dtype}); TFLOP/s grouped vs dense GEMM of the same FLOPs, side by side", flush=True)
     print(f"{'EP':>3} {'exp':>4} {'tokens':>6} {'layout':>8} {'rows/exp':>8} {'max/mean':>8} "
           f"{'waste':>6} | {'gate fwd TF/s':>15} {'ratio':>5} | {'down fwd TF/s':>15} {'ratio':>5} | "
-          f"{'expert f+b TF/s':>15} {'ratio':>5}", flush=True)
+          f"{'expert f+b TF/s':>15} {'ratio':>5} | {'1 group':>7}", flush=True)
     rows, shared = [], {}
     for ep in args.ep:
         for tokens in args.tokens:
@@ -152,7 +158,7 @@ def main() -> None:
                                    for p in ("gate", "down", "expert"))
                 print(f"{ep:>3} {r['experts']:>4} {tokens:>6} {layout:>8} "
                       f"{r['rows_per_expert']['mean']:>8.0f} {r['max_over_mean']:>8.2f} "
-                      f"{r['tile_waste']:>6.1%} | {cells}", flush=True)
+                      f"{r['tile_waste']:>6.1%} | {cells} | {r['ratio']['gate1']:>7.2f}", flush=True)
         shared.clear()
     worst = min(rows, key=lambda r: r["ratio"]["expert"])
     print(f"lowest expert fwd+bwd ratio: {worst['ratio']['expert']:.2f} (EP={worst['ep']}, "
