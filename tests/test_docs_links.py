@@ -120,13 +120,6 @@ def test_docs_pointers_in_source_resolve():
     assert not problems, "\n".join(problems)
 
 
-def _git_common_dir(path: Path) -> str | None:
-    """The repository a checkout belongs to (shared by all its worktrees); None outside git."""
-    out = subprocess.run(["git", "-C", str(path), "rev-parse", "--path-format=absolute",
-                          "--git-common-dir"], capture_output=True, text=True)
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
 def _outside_names() -> set[str]:
     """What a file could cite outside the repository: ``../NAME`` for each folder beside the
     checkout, and the documents at the top of those folders. Read from the disk, so the names
@@ -137,13 +130,10 @@ def _outside_names() -> set[str]:
                             capture_output=True, text=True).stdout.strip()
     if origin and Path(origin).is_dir():
         home = Path(origin).resolve()
-    ours = {_git_common_dir(ROOT), _git_common_dir(home)} - {None}
     names = set()
     for sibling in home.parent.iterdir():
         if sibling.resolve() in (home, ROOT) or not sibling.is_dir() or sibling.name.startswith("."):
             continue
-        if _git_common_dir(sibling) in ours:
-            continue  # another checkout of this repository (a git worktree), not outside material
         names.add(f"../{sibling.name}/")
         names.update(f.name for f in sibling.glob("*.md"))
     return names
