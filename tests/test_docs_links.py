@@ -134,9 +134,12 @@ def _outside_names() -> set[str]:
     for sibling in home.parent.iterdir():
         if sibling.resolve() in (home, ROOT) or not sibling.is_dir() or sibling.name.startswith("."):
             continue
+        if (sibling / ".git").exists():  # another checkout or worktree of a repository, not material
+            continue
         names.add(f"../{sibling.name}/")
         names.update(f.name for f in sibling.glob("*.md"))
-    return names
+    # a document name the repository itself has at its top (README.md) cites nothing outside it
+    return names - {f.name for f in ROOT.glob("*.md")}
 
 
 def test_nothing_cites_material_outside_the_repository():
