@@ -2,7 +2,8 @@
 # GPU checks and benchmarks, in priority order:
 #   bash scripts/gpu_suite.sh OUTDIR [STAGES]     (STAGES: comma list, default all)
 # Stages: gpu_check train_cuda bench_kda bench_step bench_moe_layer bench_fp8 (one GPU; bench_step
-# also as bench_step_mini + bench_step_peer, and bench_quantile, bench_muon: explicit only);
+# also as bench_step_mini + bench_step_peer, and bench_quantile, bench_muon, bench_grouped_experts,
+# bench_moe_layer_k3: explicit only);
 # gpu_parallel (GPU_PARALLEL_ONLY=a,b picks variants) bench_moe_ep2 bench_pipeline pp_debug (two
 # GPUs, skipped on one).
 # Together the stages need more than one 10-minute device call: pass a subset per call.
@@ -55,7 +56,10 @@ stage bench_step 420 python3 scripts/bench/bench_step.py --steps 5 --warmup 2 --
 # against fla's model (the ratio they report needs both sides in one run).
 stage bench_step_mini 420 python3 scripts/bench/bench_step.py --rows k3_mini,k3_mini_eager,k3_mini_accum --steps 5 --warmup 3 \
   --profile --profile-shapes --json "$OUT/bench_step_mini.json"
-stage bench_quantile 60 python3 scripts/bench/bench_quantile.py
+stage bench_quantile 180 python3 scripts/bench/bench_quantile.py --json "$OUT/bench_quantile.json"
+# K3's MoE sizes on one GPU (docs/BENCHMARKS.md#moe-at-k3s-sizes-one-h200), with bench_quantile.
+stage bench_grouped_experts 200 python3 scripts/bench/bench_grouped_experts.py --json "$OUT/bench_grouped_experts.json"
+stage bench_moe_layer_k3 200 python3 scripts/bench/bench_moe_layer.py --shape k3 --json "$OUT/bench_moe_layer_k3.json"
 stage bench_muon 180 python3 scripts/bench/bench_muon.py --json "$OUT/bench_muon.json"
 stage bench_moe_layer 120 python3 scripts/bench/bench_moe_layer.py --profile --json "$OUT/bench_moe_layer.json"
 stage bench_step_peer 420 python3 scripts/bench/bench_step.py --rows dense,peer --steps 5 --warmup 3 \

@@ -2,7 +2,8 @@
 a stable descending sort of ``scores + bias``: the same values bit for bit and the same indices,
 ties going to the lowest column and NaN ranking above +inf (torch's order).
 
-The GPU run is checked by ``scripts/gpu_check.py`` against ``torch.topk`` on CUDA.
+The GPU run is checked by ``scripts/gpu_check.py`` against ``torch.topk`` on CUDA, and at the
+real router sizes by ``scripts/bench/bench_quantile.py`` (its ``check`` rows).
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ out = {}
 for case in cases:
     scores, bias = _inputs(*case)
     out[case] = row_topk_triton(scores, case[2], bias)
-for bad in ((torch.randn(4, 8), 9), (torch.randn(4, 8).t(), 2)):
+for bad in ((torch.randn(4, 8), 9), (torch.randn(4, 8).t(), 2), (torch.randn(4, 64), 33),
+            (torch.randn(4, 1025), 4)):
     try:
         row_topk_triton(*bad)
     except ValueError as e:
@@ -48,6 +50,8 @@ def _inputs(n: int, e: int, k: int, dtype: str, bias: bool, special: bool):
         scores[2, 1] = float("nan")
         scores[2, 4] = float("inf")
         scores[3] = float("-inf")                        # k distinct picks from a row of -inf
+        scores[4] = 0.0
+        scores[4, ::2] = -0.0                            # -0.0 ties with +0.0: lowest column
     b = torch.randn(e, generator=gen) * 0.1 if bias else None
     if special and b is not None:
         b = -b.abs()                                     # keep row 0's tie on top:
@@ -55,10 +59,16 @@ def _inputs(n: int, e: int, k: int, dtype: str, bias: bool, special: bool):
     return scores, b
 
 
-# E not a power of two (padding columns), N not a multiple of the row block, k = 1 and 16.
+# E not a power of two (padding columns), N not a multiple of the row block, k = 1 to 16, and
+# K3's router: 896 experts top-16 (4 rows of 1024 columns per program).
 CASES = [(300, 64, 4, "float32", True, True), (300, 64, 5, "bfloat16", True, True),
          (97, 10, 3, "float32", False, True), (70, 70, 16, "float16", True, False),
-         (5, 64, 1, "float32", True, False)]
+         (5, 64, 1, "float32", True, False), (41, 896, 16, "bfloat16", True, True)]
+# The other router sizes of real MoE models: Quantile Balancing's top-17 at K3, 384 and 256
+# experts top-8 and top-9, and the limits (1024 columns, k = 32).
+REAL_SIZES = [(41, 896, 17, "float32", True, False), (30, 384, 8, "bfloat16", True, True),
+              (30, 384, 9, "float32", False, True), (30, 256, 8, "bfloat16", True, False),
+              (30, 256, 9, "float32", True, True), (9, 1024, 32, "float32", True, False)]
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +76,13 @@ def kernel_results(tmp_path_factory):
     return run_interpreted(tmp_path_factory.mktemp("topk"), _inputs, _CHILD, CASES)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "N{}E{}k{}-{}".format(*c[:4]))
-def test_matches_stable_descending_sort(kernel_results, case):
-    values, indices = kernel_results[case]
+@pytest.fixture(scope="module")
+def real_size_results(tmp_path_factory):
+    return run_interpreted(tmp_path_factory.mktemp("topk_sizes"), _inputs, _CHILD, REAL_SIZES)
+
+
+def _check_against_stable_sort(results, case):
+    values, indices = results[case]
     scores, bias = _inputs(*case)
     keyed = scores if bias is None else scores + bias
     ref_v, ref_i = torch.sort(keyed, dim=-1, descending=True, stable=True)
@@ -78,6 +92,17 @@ def test_matches_stable_descending_sort(kernel_results, case):
     assert torch.equal(indices, ref_i[:, :k])
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "N{}E{}k{}-{}".format(*c[:4]))
+def test_matches_stable_descending_sort(kernel_results, case):
+    _check_against_stable_sort(kernel_results, case)
+
+
+@pytest.mark.slow  # one more interpreted child, ~15 s on a shared 2-core machine
+@pytest.mark.parametrize("case", REAL_SIZES, ids=lambda c: "N{}E{}k{}-{}".format(*c[:4]))
+def test_real_router_sizes_match_stable_descending_sort(real_size_results, case):
+    _check_against_stable_sort(real_size_results, case)
+
+
 def test_special_rows_follow_torch_order(kernel_results):
     values, indices = kernel_results[CASES[0]]
     assert indices[0].tolist() == [0, 1, 2, 3]          # ties: lowest column first
@@ -85,10 +110,20 @@ def test_special_rows_follow_torch_order(kernel_results):
     assert indices[3].unique().numel() == 4             # a row of -inf: 4 distinct columns
 
 
+def test_signed_zeros_tie_and_keep_their_sign(kernel_results):
+    """Row 4 alternates -0.0 and +0.0 (no bias): torch.topk's order ties them, so the lowest
+    columns win; the values come back with their own sign bits."""
+    values, indices = kernel_results[CASES[2]]
+    assert indices[4].tolist() == [0, 1, 2]
+    assert torch.signbit(values[4]).tolist() == [True, False, True]
+
+
 def test_bad_shapes_are_named(kernel_results):
-    too_many, strided = kernel_results["errors"]
+    too_many, strided, over_max_k, too_wide = kernel_results["errors"]
     assert "k=9" in too_many and "E=8" in too_many
     assert "unit column stride" in strided
+    assert "k=33" in over_max_k and "32" in over_max_k
+    assert "E <= 1024" in too_wide
 
 
 def test_dry_run_leaves_valid_indices(kernel_results):
