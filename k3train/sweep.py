@@ -215,13 +215,18 @@ def _final_recall_accuracy(cfg: RunConfig, run_dir: Path) -> float | None:
     ckpt = latest_checkpoint(run_dir / "checkpoints")
     if ckpt is None:
         return None
+    from k3train.trainer.loop import pick_device
+
     init_distributed(p.tp, p.pp, p.vpp, p.ep)
+    # on the run's device: on CPU the naive KDA recurrence makes this minutes for a dozen variants
+    device = torch.device(pick_device(cfg.train.device))
     model = build_model(cfg)
     _, state = load_checkpoint(ckpt)
     model.load_state_dict(state["model"])
+    model.to(device)
     t = cfg.train
     return recall_accuracy(model, mqar_val_batches(cfg.data.mqar, t.seq_len, t.micro_batch_size, t.eval_batches),
-                           cfg.data.mqar, device=torch.device("cpu"))
+                           cfg.data.mqar, device=device)
 
 
 def collect_result(name: str, cfg: RunConfig, run_dir: Path) -> tuple[dict, list[dict]]:
