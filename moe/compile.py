@@ -15,16 +15,32 @@ def set_compile(enabled: bool) -> None:
     _ENABLED["cuda"] = bool(enabled)
 
 
-def compile_on_cuda(fn: Callable, **options) -> Callable:
-    """``fn`` through ``torch.compile(fn, **options)`` when its first argument is a CUDA tensor
-    and compiling is on (``set_compile``), eager otherwise (debugging, pipeline runs, a torch
-    without Inductor). The compile happens at the first CUDA call."""
+def compile_for(fn: Callable, *, device_types: tuple[str, ...] = ("cuda",),
+                outside_autocast: bool = False, **options) -> Callable:
+    """``fn`` through ``torch.compile(fn, **options)`` when its first argument is a tensor on one
+    of ``device_types`` and compiling is on (``set_compile``), eager otherwise (debugging,
+    pipeline runs, a torch without Inductor). The compile happens at the first such call.
+
+    ``outside_autocast=True`` runs the compiled call with autocast off on the tensor's device.
+    Dynamo guards on the autocast state, so a function entered both inside and outside
+    autocast (a norm in the autocast forward, in recompute, in evaluation) compiles once per
+    state and runs into the recompile limit sooner. Only for functions that cast explicitly
+    (every dtype they compute in is chosen by their arguments): for them autocast changes
+    nothing, so turning it off changes no result and removes the guard."""
     compiled = functools.cache(lambda: torch.compile(fn, **options))
 
     @functools.wraps(fn)
     def run(first: torch.Tensor, *args, **kwargs):
-        if first.is_cuda and _ENABLED["cuda"]:
-            return compiled()(first, *args, **kwargs)
-        return fn(first, *args, **kwargs)
+        if first.device.type not in device_types or not _ENABLED["cuda"]:
+            return fn(first, *args, **kwargs)
+        if outside_autocast and torch.is_autocast_enabled(first.device.type):
+            with torch.autocast(first.device.type, enabled=False):
+                return compiled()(first, *args, **kwargs)
+        return compiled()(first, *args, **kwargs)
 
     return run
+
+
+def compile_on_cuda(fn: Callable, **options) -> Callable:
+    """``compile_for(fn, device_types=("cuda",), **options)``: the pieces compile on CUDA only."""
+    return compile_for(fn, device_types=("cuda",), **options)
