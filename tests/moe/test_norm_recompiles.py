@@ -11,8 +11,9 @@ from moe.compile import compile_for
 
 
 def _graphs_after_calls(**compile_options) -> tuple[int, list]:
-    """Call a fresh compiled rms_norm under autocast on and off for fp32 and bf16 inputs, and
-    return (graphs Dynamo compiled, [(got, want)] against the eager function)."""
+    """Call a fresh compiled rms_norm under autocast on and off, with the cast cache on and off
+    (the CUDA-graphed step turns it off), for fp32 and bf16 inputs; return (graphs Dynamo
+    compiled, [(got, want)] against the eager function)."""
     torch._dynamo.reset()
     counters.clear()
     fn = compile_for(norm.rms_norm_eager, device_types=("cpu",), backend="eager", **compile_options)
@@ -20,8 +21,8 @@ def _graphs_after_calls(**compile_options) -> tuple[int, list]:
     pairs = []
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(3, 16, dtype=dtype)
-        for autocast in (False, True, False, True):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        for autocast, cache in ((False, True), (True, True), (True, False), (False, False), (True, True)):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast, cache_enabled=cache):
                 out_dtype = norm.autocast_dtype(x) or x.dtype
                 pairs.append((fn(x, w, 1e-6, out_dtype), norm.rms_norm_eager(x, w, 1e-6, out_dtype)))
     return counters["stats"]["unique_graphs"], pairs
@@ -40,8 +41,8 @@ def test_rms_norm_compiles_once_per_dtype_combination_not_per_autocast_state():
 
 
 def test_without_the_switch_autocast_state_is_a_guard():
-    # The counter sees the difference: bf16 -> bf16 is entered under both autocast states and
-    # compiles once for each (fp32 gives fp32 outside autocast and bf16 inside, two dtype
-    # combinations either way) -- the extra graph is what the fix removes.
+    # The counter sees the difference: without it each (autocast, cache) state is a guard, and
+    # every dtype combination compiles once per state it is entered in: fp32 -> fp32 in
+    # (off, on), (off, off); fp32 -> bf16 in (on, on), (on, off); bf16 -> bf16 in all four.
     graphs, _ = _graphs_after_calls(outside_autocast=False, dynamic=True)
-    assert graphs == 4
+    assert graphs == 8
