@@ -31,7 +31,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-_state = {"configured": False}
+_state = {"configured": False, "compile_only": False}
 
 
 def _triton():
@@ -75,7 +75,10 @@ def configure_autotune() -> str:
 
     def prune_by_mode(self, kwargs):
         configs = prune(self, kwargs)
-        return [smallest_config(configs)] if kernels.autotune_mode() == "fixed" else configs
+        if kernels.autotune_mode() == "fixed":
+            return [smallest_config(configs)]
+        announce_autotune(self, len(configs))
+        return configs
 
     autotuner.prune_configs = prune_by_mode
     _state["configured"] = True
@@ -85,10 +88,28 @@ def configure_autotune() -> str:
 def kernel_label(jit_fn) -> str:
     """``package.kernel_name`` of a Triton ``JITFunction`` (``fla.chunk_kda_fwd_kernel_o``), for
     progress lines."""
-    fn = getattr(jit_fn, "fn", jit_fn)
+    fn = jit_fn
+    while hasattr(fn, "fn"):  # Autotuner -> Heuristics -> JITFunction -> the Python function
+        fn = fn.fn
     module = getattr(fn, "__module__", "") or ""
     name = getattr(fn, "__name__", None) or type(jit_fn).__name__
     return f"{module.split('.')[0]}.{name}" if module else name
+
+
+def announce_autotune(tuner, n_configs: int, out=None) -> None:
+    """Print "autotuning KERNEL (N configs)" the first time a kernel is tuned in this process.
+    Triton prunes right before it benchmarks a new shape, so this is what a silent first step
+    waits for (issue 22); later shapes of the same kernel stay quiet."""
+    if n_configs < 2 or _state["compile_only"]:  # compile-ahead has its own progress line
+        return
+    label = kernel_label(tuner)
+    if label in _announced:
+        return
+    _announced.add(label)
+    print(f"[k3train] autotuning {label} ({n_configs} configs) ...", file=out or sys.stderr, flush=True)
+
+
+_announced: set[str] = set()
 
 
 @contextlib.contextmanager
@@ -122,10 +143,12 @@ def _launches_compile_only(mode=None, names: dict | None = None):
             self.nargs = None
 
     JITFunction.run, Autotuner.run = compile_only, compile_candidates
+    _state["compile_only"] = True
     try:
         yield
     finally:
         JITFunction.run, Autotuner.run = jit_run, tuner_run
+        _state["compile_only"] = False
 
 
 def _load_modules(future_kernels) -> None:

@@ -124,3 +124,34 @@ def test_kernel_label_names_package_and_function():
         pass
 
     assert triton_compile.kernel_label(scale_kernel) == f"{__name__.split('.')[0]}.scale_kernel"
+
+
+def test_autotuning_is_announced_once_per_kernel(capsys):
+    """Full autotuning names the kernel it is about to benchmark, once per kernel; fixed mode
+    (one candidate) and single-candidate kernels stay quiet."""
+    triton = pytest.importorskip("triton")
+    from k3train import kernels
+
+    @triton.autotune(configs=[triton.Config({"B": 16}), triton.Config({"B": 32}), triton.Config({"B": 64})],
+                     key=["n"])
+    @triton.jit
+    def tuned_kernel(x_ptr, n, B: "triton.language.constexpr"):
+        pass
+
+    triton_compile._announced.discard(triton_compile.kernel_label(tuned_kernel))
+    triton_compile.configure_autotune()
+    with kernels.using(autotune="full"):
+        triton_compile._state["compile_only"] = True  # inside compile-ahead: its own progress
+        try:
+            assert len(tuned_kernel.prune_configs({})) == 3
+        finally:
+            triton_compile._state["compile_only"] = False
+        assert capsys.readouterr().err == ""
+        assert len(tuned_kernel.prune_configs({})) == 3
+        assert len(tuned_kernel.prune_configs({})) == 3
+    with kernels.using(autotune="fixed"):
+        assert len(tuned_kernel.prune_configs({})) == 1
+    err = capsys.readouterr().err
+    label = triton_compile.kernel_label(tuned_kernel)
+    assert label.endswith(".tuned_kernel")
+    assert err.count(f"[k3train] autotuning {label} (3 configs) ...") == 1
