@@ -1,7 +1,7 @@
 """Training-step time and loss of precision recipes: bf16 vs fp8 (torchao) vs mxfp4_qat emulation.
 
     python scripts/bench/bench_fp8.py --out runs/bench_fp8                  # one H200
-    python scripts/bench/bench_fp8.py --preset slice --recipes bf16 fp8 --steps 12 --warmup 4 \
+    python scripts/bench/bench_fp8.py --preset slice --recipes bf16 fp8 --steps 10 --warmup 3 \
         --out runs/bench_fp8_slice                                          # K3 widths, one H200
     python scripts/bench/bench_fp8.py --device cpu --small --out /tmp/b     # CPU smoke (no fp8)
 
