@@ -159,23 +159,29 @@ def fp8_linear_config(emulate: bool = False):
     return dataclasses.replace(config, emulate=True) if emulate else config
 
 
-def _apply_fp8(model: nn.Module, targets: dict[str, str], config=None) -> None:
-    """``config``: a ``Float8LinearConfig`` (default ``fp8_linear_config()``)."""
+def _apply_fp8(model: nn.Module, targets: dict[str, str], config=None, *, skip_unfit: bool = False) -> list[str]:
+    """Float8 on ``targets``; returns the names converted. ``config``: a ``Float8LinearConfig``
+    (default ``fp8_linear_config()``). ``skip_unfit``: leave out linears whose dims are not
+    multiples of 16 instead of refusing (the default scope on a small model; an explicit
+    ``precision.scope`` naming one is an error)."""
     from torchao.float8 import convert_to_float8_training
 
     from k3train.quant.fp8 import Float8Matmul
 
     config = config if config is not None else fp8_linear_config()
-    linears = set()
+    linears, done = set(), []
     for name, local in targets.items():
         mod = model.get_submodule(local)
         if type(mod).__name__ == "Float8Linear" or isinstance(getattr(mod, "quant", None), Float8Matmul):
+            done.append(name)
             continue
         if isinstance(mod, GroupedExperts):
             raise UsageError(f"precision.recipe=fp8 has no grouped float8 GEMM for routed experts; "
                              f"precision.scope selects {name}. Drop it from the scope, or use "
                              f"precision.recipe=mxfp8 for the experts")
         out_f, in_f = mod.weight.shape
+        if (in_f % 16 or out_f % 16) and skip_unfit:
+            continue
         if in_f % 16 or out_f % 16:
             raise UsageError(f"fp8 GEMMs need both dims of {name} to be multiples of 16; got {in_f}x{out_f}")
         if isinstance(mod, (ColumnLinear, RowLinear)):
@@ -188,8 +194,10 @@ def _apply_fp8(model: nn.Module, targets: dict[str, str], config=None) -> None:
         else:
             raise UsageError(f"precision.recipe=fp8 converts nn.Linear and tensor-parallel linears; "
                              f"precision.scope selects {name}, a {type(mod).__name__}")
+        done.append(name)
     if linears:
         convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn in linears, config=config)
+    return done
 
 
 def apply_precision(model: nn.Module, precision: PrecisionConfig, device: str | torch.device = "cpu", *,
@@ -204,7 +212,7 @@ def apply_precision(model: nn.Module, precision: PrecisionConfig, device: str | 
         return []
     targets = select_scope(model, scope_patterns(precision), layer_offset, require_match)
     if precision.recipe == "fp8":
-        _apply_fp8(model, targets)
+        return _apply_fp8(model, targets, skip_unfit=precision.scope is None)
     else:
         spec = MX_SPECS[precision.recipe]
         for name, local in targets.items():

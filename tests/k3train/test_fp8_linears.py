@@ -87,3 +87,24 @@ def test_tp_linear_fp8_equals_torchao_float8_linear(world1, cls):
     exact = x @ ours.inner.weight.detach().t()
     err = ((ya - exact).norm() / exact.norm()).item()
     assert 1e-4 < err < 0.08
+
+
+def test_default_scope_skips_linears_fp8_cannot_run_an_explicit_scope_refuses(world1):
+    """SMALL's MLA kv_down is 64 -> 40 (kv_lora 32 + shared key 8): not float8-shaped. The
+    default scope leaves it in bf16 and converts the rest; a scope naming it is refused."""
+    from k3train.errors import UsageError
+
+    model = _model_small()
+    chosen = select_scope(model, DEFAULT_SCOPES["fp8"])
+    done = _apply_fp8(model, chosen, config=fp8_linear_config(emulate=True), skip_unfit=True)
+    assert "layers.3.mixer.kv_down" in chosen and "layers.3.mixer.kv_down" not in done
+    assert set(done) == set(chosen) - {"layers.3.mixer.kv_down"}
+    assert type(model.get_submodule("layers.3.mixer.kv_down")) is nn.Linear
+    with pytest.raises(UsageError, match=r"both dims of layers\.3\.mixer\.kv_down to be multiples of 16; got 64x40"):
+        _apply_fp8(_model_small(), {"layers.3.mixer.kv_down": "layers.3.mixer.kv_down"},
+                   config=fp8_linear_config(emulate=True))
+
+
+def _model_small():
+    torch.manual_seed(0)
+    return build_model(load_config("configs/k3_tiny.yaml", [*SMALL, "train.device=cpu"]))
