@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_step import SMALL, optimizer_ms, time_steps  # noqa: E402
-from common import matmul_tflops, save_json  # noqa: E402
+from common import matmul_tflops, profile_table, save_json  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -84,6 +84,14 @@ def slice_row(args, optim: str, peak_tflops: float) -> dict:
     if args.device == "cuda":
         row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         torch.cuda.reset_peak_memory_stats()
+    if args.profile:  # where forward+backward's time goes: what keeps MFU below its target
+        def one_fwd_bwd():
+            state._forward_backward(batches[0])
+            state.optimizer.zero_grad(set_to_none=True)
+            for layer in state.moe_layers:
+                layer.routing.clear()
+        print(f"profile of one update's forward+backward ({optim}):\n"
+              + profile_table(one_fwd_bwd, iters=1, rows=30, device=args.device), flush=True)
     del state
     if args.device == "cuda":
         torch.cuda.empty_cache()
@@ -100,6 +108,7 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=16, help="per update (16 x 4096 = 64K tokens)")
     ap.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
     ap.add_argument("--optims", default="muon", help="comma list of muon, adamw")
+    ap.add_argument("--profile", action="store_true", help="print the top operators of one forward+backward")
     ap.add_argument("--override", action="append", default=[], help="extra config override (repeatable)")
     ap.add_argument("--json")
     args = ap.parse_args()
