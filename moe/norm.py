@@ -38,8 +38,12 @@ def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
 # One kernel forward (read bf16/fp32, write the GEMM dtype) and one or two backward, instead of
 # an upcast copy, the norm and a downcast copy each way. Dynamic shapes: a model has norms of
 # several widths (hidden, MLA ranks, MoE latent), and not fullgraph, so that past Dynamo's
-# recompile limit (e.g. many models in one process) it runs eagerly, not fails.
-_rms_norm = compile_on_cuda(rms_norm_eager, dynamic=True)
+# recompile limit (e.g. many models in one process) it runs eagerly, not fails. Outside
+# autocast: every cast is explicit (``out_dtype`` is read from autocast before the call), and
+# autocast as a guard made one compile per autocast state, which hit the recompile limit in
+# k3_mini's first step (issue 22).
+_RMS_NORM_COMPILE = {"dynamic": True, "outside_autocast": True}
+_rms_norm = compile_on_cuda(rms_norm_eager, **_RMS_NORM_COMPILE)
 
 
 class RMSNorm(nn.Module):

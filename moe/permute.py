@@ -70,8 +70,9 @@ def weighted_sum_eager(y_slots: torch.Tensor, weights: torch.Tensor) -> torch.Te
 # backward; compiled: one each way. Static shapes first (dynamic=True compiled a slow
 # reduction; measured: see docs/BENCHMARKS.md#moe-layer); Dynamo turns dynamic by itself
 # once the row count changes (expert parallelism). Not fullgraph: past the recompile limit it
-# runs eagerly instead of failing.
-_weighted_sum = compile_on_cuda(weighted_sum_eager)
+# runs eagerly instead of failing. Outside autocast: its casts are explicit (the sum runs on
+# fp32 operands either way), so autocast state need not be a recompile guard.
+_weighted_sum = compile_on_cuda(weighted_sum_eager, outside_autocast=True)
 
 
 def weighted_sum(y_slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -254,8 +254,8 @@ class PrecisionConfig(_Strict):
     """Regexes searched (``re.search``) in module names with global layer indices, e.g.
     ``layers.3.ffn.experts``. A matched container quantises every quantisable module inside it
     (grouped experts, nn.Linear, tensor-parallel linears; never the router). None: the recipe's
-    default, routed experts (``\\.ffn\\.experts$``) for mxfp4_qat/mxfp8, the latent projections
-    and shared experts for fp8. Other names: ``\\.ffn\\.shared$`` shared experts,
+    default, routed experts (``\\.ffn\\.experts$``) for mxfp4_qat/mxfp8; for fp8 the latent
+    projections, shared experts and attention projections (docs/k3_slice.md#what-fp8-covers). Other names: ``\\.ffn\\.shared$`` shared experts,
     ``\\.ffn\\.(down|up)$`` latent projections, ``\\.ffn\\.(gate|up|down)_proj$`` dense FFN,
     ``\\.mixer\\.`` attention projections. A pattern that selects nothing is an error."""
     fp8_recipe: Literal["current"] = "current"

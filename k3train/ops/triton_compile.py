@@ -31,7 +31,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-_state = {"configured": False}
+_state = {"configured": False, "compile_only": False}
 
 
 def _triton():
@@ -75,22 +75,60 @@ def configure_autotune() -> str:
 
     def prune_by_mode(self, kwargs):
         configs = prune(self, kwargs)
-        return [smallest_config(configs)] if kernels.autotune_mode() == "fixed" else configs
+        if kernels.autotune_mode() == "fixed":
+            return [smallest_config(configs)]
+        announce_autotune(self, len(configs))
+        return configs
 
     autotuner.prune_configs = prune_by_mode
     _state["configured"] = True
     return kernels.autotune_mode()
 
 
+def kernel_label(jit_fn) -> str:
+    """``package.kernel_name`` of a Triton ``JITFunction`` (``fla.chunk_kda_fwd_kernel_o``), for
+    progress lines."""
+    fn = jit_fn
+    while hasattr(fn, "fn"):  # Autotuner -> Heuristics -> JITFunction -> the Python function
+        fn = fn.fn
+    module = getattr(fn, "__module__", "") or ""
+    name = getattr(fn, "__name__", None) or type(jit_fn).__name__
+    return f"{module.split('.')[0]}.{name}" if module else name
+
+
+def announce_autotune(tuner, n_configs: int, out=None) -> None:
+    """Print "autotuning KERNEL (N configs)" the first time a kernel is tuned in this process.
+    Triton prunes right before it benchmarks a new shape, so this is what a silent first step
+    waits for (issue 22); later shapes of the same kernel stay quiet."""
+    if n_configs < 2 or _state["compile_only"]:  # compile-ahead has its own progress line
+        return
+    label = kernel_label(tuner)
+    if label in _announced:
+        return
+    _announced.add(label)
+    print(f"[k3train] autotuning {label} ({n_configs} configs) ...", file=out or sys.stderr, flush=True)
+
+
+_announced: set[str] = set()
+
+
 @contextlib.contextmanager
-def _launches_compile_only():
-    """Inside: a Triton launch compiles (all autotune candidates) and returns without running."""
+def _launches_compile_only(mode=None, names: dict | None = None):
+    """Inside: a Triton launch compiles (all autotune candidates) and returns without running.
+    ``names`` (with ``mode``, the active ``AsyncCompileMode``) collects, for each compile future
+    submitted, the label of the kernel it compiles: the progress line names what is pending."""
     autotuner_mod, jit_mod, _ = _triton()
     Autotuner, JITFunction = autotuner_mod.Autotuner, jit_mod.JITFunction
     jit_run, tuner_run = JITFunction.run, Autotuner.run
 
     def compile_only(self, *args, grid, warmup, **kwargs):
-        return jit_run(self, *args, grid=grid, warmup=True, **kwargs)
+        before = len(mode.raw_futures) if names is not None else 0
+        try:
+            return jit_run(self, *args, grid=grid, warmup=True, **kwargs)
+        finally:
+            if names is not None:
+                for future in mode.raw_futures[before:]:
+                    names[future] = kernel_label(self)
 
     def compile_candidates(self, *args, **kwargs):
         self.nargs = dict(zip(self.arg_names, args))
@@ -105,10 +143,12 @@ def _launches_compile_only():
             self.nargs = None
 
     JITFunction.run, Autotuner.run = compile_only, compile_candidates
+    _state["compile_only"] = True
     try:
         yield
     finally:
         JITFunction.run, Autotuner.run = jit_run, tuner_run
+        _state["compile_only"] = False
 
 
 def _load_modules(future_kernels) -> None:
@@ -151,17 +191,34 @@ def _cached_choice(tuner, configs: list, kwargs: dict):
         return None
 
 
+def progress_line(futures: list, names: dict, seconds: float, show: int = 3) -> str:
+    """One progress line: finished compiles of those submitted, and what is still pending, by
+    kernel (``names``: future -> kernel label) -- or, when every compile has finished, that the
+    pass itself is still running (torch.compile of the fused pieces, the model's host code)."""
+    done = sum(f.done() for f in futures)
+    line = f"[k3train]   {done}/{len(futures)} Triton compiles done ({seconds:.0f} s)"
+    pending: dict[str, int] = {}
+    for f in futures:
+        if not f.done():
+            label = names.get(f, "unnamed kernel")
+            pending[label] = pending.get(label, 0) + 1
+    if not futures or not pending:
+        return line + "; still running the compile pass (torch.compile of fused ops, host code)"
+    most = sorted(pending.items(), key=lambda kv: -kv[1])
+    parts = [f"{label} ({n} config{'s' if n > 1 else ''})" for label, n in most[:show]]
+    more = f" and {len(most) - show} more kernels" if len(most) > show else ""
+    return line + "; waiting on " + ", ".join(parts) + more
+
+
 @contextlib.contextmanager
-def _progress(mode, t0: float, every: float = 15.0, out=None):
-    """While inside, print how many of the submitted compiles have finished every ``every`` s
-    (a first compile of a model can take minutes; the user should see it move)."""
+def _progress(mode, t0: float, every: float = 15.0, out=None, names: dict | None = None):
+    """While inside, print a ``progress_line`` every ``every`` s (a first compile of a model can
+    take minutes; the user should see it move, and what it waits for)."""
     stop = threading.Event()
 
     def report():
         while not stop.wait(every):
-            futures = list(mode.raw_futures)
-            done = sum(f.done() for f in futures)
-            print(f"[k3train]   {done}/{len(futures)} Triton compiles done ({time.perf_counter() - t0:.0f} s)",
+            print(progress_line(list(mode.raw_futures), names or {}, time.perf_counter() - t0),
                   file=out or sys.stderr, flush=True)
 
     thread = threading.Thread(target=report, daemon=True, name="k3train-compile-progress")
@@ -191,7 +248,8 @@ def compile_ahead(fn, threads: int | None = None, label: str = "") -> dict:
           f"({threads} threads, autotune={configure_autotune()}) ...", file=sys.stderr, flush=True)
     with ThreadPoolExecutor(threads) as pool:
         mode = mods[2].AsyncCompileMode(pool, ignore_errors=True)
-        with _progress(mode, t0), _launches_compile_only(), mode:
+        names: dict = {}
+        with _progress(mode, t0, names=names), _launches_compile_only(mode, names), mode:
             try:
                 fn()
             except Exception as exc:  # noqa: BLE001 - the real run compiles what was not reached

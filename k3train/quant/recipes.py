@@ -7,7 +7,9 @@ quantisation hook, the configuration its constructor also accepts:
   * ``nn.Linear``: replaced by ``MXLinear`` sharing the same Parameters;
   * ``ColumnLinear`` / ``RowLinear`` (megatron-core TP linears): ``quant = spec.linear``, valid at
     ``parallel.tp == 1`` only (the fake-quantised product is the unsharded one); tp > 1 is refused.
-fp8 converts in-scope ``nn.Linear`` modules with torchao's ``convert_to_float8_training``.
+fp8 converts in-scope ``nn.Linear`` modules with torchao's ``convert_to_float8_training`` and
+gives in-scope ``ColumnLinear`` / ``RowLinear`` (tp == 1) torchao's float8 matmul as their
+``quant`` hook (``k3train.quant.fp8``); routed experts have no fp8 path (use mxfp8).
 
 Scope names use global layer indices (``layers.<i>.``) even inside a pipeline chunk, so a
 pattern means the same layers whatever the pipeline split.
@@ -28,8 +30,12 @@ from moe import GroupedExperts
 DEFAULT_SCOPES = {
     "mxfp4_qat": [r"\.ffn\.experts$"],  # K3 quantises the routed experts only
     "mxfp8": [r"\.ffn\.experts$"],
-    # torchao float8 swaps nn.Linear only: the latent projections and the shared experts.
-    "fp8": [r"\.ffn\.(down|up)$", r"\.ffn\.shared$"],
+    # The large GEMMs outside the routed experts: latent projections, shared experts and the
+    # attention projections (KDA q/k/v/g/o, MLA q/kv down and up, gate, o). Not KDA's
+    # low-rank forget-gate pair (rank 128) or beta projection (one column per head): GEMMs that
+    # thin lose more to the casts than float8 saves.
+    "fp8": [r"\.ffn\.(down|up)$", r"\.ffn\.shared$", r"\.mixer\.(q|k|v|g|o|gate)_proj$",
+            r"\.mixer\.(q|kv)_(down|up)$"],
 }
 _LEAVES = (GroupedExperts, nn.Linear, ColumnLinear, RowLinear)
 _FP8_INSTALL = ('precision.recipe=fp8 needs a CUDA GPU with compute capability >= 8.9 (Ada/Hopper) '
@@ -142,22 +148,56 @@ def _apply_mx(model: nn.Module, name: str, local: str, spec: QuantSpec) -> None:
         _set_child(model, local, MXLinear.from_linear(mod, spec))
 
 
-def _apply_fp8(model: nn.Module, targets: dict[str, str]) -> None:
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+def fp8_linear_config(emulate: bool = False):
+    """torchao's tensorwise (``precision.fp8_recipe=current``) float8 config; ``emulate``: float8
+    rounding emulated in high precision (CPU tests)."""
+    import dataclasses
 
+    from torchao.float8 import Float8LinearConfig
+
+    config = Float8LinearConfig.from_recipe_name("tensorwise")
+    return dataclasses.replace(config, emulate=True) if emulate else config
+
+
+def _apply_fp8(model: nn.Module, targets: dict[str, str], config=None, *, skip_unfit: bool = False) -> list[str]:
+    """Float8 on ``targets``; returns the names converted. ``config``: a ``Float8LinearConfig``
+    (default ``fp8_linear_config()``). ``skip_unfit``: leave out linears whose dims are not
+    multiples of 16 instead of refusing (the default scope on a small model; an explicit
+    ``precision.scope`` naming one is an error)."""
+    from torchao.float8 import convert_to_float8_training
+
+    from k3train.quant.fp8 import Float8Matmul
+
+    config = config if config is not None else fp8_linear_config()
+    linears, done = set(), []
     for name, local in targets.items():
         mod = model.get_submodule(local)
-        if type(mod).__name__ == "Float8Linear":
+        if type(mod).__name__ == "Float8Linear" or isinstance(getattr(mod, "quant", None), Float8Matmul):
+            done.append(name)
             continue
-        if type(mod) is not nn.Linear:
-            raise UsageError(f"precision.recipe=fp8 converts plain nn.Linear modules only; precision.scope "
-                             f"selects {name}, a {type(mod).__name__}")
-        if mod.in_features % 16 or mod.out_features % 16:
-            raise UsageError(f"fp8 GEMMs need both dims of {name} to be multiples of 16; "
-                             f"got {mod.in_features}x{mod.out_features}")
-    wanted = set(targets.values())
-    convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn in wanted,
-                               config=Float8LinearConfig.from_recipe_name("tensorwise"))
+        if isinstance(mod, GroupedExperts):
+            raise UsageError(f"precision.recipe=fp8 has no grouped float8 GEMM for routed experts; "
+                             f"precision.scope selects {name}. Drop it from the scope, or use "
+                             f"precision.recipe=mxfp8 for the experts")
+        out_f, in_f = mod.weight.shape
+        if (in_f % 16 or out_f % 16) and skip_unfit:
+            continue
+        if in_f % 16 or out_f % 16:
+            raise UsageError(f"fp8 GEMMs need both dims of {name} to be multiples of 16; got {in_f}x{out_f}")
+        if isinstance(mod, (ColumnLinear, RowLinear)):
+            if tp_size() > 1:
+                raise UsageError(f"precision.scope selects {name}, a tensor-parallel linear; fp8 "
+                                 f"supports those at parallel.tp=1 only (tp is {tp_size()})")
+            mod.quant = Float8Matmul(config=config)
+        elif type(mod) is nn.Linear:
+            linears.add(local)
+        else:
+            raise UsageError(f"precision.recipe=fp8 converts nn.Linear and tensor-parallel linears; "
+                             f"precision.scope selects {name}, a {type(mod).__name__}")
+        done.append(name)
+    if linears:
+        convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn in linears, config=config)
+    return done
 
 
 def apply_precision(model: nn.Module, precision: PrecisionConfig, device: str | torch.device = "cpu", *,
@@ -172,7 +212,7 @@ def apply_precision(model: nn.Module, precision: PrecisionConfig, device: str | 
         return []
     targets = select_scope(model, scope_patterns(precision), layer_offset, require_match)
     if precision.recipe == "fp8":
-        _apply_fp8(model, targets)
+        return _apply_fp8(model, targets, skip_unfit=precision.scope is None)
     else:
         spec = MX_SPECS[precision.recipe]
         for name, local in targets.items():

@@ -1,6 +1,8 @@
 """Training-step time and loss of precision recipes: bf16 vs fp8 (torchao) vs mxfp4_qat emulation.
 
     python scripts/bench/bench_fp8.py --out runs/bench_fp8                  # one H200
+    python scripts/bench/bench_fp8.py --preset slice --recipes bf16 fp8 --steps 10 --warmup 3 \
+        --out runs/bench_fp8_slice                                          # K3 widths, one H200
     python scripts/bench/bench_fp8.py --device cpu --small --out /tmp/b     # CPU smoke (no fp8)
 
 Each recipe builds the same model from the same seed (``TrainState``, exactly what ``k3train
@@ -15,7 +17,13 @@ The default GPU model is k3_mini-like but wide and FFN-heavy (hidden 2048, laten
 8192-wide shared expert) so that the modules fp8 converts (latent projections and shared
 experts, plain ``nn.Linear``) carry most of the FLOPs. mxfp4_qat is emulated (fake-quant in
 fp32 then a bf16 GEMM): on Hopper it costs time, it does not save any; it is here to measure
-that overhead. fp8 is skipped with its one-line reason when it cannot run (CPU, no torchao,
+that overhead.
+
+``--preset slice``: configs/k3_slice.yaml (K3's widths: hidden 7168, KDA/MLA with 96 heads,
+latent 3584) as issue 22 measured fp8 there: 32 experts top-1, AdamW, 4 x 4096 tokens per
+update (``moe.topk=1``, ``train.microbatches=4``). fp8's default scope covers the attention
+projections, latent projections and shared experts; the routed experts stay bf16 (no grouped
+float8 GEMM here), which is why top-1 (few expert FLOPs) is the shape where fp8 can pay. fp8 is skipped with its one-line reason when it cannot run (CPU, no torchao,
 compute capability < 8.9).
 """
 from __future__ import annotations
@@ -40,6 +48,9 @@ WIDE = ["model.hidden_size=2048", "model.num_layers=4", "model.dense_layers=1", 
         "moe.num_experts=16", "moe.topk=2", "moe.latent_size=2048", "moe.expert_ffn_size=1024",
         "moe.num_shared_experts=1", "moe.shared_ffn_size=8192",
         "train.seq_len=2048", "train.micro_batch_size=4", "optim.name=adamw"]
+# configs/k3_slice.yaml at issue 22's fp8 measurement: 32 experts top-1, AdamW, 4 x 4096 tokens.
+SLICE = ["moe.topk=1", "optim.name=adamw", "train.micro_batch_size=1", "train.microbatches=4",
+         "train.seq_len=4096", "train.cuda_graph=false"]
 SMALL = ["model.hidden_size=64", "model.num_layers=4", "model.kda.num_heads=2", "model.kda.head_dim=32",
          "model.mla.num_heads=2", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=32",
          "model.mla.qk_nope_head_dim=16", "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=16",
@@ -48,7 +59,8 @@ SMALL = ["model.hidden_size=64", "model.num_layers=4", "model.kda.num_heads=2", 
 
 
 def run_recipe(recipe: str, args, device: torch.device) -> dict:
-    overrides = [*(SMALL if args.small else WIDE), f"train.device={device.type}", f"train.steps={args.steps}",
+    preset = {"small": SMALL, "wide": WIDE, "slice": SLICE}["small" if args.small else args.preset]
+    overrides = [*preset, f"train.device={device.type}", f"train.steps={args.steps}",
                  f"precision.recipe={recipe}", "logging.wandb.mode=disabled", "logging.progress_bar=false",
                  *args.overrides]
     if args.scope:
@@ -73,7 +85,7 @@ def run_recipe(recipe: str, args, device: torch.device) -> dict:
     timed = times[args.warmup:] or times
     result = {"quantized": state.model.quantized, "losses": losses, "step_s": times,
               "median_step_s": statistics.median(timed),
-              "tokens_per_step": cfg.train.micro_batch_size * cfg.train.seq_len}
+              "tokens_per_step": cfg.train.micro_batch_size * cfg.train.microbatches * cfg.train.seq_len}
     del state
     if device.type == "cuda":
         result["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -86,7 +98,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--small", action="store_true", help="tiny model (CPU smoke test)")
-    p.add_argument("--config", default="configs/k3_mini.yaml")
+    p.add_argument("--preset", default="wide", choices=["wide", "slice"],
+                   help="wide: k3_mini-like FFN-heavy model; slice: configs/k3_slice.yaml at top-1")
+    p.add_argument("--config", help="default: configs/k3_slice.yaml for --preset slice, else configs/k3_mini.yaml")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the median")
     p.add_argument("--recipes", nargs="+", default=["bf16", "fp8", "mxfp4_qat"])
@@ -94,6 +108,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args = p.parse_args(argv)
+    args.config = args.config or ("configs/k3_slice.yaml" if args.preset == "slice" and not args.small
+                                  else "configs/k3_mini.yaml")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but no CUDA device is visible; use --device cpu --small")
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
@@ -101,19 +117,19 @@ def main(argv=None) -> int:
     results = {r: run_recipe(r, args, device) for r in args.recipes}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    meta = {"preset": "small" if args.small else args.preset, "config": args.config, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "steps": args.steps, "warmup": args.warmup, "small": args.small}
     (out / "bench_fp8.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
 
     base = results.get("bf16", {}).get("median_step_s")
-    print(f"{'recipe':<10} {'step ms':>9} {'vs bf16':>8} {'tok/s':>10} {'final loss':>10}  quantised modules")
+    print(f"{'recipe':<10} {'step ms':>9} {'speed-up vs bf16':>17} {'tok/s':>10} {'final loss':>10}  quantised modules")
     for name, r in results.items():
         if "skipped" in r:
             print(f"{name:<10} skipped: {r['skipped']}")
             continue
         ms = r["median_step_s"] * 1e3
-        ratio = f"{r['median_step_s'] / base:.2f}x" if base else "n/a"
-        print(f"{name:<10} {ms:>9.1f} {ratio:>8} {r['tokens_per_step'] / r['median_step_s']:>10.0f} "
+        ratio = f"{base / r['median_step_s']:.2f}x" if base else "n/a"  # > 1: faster than bf16
+        print(f"{name:<10} {ms:>9.1f} {ratio:>17} {r['tokens_per_step'] / r['median_step_s']:>10.0f} "
               f"{r['losses'][-1]:>10.4f}  {len(r['quantized'])}")
     from k3train.plots import plot_loss_curves
 

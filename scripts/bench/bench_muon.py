@@ -2,21 +2,36 @@
 torch.baddbmm (copies C into its output first), side by side on the same data.
 
     python scripts/bench/bench_muon.py [--json out.json]
+    python scripts/bench/bench_muon.py --slice [--slice-json bench_slice.json] [--json out.json]
+    python scripts/bench/bench_muon.py --slice --device cpu --small       # CPU dry run
 
 Rows: one ``baddbmm`` of each Newton-Schulz kind on k3_mini's expert stack ``[512, 512, 512]``
 bf16 (the Gram product, ``b A + c A A`` and ``a X + B X``), then the whole 5-step
 ``newton_schulz`` on each k3_mini Muon shape, with the relative difference between the two
 backends and each one's error against an fp32 iteration.
+
+``--slice``: Muon at K3's widths (configs/k3_slice.yaml). The Muon matrices of the slice come
+from the trainer's own parameter table (``k3train.trainer.optimizer``, per-head q/k/v and
+q_up/kv_up), built on the meta device; one update (momentum, Newton-Schulz, apply) of each
+distinct (shape, heads) is timed on this GPU and multiplied by how many the model has. Then
+ZeRO-1: ``optim.sharded.plan_muon_owners`` (the ownership the sharded optimizer uses; each owner
+orthogonalises only its own matrices) assigns the matrices at DP = 1, 2, 4, 8, and each rank's
+Newton-Schulz time is the sum of its matrices' measured times (the slowest rank sets the step).
+With ``--slice-json`` (bench_slice.py's output: measured forward+backward per token) it also
+gives Muon's share of a step at 256K tokens per update, EXTRAPOLATED from those measured parts:
+``ns_rank / (fwd_bwd_per_token * 256K / DP + ns_rank)``.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import sys
 
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import graph_ms, save_json  # noqa: E402
+from common import graph_ms, save_json, timeit  # noqa: E402
 
 import optim.muon as muon  # noqa: E402
 from k3train import kernels  # noqa: E402
@@ -35,10 +50,121 @@ def ns_with(backend: str, G: torch.Tensor) -> torch.Tensor:
         return muon.newton_schulz(G)
 
 
+def ns_flops(shape: tuple[int, ...], heads: int | None, steps: int = 5) -> float:
+    """FLOPs of ``steps`` quintic Newton-Schulz steps on ``shape`` (``[A, B]`` or ``[S, A, B]``,
+    split into ``heads`` row blocks): per step and matrix ``[a, b]`` (a <= b) the Gram product
+    2a^2b, ``b A + c A A`` 2a^3 and ``B X`` 2a^2b."""
+    *stack, rows, cols = shape
+    n = (stack[0] if stack else 1) * (heads or 1)
+    a, b = sorted((rows // (heads or 1), cols))
+    return steps * n * (4 * a * a * b + 2 * a ** 3)
+
+
+def slice_muon(args) -> dict:
+    """The slice's Muon matrices: time per update of each distinct shape, ZeRO-1 per-rank times."""
+    from collections import Counter
+
+    from k3train.config import load_config
+    from k3train.distributed import init_distributed
+    from k3train.model.model import build_model
+    from k3train.trainer.optimizer import _EXPERTS, k3_param_rules
+    from optim import build_param_table
+    from optim.sharded import plan_muon_owners
+
+    small = ["model.hidden_size=64", "model.kda.num_heads=2", "model.kda.head_dim=32", "model.mla.num_heads=2",
+             "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=32", "model.mla.qk_nope_head_dim=16",
+             "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=16", "moe.num_experts=8", "moe.topk=2",
+             "moe.latent_size=32", "moe.expert_ffn_size=32", "moe.shared_ffn_size=64"] if args.small else []
+    cfg = load_config(args.config, small)
+    init_distributed()
+    with torch.device("meta"):
+        model = build_model(cfg)
+    table = [e for e in build_param_table(model.named_parameters(), k3_param_rules(model, cfg.optim.muon_per_head))
+             if e.optimizer == "muon"]
+    kinds = Counter((tuple(e.shape), e.heads) for e in table)
+    dev = torch.device(args.device)
+    ms_of, rows = {}, []
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for (shape, heads), count in sorted(kinds.items(), key=lambda kv: -ns_flops(*kv[0])):
+        g = torch.randn(shape, device=dev, generator=gen)
+        buf = torch.zeros_like(g)
+        p = torch.zeros_like(g)
+
+        def update():
+            ups = muon.muon_updates([g], [buf], momentum=0.95, nesterov=True, heads=heads, ns_steps=5, alpha=-1e-3)
+            muon.apply_muon_updates([p], ups, 1.0 - 1e-4)
+
+        ms = timeit(update, warmup=1, iters=3, device=args.device)
+        ms_of[(shape, heads)] = ms
+        tf = ns_flops(shape, heads)
+        rows.append({"shape": list(shape), "heads": heads, "count": count, "ms_each": ms, "tflop_each": tf / 1e12,
+                     "tflops": tf / (ms * 1e-3) / 1e12})
+        print(f"{str(list(shape)):<22}{str(heads or '-'):>6}{count:>6}{ms:>10.2f}{tf / 1e12:>9.2f}"
+              f"{tf / (ms * 1e-3) / 1e12:>9.0f}{count * ms:>10.1f}", flush=True)
+        del g, buf, p
+    total = sum(r["count"] * r["ms_each"] for r in rows)
+    out = {"config": args.config, "matrices": rows, "muon_ms_per_update": total,
+           "muon_tflop_per_update": sum(r["count"] * r["tflop_each"] for r in rows), "zero1": {}}
+    # ZeRO-1 as ShardedOptimizer plans it at EP=1: dense matrices over DP, routed-expert stacks
+    # over expert-DP (the same ranks at EP=1), each domain planned on its own.
+    times = [ms_of[(tuple(e.shape), e.heads)] for e in table]
+    expert = [bool(re.search(_EXPERTS, e.name)) for e in table]
+    fb_per_token = None
+    if args.slice_json:
+        with open(args.slice_json) as f:
+            sl = json.load(f)
+        r = sl["rows"].get("muon") or next(iter(sl["rows"].values()))
+        fb_per_token = r["fwd_bwd_ms"] / r["tokens_per_update"]
+        out["fwd_bwd_ms_per_token"] = fb_per_token
+    for dp in (1, 2, 4, 8):
+        per_rank = [0.0] * dp
+        for want in (False, True):
+            idx = [i for i in range(len(table)) if expert[i] == want]
+            owners = plan_muon_owners([table[i].param.numel() for i in idx], dp)
+            for i, o in zip(idx, owners):
+                per_rank[o] += times[i]
+        z = {"per_rank_ms": per_rank, "max_ms": max(per_rank), "ideal_ms": total / dp}
+        if fb_per_token is not None:
+            fb = fb_per_token * EXTRAPOLATE_TOKENS / dp
+            z["extrapolated_256k"] = {"fwd_bwd_ms_per_rank": fb, "muon_share_of_step": z["max_ms"] / (fb + z["max_ms"]),
+                                      "extrapolated": True}
+        out["zero1"][dp] = z
+    return out
+
+
+EXTRAPOLATE_TOKENS = 256 * 1024
+
+
+def print_slice(out: dict) -> None:
+    print(f"\nMuon per update: {out['muon_ms_per_update']:.1f} ms, {out['muon_tflop_per_update']:.1f} TFLOP "
+          f"({len(out['matrices'])} shapes)")
+    share = "fwd_bwd_ms_per_token" in out
+    print(f"{'ZeRO-1 DP':<11}{'slowest rank ms':>16}{'ideal ms':>10}{'balance':>9}"
+          + (f"{'Muon share @256K tok/update (EXTRAPOLATED)':>44}" if share else ""))
+    for dp, z in out["zero1"].items():
+        line = f"{dp:<11}{z['max_ms']:>16.1f}{z['ideal_ms']:>10.1f}{z['ideal_ms'] / z['max_ms']:>9.2f}"
+        if share:
+            line += f"{z['extrapolated_256k']['muon_share_of_step']:>44.1%}"
+        print(line)
+    if not share:
+        print("(pass --slice-json from bench_slice.py for the share of the step)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
+    ap.add_argument("--slice", action="store_true", help="Muon at the K3 slice's shapes, with ZeRO-1 spread")
+    ap.add_argument("--config", default="configs/k3_slice.yaml")
+    ap.add_argument("--slice-json", help="bench_slice.py --json output (measured forward+backward per token)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--small", action="store_true", help="with --slice: tiny widths (CPU dry run)")
     args = ap.parse_args()
+    if args.slice:
+        print(f"{'shape':<22}{'heads':>6}{'count':>6}{'ms each':>10}{'TFLOP':>9}{'TFLOP/s':>9}{'ms all':>10}")
+        out = slice_muon(args)
+        print_slice(out)
+        save_json(args.json, {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", **out})
+        return
     out = {"device": torch.cuda.get_device_name()}
     gen = torch.Generator(device="cuda").manual_seed(0)
     X = torch.randn(512, 512, 512, device="cuda", generator=gen).bfloat16() / 512

@@ -89,3 +89,69 @@ def test_progress_reports_finished_compiles():
                 time.sleep(0.01)
             release.set()
     assert "1/2 Triton compiles done" in out.getvalue()
+
+
+def test_progress_line_names_the_pending_kernels_then_the_pass():
+    """Pending compiles are named by kernel with their candidate counts, most first; once all
+    have finished, the line says the pass itself is what is still running (issue 22: a bare
+    "140/140 Triton compiles done" sat on screen for minutes)."""
+    from concurrent.futures import Future
+
+    def fut(done):
+        f = Future()
+        if done:
+            f.set_result(None)
+        return f
+
+    futures = [fut(True), fut(False), fut(False), fut(False), fut(False), fut(True)]
+    names = {futures[0]: "fla.a", futures[1]: "fla.chunk_kda_fwd", futures[2]: "fla.chunk_kda_fwd",
+             futures[3]: "k3train.conv", futures[4]: "fla.x", futures[5]: "fla.b"}
+    line = triton_compile.progress_line(futures, names, 42.4, show=2)
+    assert line.startswith("[k3train]   2/6 Triton compiles done (42 s); waiting on ")
+    assert "fla.chunk_kda_fwd (2 configs), " in line and line.endswith(" and 1 more kernels")
+    for f in futures:
+        if not f.done():
+            f.set_result(None)
+    assert triton_compile.progress_line(futures, names, 50.0).endswith(
+        "6/6 Triton compiles done (50 s); still running the compile pass (torch.compile of fused ops, host code)")
+
+
+def test_kernel_label_names_package_and_function():
+    triton = pytest.importorskip("triton")
+
+    @triton.jit
+    def scale_kernel(x_ptr):
+        pass
+
+    assert triton_compile.kernel_label(scale_kernel) == f"{__name__.split('.')[0]}.scale_kernel"
+
+
+def test_autotuning_is_announced_once_per_kernel(capsys):
+    """Full autotuning names the kernel it is about to benchmark, once per kernel; fixed mode
+    (one candidate) and single-candidate kernels stay quiet."""
+    triton = pytest.importorskip("triton")
+    from k3train import kernels
+
+    @triton.autotune(configs=[triton.Config({"B": 16}), triton.Config({"B": 32}), triton.Config({"B": 64})],
+                     key=["n"])
+    @triton.jit
+    def tuned_kernel(x_ptr, n, B: "triton.language.constexpr"):
+        pass
+
+    triton_compile._announced.discard(triton_compile.kernel_label(tuned_kernel))
+    triton_compile.configure_autotune()
+    with kernels.using(autotune="full"):
+        triton_compile._state["compile_only"] = True  # inside compile-ahead: its own progress
+        try:
+            assert len(tuned_kernel.prune_configs({})) == 3
+        finally:
+            triton_compile._state["compile_only"] = False
+        assert capsys.readouterr().err == ""
+        assert len(tuned_kernel.prune_configs({})) == 3
+        assert len(tuned_kernel.prune_configs({})) == 3
+    with kernels.using(autotune="fixed"):
+        assert len(tuned_kernel.prune_configs({})) == 1
+    err = capsys.readouterr().err
+    label = triton_compile.kernel_label(tuned_kernel)
+    assert label.endswith(".tuned_kernel")
+    assert err.count(f"[k3train] autotuning {label} (3 configs) ...") == 1

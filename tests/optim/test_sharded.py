@@ -238,3 +238,37 @@ def _pp_dp_body(rank: int, world: int) -> None:
 @pytest.mark.slow
 def test_pp2_dp2_and_expert_groups_match_single_process():
     run_multiprocess(_pp_dp_body, 4)
+
+
+# ---- ZeRO-1 spreads Newton-Schulz: each rank orthogonalises only the matrices it owns -------
+def _ownership_body(rank: int, world: int) -> None:
+    import optim.sharded as sharded_mod
+
+    table = make_table(0)
+    opt = sharded(table, "muon", dist.group.WORLD)
+    seen: list[str] = []
+    real = sharded_mod.muon_updates
+
+    def spy(grads, bufs, **kw):
+        seen.extend(next(e.name for e in table if e.param.grad is g) for g in grads)
+        return real(grads, bufs, **kw)
+
+    sharded_mod.muon_updates = spy
+    try:
+        set_grads(table, grads_for(table, rank, 0))
+        opt.step(max_grad_norm=None)
+    finally:
+        sharded_mod.muon_updates = real
+    muon = [e for e in table if e.optimizer == "muon"]
+    owners = plan_muon_owners([e.param.numel() for e in muon], world)
+    assert sorted(seen) == sorted(e.name for e, o in zip(muon, owners) if o == rank)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, seen)
+    flat = [n for names in everyone for n in names]
+    assert sorted(flat) == sorted(e.name for e in muon) and len(set(flat)) == len(flat)  # a partition
+    assert all(everyone), "every rank owns at least one matrix in this table"
+
+
+@pytest.mark.slow  # two spawned processes: ~10 s alone, far more on a shared CI machine
+def test_zero1_each_rank_orthogonalises_only_its_own_matrices():
+    run_multiprocess(_ownership_body, 2)
