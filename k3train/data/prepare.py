@@ -313,6 +313,9 @@ def prepare_documents(
             num_docs += len(encoded)
             bar.update(sum(len(t.encode("utf-8")) for t in texts) if progress else 0)
             bar.set_postfix_str(f"{num_docs:,} docs, {num_tokens:,} tokens", refresh=False)
+        if total_bytes and progress:  # split .txt lines drop their newlines: end the bar at 100%
+            bar.n = total_bytes
+            bar.refresh()
         bar.close()
         builder.finalize(str(tmp_idx))
         if num_docs == 0:
