@@ -24,6 +24,7 @@ tokenizer's hash, so a run tokenizes the corpus once per machine.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -83,6 +84,7 @@ def default_cache_dir() -> Path:
     return Path(base) / "k3train"
 
 
+@functools.lru_cache(maxsize=4)  # reading every file costs seconds; train and val share it
 def _corpus_key(val_fraction: float) -> str:
     h = hashlib.sha256(f"{platform.python_version()}|{val_fraction!r}".encode())
     for rel, path in stdlib_files():
