@@ -196,3 +196,31 @@ def test_stdlib_source_is_tokenized_once_into_the_cache(fake_stdlib, tmp_path):
         ref += list(text.encode()) + [256]
     assert json.loads(metas[0].read_text())["num_tokens"] == len(ref)
     assert "stdlib:train" in data.description
+
+
+def _mixture_ranks_worker(rank, world_size, prefix):
+    """Each gloo rank builds the run's data for its DP rank; rank 0 compares the gathered
+    batches with one process's batches of the whole global batch."""
+    import torch
+    import torch.distributed as dist
+
+    sources = f"data.sources=[{{path: {prefix}, weight: 1}}, {{path: embedded, weight: 2}}]"
+    common = [sources, "train.seq_len=16", "train.eval_batches=1"]
+    data = build_data(load_config(None, [*common, "train.micro_batch_size=2"]), dp_rank=rank, dp_size=world_size)
+    mine = torch.stack([next(data.train) for _ in range(12)])  # [steps, 2, 17]
+    got = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(got, mine)
+    if rank == 0:
+        whole = build_data(load_config(None, [*common, f"train.micro_batch_size={2 * world_size}"]))
+        want = torch.stack([next(whole.train) for _ in range(12)])
+        assert torch.equal(torch.cat(got, dim=1), want)
+        assert not torch.equal(got[0], got[1])  # the ranks read different windows
+
+
+@pytest.mark.slow  # two spawned processes import torch and megatron-core
+def test_mixture_is_sharded_over_gloo_data_parallel_ranks(tmp_path):
+    from tests.multiproc import run_multiprocess
+
+    (tmp_path / "a.txt").write_text("mixture source " * 400)
+    prepare_data([tmp_path / "a.txt"], tmp_path / "a", TOK)
+    run_multiprocess(_mixture_ranks_worker, 2, str(tmp_path / "a"))
