@@ -72,9 +72,12 @@ def _require(module: str, extra: str):
 
 
 def _sha256(*paths: Path) -> str:
+    """Hash of the files' contents (not their names: a renamed or moved copy is the same
+    tokenizer), each preceded by its length so that two files cannot run into each other."""
     h = hashlib.sha256()
     for p in paths:
-        h.update(p.name.encode() + b"\0" + p.read_bytes())
+        data = p.read_bytes()
+        h.update(len(data).to_bytes(8, "little") + data)
     return h.hexdigest()
 
 

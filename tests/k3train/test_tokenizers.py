@@ -57,6 +57,8 @@ def test_identity_is_the_files_hash_and_load_is_stable(tokenizer_files, tmp_path
     other = train_bpe(embedded_documents()[:60], 300, tmp_path / "other")
     assert load_tokenizer(other).files_hash != a.files_hash
     assert load_tokenizer(a.spec).encode("x y") == a.encode("x y")
+    (tmp_path / "moved.json").write_bytes(open(a.spec, "rb").read())
+    assert load_tokenizer(tmp_path / "moved.json").files_hash == a.files_hash  # content, not name
 
 
 def test_tiktoken_special_tokens_from_tokenizer_config(tokenizer_files, tmp_path):
