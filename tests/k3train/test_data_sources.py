@@ -44,6 +44,17 @@ def test_text_key_errors_name_the_flag(tmp_path, capsys):
     assert err.count("\n") == 1 and "no field 'text' (found: ['body']); pass --text-key" in err
 
 
+def test_parquet_input_reads_the_text_key_column(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": ["one", None, "two 🙂", ""], "id": [1, 2, 3, 4]}), tmp_path / "d.parquet")
+    prepare_data([tmp_path / "d.parquet"], tmp_path / "o", TOK, text_key="body")
+    assert _docs_of(tmp_path / "o") == ["one", "two 🙂"]  # null and empty rows skipped
+    with pytest.raises(DataError, match=r"no column 'text' \(found: \['body', 'id'\]\); pass --text-key"):
+        prepare_data([tmp_path / "d.parquet"], tmp_path / "o2", TOK)
+
+
 def test_prepare_help_lists_the_choices(capsys):
     with pytest.raises(SystemExit):
         cli_main(["prepare-data", "--help"])
