@@ -47,16 +47,6 @@ def _cmd_model_info(args) -> int:
     return 0
 
 
-def _cmd_prepare_data(args) -> int:
-    from k3train.data import get_tokenizer, prepare_data
-
-    stats = prepare_data(args.inputs, args.output_prefix, get_tokenizer(args.tokenizer), text_key=args.text_key)
-    print(f"wrote {args.output_prefix}.bin/.idx/.meta.json: {stats['num_documents']:,} documents, "
-          f"{stats['num_tokens']:,} tokens ({stats['tokenizer']} tokenizer)")
-    print(f"train on it with: k3train train --config configs/k3_tiny.yaml data.source={args.output_prefix}")
-    return 0
-
-
 def _cmd_sweep(args) -> int:
     from k3train.sweep import run_sweep
 
@@ -134,12 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(fn=_cmd_model_info)
 
-    p = sub.add_parser("prepare-data", help="tokenize .txt/.jsonl/.parquet files into an indexed dataset")
-    p.add_argument("inputs", nargs="+", help="input files")
-    p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx, PREFIX.meta.json")
-    p.add_argument("--tokenizer", default="byte", help="tokenizer name (default: byte)")
-    p.add_argument("--text-key", default="text", help="field holding the text in .jsonl/.parquet")
-    p.set_defaults(fn=_cmd_prepare_data)
+    from k3train.data.commands import add_prepare_data, add_train_tokenizer
+
+    add_prepare_data(sub)
+    add_train_tokenizer(sub)
 
     p = sub.add_parser("profile-pipeline", help="pipeline p2p bytes (naive vs cached), bubble, timelines "
                                                  "(run under torchrun with parallel.pp >= 2)")

@@ -19,7 +19,8 @@ import k3train
 PACKAGES = [("torch", None), ("megatron-core", None), ("numpy", None), ("pydantic", None),
             ("pyyaml", None), ("tqdm", None), ("matplotlib", None), ("wandb", None),
             ("safetensors", None), ("triton", "dev"), ("pytest", "dev"), ("pytest-timeout", "dev"),
-            ("flash-linear-attention", "gpu"), ("torchao", "gpu"), ("transformer-engine", "te")]
+            ("tokenizers", "tokenizers"), ("tiktoken", "tiktoken"), ("sentencepiece", "sentencepiece"),
+            ("pyarrow", "parquet"), ("flash-linear-attention", "gpu"), ("torchao", "gpu"), ("transformer-engine", "te")]
 
 
 def version() -> str:

@@ -164,13 +164,42 @@ class MQARConfig(_Strict):
         return self.num_pairs if self.num_queries is None else self.num_queries
 
 
+class DataSourceConfig(_Strict):
+    """One dataset of a ``data.sources`` mixture."""
+
+    path: str = Field(min_length=1)
+    """Like ``data.source``: a dataset prefix, "embedded" or "stdlib" (not "mqar")."""
+    weight: float = Field(1.0, gt=0)
+    """Relative share of the training windows drawn from this source (normalised over all)."""
+
+
 class DataConfig(_Strict):
     source: str = "embedded"
-    """"embedded" (Python's documentation text, no download), "mqar" (synthetic associative
-    recall, ``data.mqar``) or the prefix of a dataset written by ``k3train prepare-data``."""
-    tokenizer: Literal["byte"] = "byte"
+    """"embedded" (Python's documentation text, no download), "stdlib" (the Python standard
+    library's .py files, docs/data.md), "mqar" (synthetic associative recall, ``data.mqar``) or
+    the prefix of a dataset written by ``k3train prepare-data`` (or a Megatron .bin/.idx made
+    elsewhere, with data.tokenizer naming its tokenizer)."""
+    tokenizer: str | None = None
+    """"byte", a tokenizer.json (or its directory), a tiktoken BPE file or a sentencepiece .model
+    (k3train/data/tokenizer.py). None: the tokenizer the dataset's meta file records, "byte" for
+    embedded and stdlib."""
     val_fraction: float = Field(0.05, gt=0, lt=1)
     mqar: MQARConfig = MQARConfig()
+    sources: list[DataSourceConfig] = []
+    """A weighted mixture, e.g. ``[{path: data/a, weight: 3}, {path: stdlib, weight: 1}]``, used
+    instead of ``source`` (which must then keep its default, "embedded"; k3train/data/mixture.py);
+    every source needs the same tokenizer."""
+    cache_dir: str = ""
+    """Where data.source=stdlib keeps its tokenized copy; "" is $XDG_CACHE_HOME/k3train or
+    ~/.cache/k3train."""
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if self.sources and self.source != "embedded":
+            raise ValueError(f"set data.source ({self.source!r}) or data.sources, not both")
+        if any(s.path == "mqar" for s in self.sources):
+            raise ValueError("data.sources cannot hold 'mqar' (synthetic data has no windows to mix)")
+        return self
 
 
 class TrainConfig(_Strict):

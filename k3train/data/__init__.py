@@ -1,21 +1,20 @@
-"""Training data: byte tokenizer, embedded corpus, dataset preparation, batching.
+"""Training data: tokenizers, built-in corpora, dataset preparation, batching, mixtures.
 
-megatron-core is imported lazily (inside ``prepare_data`` and ``TokenSource.from_prefix``) because
-importing it costs seconds and the embedded corpus does not need it.
+The names below are imported on first use (``__getattr__``): the batching classes need torch and
+megatron-core, which cost seconds to import, and ``prepare-data --help``, the tokenizers and
+prepare-data's worker processes need neither.
 """
+from importlib import import_module
 
-from k3train.data.corpus import embedded_documents
-from k3train.data.dataset import BatchIterator, SequenceDataset, TokenSource, eval_batches
-from k3train.data.prepare import prepare_data
-from k3train.data.tokenizer import ByteTokenizer, get_tokenizer
+_HOMES = {
+    "ByteTokenizer": "tokenizer", "get_tokenizer": "tokenizer", "load_tokenizer": "tokenizer",
+    "embedded_documents": "corpus", "prepare_data": "prepare",
+    "TokenSource": "dataset", "SequenceDataset": "dataset", "BatchIterator": "dataset", "eval_batches": "dataset",
+}
+__all__ = sorted(_HOMES)
 
-__all__ = [
-    "ByteTokenizer",
-    "get_tokenizer",
-    "embedded_documents",
-    "prepare_data",
-    "TokenSource",
-    "SequenceDataset",
-    "BatchIterator",
-    "eval_batches",
-]
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'k3train.data' has no attribute {name!r}")
+    return getattr(import_module(f"k3train.data.{_HOMES[name]}"), name)

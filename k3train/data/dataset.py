@@ -21,10 +21,11 @@ import torch
 from k3train.errors import DataError
 from k3train.data.corpus import embedded_documents
 from k3train.data.prepare import META_FORMAT, meta_path
+from k3train.data.tokenizer import ByteTokenizer
 
 __all__ = ["TokenSource", "SequenceDataset", "BatchIterator", "eval_batches"]
 
-_SPLITS = ("train", "val")
+_SPLITS = ("train", "val", "all")
 _IDX_MAGIC = b"MMIDIDX\x00\x00"  # first bytes of every megatron-core .idx file
 # Token-id range check when a prepared dataset is opened: streams up to this many tokens are
 # scanned whole (~10 ms per 16M uint16 tokens); longer ones in _SAMPLES evenly spaced chunks of
@@ -56,7 +57,9 @@ def check_token_range(tokens: np.ndarray, vocab_size: int, where: str) -> None:
 
 def _split(tokens: np.ndarray, split: str, val_fraction: float) -> np.ndarray:
     if split not in _SPLITS:
-        raise DataError(f"unknown split {split!r}; allowed: 'train', 'val'")
+        raise DataError(f"unknown split {split!r}; allowed: 'train', 'val', 'all'")
+    if split == "all":
+        return tokens
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
     cut = int(len(tokens) * (1.0 - val_fraction))
@@ -91,11 +94,15 @@ class TokenSource:
 
     @classmethod
     def from_prefix(
-        cls, prefix: str | Path, tokenizer, split: str = "train", val_fraction: float = 0.05
+        cls, prefix: str | Path, tokenizer, split: str = "train", val_fraction: float = 0.05,
+        allow_foreign: bool = False,
     ) -> "TokenSource":
-        """A dataset written by ``prepare_data``; the token stream is memory-mapped, not copied."""
-        from megatron.core.datasets.indexed_dataset import IndexedDataset
+        """A dataset written by ``prepare_data``; the token stream is memory-mapped, not copied.
 
+        ``allow_foreign``: a ``.bin/.idx`` pair without k3train's meta file (a Megatron dataset
+        made elsewhere) is read as tokens of ``tokenizer``, which the caller has been told by the
+        user; its ids are still checked against ``tokenizer.vocab_size``. ``split="all"``: the
+        whole stream."""
         prefix = str(prefix)
         bin_path, idx_path, meta = Path(prefix + ".bin"), Path(prefix + ".idx"), meta_path(prefix)
         for p in (bin_path, idx_path):
@@ -104,26 +111,24 @@ class TokenSource:
                     f"no prepared dataset at {prefix}: {p} is missing; run `k3train prepare-data`"
                 )
         if not meta.is_file():
+            if allow_foreign:
+                tokens = _open_foreign(prefix, tokenizer)
+                return cls(_split(tokens, split, val_fraction), tokenizer.vocab_size, f"{prefix}:{split}")
             raise DataError(
                 f"{meta} is missing: {prefix} was not prepared by k3train or its preparation "
-                f"did not finish; re-run `k3train prepare-data`"
+                f"did not finish; re-run `k3train prepare-data`, or for a Megatron dataset made "
+                f"elsewhere name its tokenizer with data.tokenizer=..."
             )
         try:
             info = json.loads(meta.read_text())
-            name, vocab, eod = info["tokenizer"], int(info["vocab_size"]), int(info["eod_id"])
+            vocab, eod = int(info["vocab_size"]), int(info["eod_id"])
             dtype = np.dtype(info["dtype"])
             n_tok, n_doc = int(info["num_tokens"]), int(info["num_documents"])
         except (ValueError, KeyError, TypeError) as e:
             raise DataError(f"{meta} is not a valid k3train dataset meta file ({e!r})") from None
         if info.get("format") != META_FORMAT:
             raise DataError(f"{meta}: format {info.get('format')!r}, expected {META_FORMAT!r}")
-        if (name, vocab, eod) != (tokenizer.name, tokenizer.vocab_size, tokenizer.eod_id):
-            raise DataError(
-                f"{prefix} was prepared with tokenizer {name!r} (vocab {vocab}, eod {eod}) but "
-                f"this run uses {tokenizer.name!r} (vocab {tokenizer.vocab_size}, "
-                f"eod {tokenizer.eod_id}); "
-                f"re-run `k3train prepare-data` with the run's tokenizer"
-            )
+        check_same_tokenizer(info, tokenizer, prefix)
 
         # Sizes first: megatron's reader would fail on a short file with a bare numpy error.
         # The .idx layout (34-byte header, int32 lengths, int64 pointers, int64 document
@@ -136,19 +141,7 @@ class TokenSource:
                     f"{p} is truncated or corrupt: {actual} bytes, expected {size} from {meta}; "
                     f"re-run `k3train prepare-data`"
                 )
-        with open(idx_path, "rb") as f:
-            # Checked here because megatron's reader asserts on a bad header and then raises
-            # again from its own __del__, which buries the message.
-            if f.read(len(_IDX_MAGIC)) != _IDX_MAGIC:
-                raise DataError(f"{idx_path} is not a Megatron index file (bad header)")
-        try:
-            ds = IndexedDataset(prefix, mmap=True)
-            lengths = np.asarray(ds.sequence_lengths, dtype=np.int64)
-            index_dtype = np.dtype(ds.index.dtype)
-            del ds
-        except (AssertionError, ValueError, OSError) as e:
-            msg = f"{idx_path} is corrupt ({e}); re-run `k3train prepare-data`"
-            raise DataError(msg) from None
+        index_dtype, lengths = _read_index(prefix)
         if index_dtype != dtype or len(lengths) != n_doc or int(lengths.sum()) != n_tok:
             raise DataError(
                 f"{idx_path} disagrees with {meta} (dtype {index_dtype} vs {dtype}, "
@@ -159,6 +152,71 @@ class TokenSource:
         tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(n_tok,))
         check_token_range(tokens, vocab, str(bin_path))
         return cls(_split(tokens, split, val_fraction), vocab, f"{prefix}:{split}")
+
+
+def meta_tokenizer(info: dict) -> tuple[str, str | None]:
+    """(kind, files hash) a meta file records; meta files from before subword tokenizers name
+    only ``tokenizer: byte``."""
+    kind = info.get("tokenizer_kind", info.get("tokenizer"))
+    files_hash = info.get("tokenizer_files_hash", ByteTokenizer.files_hash if kind == "byte" else None)
+    return kind, files_hash
+
+
+def check_same_tokenizer(info: dict, tokenizer, prefix: str) -> None:
+    """DataError in one line naming both tokenizers unless ``tokenizer`` is the one the dataset
+    whose meta is ``info`` was prepared with (same kind, file hash, vocab size and EOD id)."""
+    kind, files_hash = meta_tokenizer(info)
+    vocab, eod = info.get("vocab_size"), info.get("eod_id")
+    if (kind, files_hash, vocab, eod) != (tokenizer.kind, tokenizer.files_hash, tokenizer.vocab_size,
+                                          tokenizer.eod_id):
+        name = info.get("tokenizer_spec") or info.get("tokenizer")
+        raise DataError(
+            f"{prefix} was prepared with tokenizer {name!r} ({kind}, hash {str(files_hash)[:12]}, "
+            f"vocab {vocab}, eod {eod}) but this run uses {tokenizer.name!r} ({tokenizer.kind}, hash "
+            f"{tokenizer.files_hash[:12]}, vocab {tokenizer.vocab_size}, eod {tokenizer.eod_id}); "
+            f"re-run `k3train prepare-data` with the run's tokenizer or set data.tokenizer to the dataset's"
+        )
+
+
+def _read_index(prefix: str) -> tuple[np.dtype, np.ndarray]:
+    """(token dtype, sequence lengths [S]) from ``prefix.idx``, with one-line errors."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    idx_path = prefix + ".idx"
+    with open(idx_path, "rb") as f:
+        # Checked here because megatron's reader asserts on a bad header and then raises
+        # again from its own __del__, which buries the message.
+        if f.read(len(_IDX_MAGIC)) != _IDX_MAGIC:
+            raise DataError(f"{idx_path} is not a Megatron index file (bad header)")
+    try:
+        ds = IndexedDataset(prefix, mmap=True)
+        lengths = np.asarray(ds.sequence_lengths, dtype=np.int64)
+        index_dtype = np.dtype(ds.index.dtype)
+        del ds
+    except (AssertionError, ValueError, OSError) as e:
+        raise DataError(f"{idx_path} is corrupt ({e}); re-run `k3train prepare-data`") from None
+    return index_dtype, lengths
+
+
+def _open_foreign(prefix: str, tokenizer) -> np.ndarray:
+    """The token stream of a Megatron ``.bin/.idx`` that k3train did not write.
+
+    Megatron's builder stores sequences back to back, so the ``.bin`` file read front to back is
+    the stream; documents are separated only if the tool that wrote it appended EOD tokens
+    (Megatron's ``preprocess_data.py --append-eod``)."""
+    dtype, lengths = _read_index(prefix)
+    bin_path = prefix + ".bin"
+    n_tok = int(lengths.sum())
+    if os.path.getsize(bin_path) != n_tok * dtype.itemsize:
+        raise DataError(f"{bin_path} is truncated or corrupt: {os.path.getsize(bin_path)} bytes, but "
+                        f"{prefix}.idx lists {n_tok} {dtype.name} tokens ({n_tok * dtype.itemsize} bytes)")
+    tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(n_tok,))
+    try:
+        check_token_range(tokens, tokenizer.vocab_size, bin_path)
+    except DataError:
+        raise DataError(f"{bin_path} holds token ids outside [0, {tokenizer.vocab_size}) of data.tokenizer "
+                        f"{tokenizer.name!r}: it was made with another tokenizer; name that one") from None
+    return tokens
 
 
 class SequenceDataset(torch.utils.data.Dataset):

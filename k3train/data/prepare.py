@@ -1,12 +1,18 @@
 """Tokenize text files into a Megatron indexed dataset (``<prefix>.bin`` + ``<prefix>.idx``).
 
-Inputs: ``.txt`` (the whole file is one document), ``.jsonl`` (one JSON object per line, text in
-field ``text_key``), ``.parquet`` (column ``text_key``; needs pyarrow). Every document is stored
+Inputs: ``.txt`` (the whole file is one document, or one per line with ``txt_split="lines"``, or
+one per blank-line-separated paragraph with ``txt_split="blank-lines"``), ``.jsonl`` (one JSON
+object per line, text in field ``text_key``), ``.parquet`` (column ``text_key``; needs pyarrow,
+the ``parquet`` extra). Every document is stored
 as one sequence that ends with the tokenizer's EOD token, so the ``.bin`` file read front to back
 is the flat training stream ``doc0 EOD doc1 EOD ...``.
 
-A sidecar ``<prefix>.meta.json`` records the tokenizer name, vocab size and counts; readers check
-it so a dataset is never read with a tokenizer it was not made with. It is written last and
+A sidecar ``<prefix>.meta.json`` records the tokenizer (kind, hash of its files, vocab size, EOD
+id, spec) and counts; readers check it so a dataset is never read with a tokenizer it was not
+made with.
+
+``workers > 1`` tokenizes in that many processes (chunks of documents, results taken in input
+order, so the output is byte-identical to ``workers=1``). It is written last and
 acts as the commit marker: everything is first written under temporary names and renamed into
 place, so a crash never leaves a half-written dataset that a reader would accept.
 """
@@ -19,18 +25,22 @@ import re
 import socket
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 
 from k3train.errors import DataError
 
-__all__ = ["prepare_data", "meta_path", "token_dtype", "ALLOWED_EXTENSIONS"]
+__all__ = ["prepare_data", "prepare_documents", "read_documents", "tokenizer_meta", "meta_path", "token_dtype",
+           "ALLOWED_EXTENSIONS", "TXT_SPLITS"]
 
 ALLOWED_EXTENSIONS = (".txt", ".jsonl", ".parquet")
 META_FORMAT = "k3train-indexed-v1"
 # Below this much input the run takes about a second and a progress bar is only noise.
 _PROGRESS_MIN_BYTES = 16 * 2**20
+# Characters per unit of work handed to the tokenizer (and to a worker process): large enough
+# that a worker's round trip is cheap next to the encoding, small enough to keep memory flat.
+_CHUNK_CHARS = 1 << 20
 
 
 def meta_path(prefix: str | Path) -> Path:
@@ -67,12 +77,22 @@ def _check_inputs(inputs: list[str | Path]) -> list[Path]:
     return paths
 
 
-def _read_txt(path: Path) -> Iterator[str]:
+TXT_SPLITS = ("none", "lines", "blank-lines")
+_BLANK_LINES = re.compile(r"\n[ \t\r]*\n\s*")
+
+
+def _read_txt(path: Path, txt_split: str = "none") -> Iterator[str]:
     try:
-        yield path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         msg = f"{path} is not valid UTF-8 (byte {e.start}); re-encode it as UTF-8"
         raise DataError(msg) from None
+    if txt_split == "none":
+        yield text
+    elif txt_split == "lines":
+        yield from text.splitlines()
+    else:
+        yield from _BLANK_LINES.split(text)
 
 
 def _read_jsonl(path: Path, text_key: str) -> Iterator[str]:
@@ -91,12 +111,12 @@ def _read_jsonl(path: Path, text_key: str) -> Iterator[str]:
                     found = f"the line is a JSON {type(record).__name__}, not an object"
                 raise DataError(
                     f"{path}:{lineno}: no field {text_key!r} ({found}); "
-                    f"set text_key to the field that holds the text"
+                    f"pass --text-key with the field that holds the text"
                 )
             text = record[text_key]
             if not isinstance(text, str):
                 raise DataError(
-                    f"{path}:{lineno}: field {text_key!r} is {type(text).__name__}, "
+                    f"{path}:{lineno}: field {text_key!r} (--text-key) is {type(text).__name__}, "
                     f"expected a string"
                 )
             yield text
@@ -106,14 +126,14 @@ def _read_parquet(path: Path, text_key: str) -> Iterator[str]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ImportError(
-            f"reading {path} needs pyarrow, which is not installed: pip install pyarrow"
+        raise DataError(
+            f"reading {path} needs pyarrow, which is not installed: pip install 'k3train[parquet]'"
         ) from None
     pf = pq.ParquetFile(path)
     names = pf.schema_arrow.names
     if text_key not in names:
         raise DataError(
-            f"{path}: no column {text_key!r} (found: {names}); set text_key to the text column"
+            f"{path}: no column {text_key!r} (found: {names}); pass --text-key with the text column"
         )
     # Record batches keep memory bounded for files much larger than RAM.
     for batch in pf.iter_batches(columns=[text_key]):
@@ -122,10 +142,11 @@ def _read_parquet(path: Path, text_key: str) -> Iterator[str]:
                 yield text
 
 
-def _documents(path: Path, text_key: str) -> Iterator[str]:
+def read_documents(path: Path, text_key: str = "text", txt_split: str = "none") -> Iterator[str]:
+    """The documents of one input file, in file order (see the module docstring)."""
     suffix = path.suffix.lower()
     if suffix == ".txt":
-        return _read_txt(path)
+        return _read_txt(path, txt_split)
     if suffix == ".jsonl":
         return _read_jsonl(path, text_key)
     return _read_parquet(path, text_key)
@@ -172,28 +193,105 @@ def remove_stale_temporaries(prefix: Path) -> list[Path]:
     return removed
 
 
-def prepare_data(
-    inputs: list[str | Path],
+def _encode_chunk(tokenizer, texts: list[str], dtype) -> list[np.ndarray]:
+    """Documents -> one id array each, EOD appended (the batch API where the library has one)."""
+    eod = np.asarray([tokenizer.eod_id], dtype=dtype)
+    if hasattr(tokenizer, "encode_array"):
+        encoded = [tokenizer.encode_array(t) for t in texts]
+    elif hasattr(tokenizer, "encode_batch"):
+        encoded = tokenizer.encode_batch(texts)
+    else:
+        encoded = [tokenizer.encode(t) for t in texts]
+    return [np.concatenate([np.asarray(ids, dtype=dtype), eod]) for ids in encoded]
+
+
+_worker_tokenizer = None
+
+
+def _worker_init(spec: str) -> None:
+    global _worker_tokenizer  # one tokenizer per worker process, loaded once
+    from k3train.data.tokenizer import load_tokenizer
+
+    _worker_tokenizer = load_tokenizer(spec)
+
+
+def _worker_encode(job: tuple[list[str], str]) -> list[np.ndarray]:
+    texts, dtype = job
+    return _encode_chunk(_worker_tokenizer, texts, np.dtype(dtype))
+
+
+def _chunks(docs: Iterator[str], max_bytes: int) -> Iterator[list[str]]:
+    """Non-empty documents grouped into lists of about ``max_bytes`` characters."""
+    chunk, size = [], 0
+    for text in docs:
+        if not text:
+            continue
+        chunk.append(text)
+        size += len(text)
+        if size >= max_bytes:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def _encoded_chunks(docs: Iterator[str], tokenizer, dtype, workers: int) -> Iterator[tuple[list[str], list[np.ndarray]]]:
+    chunks = _chunks(docs, _CHUNK_CHARS)
+    if workers <= 1:
+        for chunk in chunks:
+            yield chunk, _encode_chunk(tokenizer, chunk, dtype)
+        return
+    import multiprocessing as mp
+
+    from collections import deque
+
+    # spawn: the parent may hold threads (torch, the tokenizer libraries) that fork would copy
+    # in an unknown state. Results are taken in submission order, so the output equals
+    # workers=1's; at most 2 chunks per worker are in flight, so memory stays bounded.
+    with mp.get_context("spawn").Pool(workers, _worker_init, (tokenizer.spec,)) as pool:
+        in_flight: deque = deque()
+        for chunk in chunks:
+            in_flight.append((chunk, pool.apply_async(_worker_encode, ((chunk, np.dtype(dtype).name),))))
+            if len(in_flight) >= 2 * workers:
+                done, result = in_flight.popleft()
+                yield done, result.get()
+        while in_flight:
+            done, result = in_flight.popleft()
+            yield done, result.get()
+
+
+def tokenizer_meta(tokenizer) -> dict:
+    """The tokenizer's identity as recorded in (and checked against) a dataset's meta file."""
+    return {"tokenizer": tokenizer.name, "tokenizer_kind": tokenizer.kind,
+            "tokenizer_files_hash": tokenizer.files_hash, "tokenizer_spec": tokenizer.spec,
+            "vocab_size": int(tokenizer.vocab_size), "eod_id": int(tokenizer.eod_id)}
+
+
+def prepare_documents(
+    documents: Iterable[str],
     output_prefix: str | Path,
     tokenizer,
-    text_key: str = "text",
+    *,
+    inputs: list[str] | None = None,
+    total_bytes: int | None = None,
     progress: bool | None = None,
+    workers: int = 1,
 ) -> dict:
-    """Tokenize ``inputs`` in order into ``<output_prefix>.{bin,idx,meta.json}``.
+    """Tokenize ``documents`` in order into ``<output_prefix>.{bin,idx,meta.json}``.
 
-    Empty documents are skipped. ``progress=None`` shows a tqdm bar when the inputs total more
-    than 16 MiB. Returns the stats written to the meta file: ``tokenizer``, ``vocab_size``,
-    ``eod_id``, ``dtype``, ``num_documents``, ``num_tokens``, ``inputs``.
+    Empty documents are skipped. ``total_bytes`` (the input size, when known) sizes the progress
+    bar; ``progress=None`` shows it when that is 16 MiB or more. Returns the meta file's stats.
     """
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
     from tqdm import tqdm
 
-    paths = _check_inputs(list(inputs))
+    if workers < 1:
+        raise DataError(f"--workers must be >= 1, got {workers}")
     prefix = Path(output_prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     dtype = token_dtype(tokenizer.vocab_size)
     if progress is None:
-        progress = sum(p.stat().st_size for p in paths) >= _PROGRESS_MIN_BYTES
+        progress = (total_bytes or 0) >= _PROGRESS_MIN_BYTES
 
     for path in remove_stale_temporaries(prefix):
         print(f"[prepare-data] removed {path}, left by an earlier run that was killed", file=sys.stderr)
@@ -205,31 +303,31 @@ def prepare_data(
     builder = None
     try:
         builder = IndexedDatasetBuilder(str(tmp_bin), dtype=dtype)
-        bar = tqdm(desc="tokenizing", unit="doc", disable=not progress, file=sys.stderr)
-        for path in paths:
-            bar.set_postfix_str(path.name)
-            for text in _documents(path, text_key):
-                if not text:
-                    continue
-                ids = np.asarray(tokenizer.encode(text) + [tokenizer.eod_id], dtype=dtype)
+        # Bytes drive the bar (its rate is bytes/s); documents and tokens ride in the postfix.
+        bar = tqdm(desc="tokenizing", total=total_bytes, unit="B", unit_scale=True, disable=not progress,
+                   file=sys.stderr, mininterval=0.5)
+        for texts, encoded in _encoded_chunks(iter(documents), tokenizer, dtype, workers):
+            for ids in encoded:
                 builder.add_document(ids, [ids.size])
-                num_docs += 1
                 num_tokens += ids.size
-                bar.update(1)
+            num_docs += len(encoded)
+            bar.update(sum(len(t.encode("utf-8")) for t in texts) if progress else 0)
+            bar.set_postfix_str(f"{num_docs:,} docs, {num_tokens:,} tokens", refresh=False)
+        if total_bytes and progress:  # split .txt lines drop their newlines: end the bar at 100%
+            bar.n = total_bytes
+            bar.refresh()
         bar.close()
         builder.finalize(str(tmp_idx))
         if num_docs == 0:
-            names = ", ".join(str(p) for p in paths)
+            names = ", ".join(inputs or [])
             raise DataError(f"no non-empty documents found in inputs: {names}")
         stats = {
             "format": META_FORMAT,
-            "tokenizer": tokenizer.name,
-            "vocab_size": int(tokenizer.vocab_size),
-            "eod_id": int(tokenizer.eod_id),
+            **tokenizer_meta(tokenizer),
             "dtype": np.dtype(dtype).name,
             "num_documents": num_docs,
             "num_tokens": num_tokens,
-            "inputs": [str(p) for p in paths],
+            "inputs": list(inputs or []),
         }
         tmp_meta.write_text(json.dumps(stats, indent=2) + "\n")
         # Drop the old commit marker first: between the renames below the final names may hold
@@ -243,3 +341,42 @@ def prepare_data(
             builder.data_file.close()  # a no-op after finalize; needed when reading failed
         _remove_quietly(tmp_bin, tmp_idx, tmp_meta)
     return stats
+
+
+def auto_workers(total_bytes: int) -> int:
+    """Worker processes for ``--workers 0``: one below 16 MiB of input (starting workers costs
+    more than it saves), else one per CPU core up to 8."""
+    if total_bytes < _PROGRESS_MIN_BYTES:
+        return 1
+    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+def prepare_data(
+    inputs: list[str | Path],
+    output_prefix: str | Path,
+    tokenizer,
+    text_key: str = "text",
+    progress: bool | None = None,
+    *,
+    txt_split: str = "none",
+    workers: int = 1,
+) -> dict:
+    """Tokenize the files ``inputs`` in order into ``<output_prefix>.{bin,idx,meta.json}``.
+
+    ``txt_split``: how a ``.txt`` file becomes documents (one of ``TXT_SPLITS``). ``workers``:
+    tokenizer processes (0 = ``auto_workers``). Returns the stats written to the meta file:
+    ``tokenizer``, ``tokenizer_kind``, ``tokenizer_files_hash``, ``tokenizer_spec``,
+    ``vocab_size``, ``eod_id``, ``dtype``, ``num_documents``, ``num_tokens``, ``inputs``.
+    """
+    if txt_split not in TXT_SPLITS:
+        raise DataError(f"txt_split {txt_split!r}; allowed: {', '.join(TXT_SPLITS)}")
+    paths = _check_inputs(list(inputs))
+    total = sum(p.stat().st_size for p in paths)
+    workers = auto_workers(total) if workers == 0 else workers
+
+    def documents() -> Iterator[str]:
+        for path in paths:
+            yield from read_documents(path, text_key, txt_split)
+
+    return prepare_documents(documents(), output_prefix, tokenizer, inputs=[str(p) for p in paths],
+                             total_bytes=total, progress=progress, workers=workers)

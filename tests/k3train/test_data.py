@@ -1,6 +1,5 @@
 """k3train.data: tokenizer, prepare_data -> TokenSource round trip, error messages, batching."""
 
-import importlib.util
 import json
 import os
 
@@ -56,7 +55,7 @@ def test_tokenizer_round_trip(tok):
         tok.decode([300])
     assert (tok.vocab_size, tok.eod_id, tok.name) == (257, 256, "byte")
     assert isinstance(get_tokenizer("byte"), ByteTokenizer)
-    with pytest.raises(ValueError, match="allowed: 'byte'"):
+    with pytest.raises(ValueError, match="unknown tokenizer 'gpt2' .*allowed: 'byte', a Hugging Face"):
         get_tokenizer("gpt2")
 
 
@@ -90,6 +89,7 @@ def test_tokenizer_mismatch_rejected(prepared, tok):
 
     class OtherTokenizer(ByteTokenizer):
         name = "other"
+        files_hash = "another-byte-table"
 
     with pytest.raises(ValueError, match="prepared with tokenizer 'byte'.*uses 'other'"):
         TokenSource.from_prefix(prefix, OtherTokenizer())
@@ -130,10 +130,13 @@ def test_prepare_input_errors(tmp_path, tok):
         prepare_data([tmp_path / "empty.txt"], tmp_path / "o2", tok)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("pyarrow") is not None, reason="pyarrow installed")
-def test_parquet_without_pyarrow_says_how_to_install(tmp_path, tok):
+def test_parquet_without_pyarrow_says_how_to_install(tmp_path, tok, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow now raises ImportError
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     (tmp_path / "d.parquet").write_bytes(b"PAR1")
-    with pytest.raises(ImportError, match="pip install pyarrow"):
+    with pytest.raises(DataError, match=r"needs pyarrow.*pip install 'k3train\[parquet\]'"):
         prepare_data([tmp_path / "d.parquet"], tmp_path / "o", tok)
 
 
