@@ -311,6 +311,9 @@ class KernelsConfig(_Strict):
     ``causal_conv1d``, or torch's ``conv1d``. auto: ours."""
     router_topk: Literal["auto", "k3train", "torch"] = "auto"
     """The router's and Quantile Balancing's row top-k: ours (Triton) or ``torch.topk``."""
+    moe_permute: Literal["auto", "k3train", "torch"] = "auto"
+    """MoE dispatch and combine row passes (``moe/permute_fused.py``): ours (one Triton pass
+    each way) or the torch gathers."""
     muon_momentum: Literal["auto", "k3train", "torch"] = "auto"
     """Muon's momentum + Nesterov pass: ours (one Triton pass) or two torch passes."""
     ns_gemm: Literal["auto", "k3train", "torch"] = "auto"
