@@ -134,10 +134,10 @@ def test_triton_kernels_match_torch_form(tmp_path):
     for case in TRITON_CASES:
         want = _run(pf, *case)
         for name, a, b in zip(names, got[case], want):
-            # bf16 results: one rounding of sums taken in another order (within a bf16 ulp,
-            # 2**-8 relative); the weight gradient is fp32 whatever the rows.
+            # bf16 results: one rounding of fp32 sums taken in another order, so at most one
+            # bf16 ulp apart (2**-7 relative); the weight gradient is fp32 whatever the rows.
             bf16 = a.dtype == torch.bfloat16
-            tol = dict(rtol=2 ** -8, atol=1e-3) if bf16 else dict(rtol=1e-5, atol=1e-5)
+            tol = dict(rtol=2 ** -7, atol=1e-3) if bf16 else dict(rtol=1e-5, atol=1e-5)
             assert a.dtype == b.dtype and a.shape == b.shape, (case, name)
             if name == "dispatch":                         # a copy: bit for bit
                 assert torch.equal(a, b), (case, name)
