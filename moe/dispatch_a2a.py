@@ -13,12 +13,18 @@ Two modes:
 * dynamic (``capacity_factor=None``, the default): exact, never drops a slot. The split sizes
   depend on the routing, so after a tiny all-to-all of the per-(rank, expert) counts the
   counts are read on the host once per layer forward (one device sync on GPU); combine and
-  both backwards reuse those host split sizes and do not sync again.
+  both backwards reuse those host split sizes and do not sync again. At EP=1 there is nothing
+  to exchange: no host read (the buffer is the ``N*k`` slot rows in expert order).
 * static (``capacity_factor=c``): every (source rank, expert) pair gets
   ``C = ceil(c * N * k / E)`` slots; slots past C are dropped (the earliest tokens win) and
   free slots are zero rows. Every split size is ``E_local * C``, so nothing is read on the
   host: the step can be captured in a CUDA graph or overlapped with compute. All ranks of the
   EP group must pass the same ``N`` (a fixed micro-batch shape) so that they agree on C.
+
+The permutations on both sides are the fused row passes of ``moe/permute_fused.py`` (Triton
+on CUDA): dispatch writes each token row straight to its (destination rank, expert, slot) row
+of the send buffer, combine gathers each token's k rows back and reduces them with the routing
+weights; the maps they use are ``row_of_slot`` and ``slot_of_row`` in the state.
 
 Default for the trainer: dynamic. It is exact (the loss does not depend on the EP layout, which
 tests/moe/test_dispatch_a2a.py checks against one process) and, with balanced routing, its one small sync per layer is cheap
@@ -147,7 +153,7 @@ class GroupedAllToAllDispatcher(TokenDispatcher):
         return math.ceil(self.capacity_factor * num_tokens * topk / self.num_experts)
 
     def _exchange(self, x, out_rows, out_splits, in_splits):
-        if not self._comm:
+        if not self._comm or self.ep_size == 1:    # one rank: the exchange is the identity
             return x
         return all_to_all_rows(x, out_rows, out_splits, in_splits, self.group)
 
@@ -183,6 +189,10 @@ class GroupedAllToAllDispatcher(TokenDispatcher):
         row_of_slot = torch.empty_like(order)
         row_of_slot[order] = torch.arange(order.numel(), device=order.device)
         x_perm = dispatch_rows(x, row_of_slot, order, k)          # [N*k, d], expert-major
+        self.dropped_tokens = torch.zeros((), dtype=torch.int64, device=x.device)
+        if ep == 1:     # nothing to exchange: no split sizes, no host read, no regroup
+            self.real_tokens_per_expert = counts
+            return x_perm, counts, A2ADispatchState(row_of_slot, weights, order)
         # recv_counts[s, l]: rows source rank s sends to our local expert l.
         recv_counts = counts
         if self._comm:
@@ -195,12 +205,9 @@ class GroupedAllToAllDispatcher(TokenDispatcher):
         m = sum(recv_splits)
         recv = self._exchange(x_perm, m, recv_splits, send_splits)  # [M, d] by (source, expert)
         tokens_per_expert = recv_counts.sum(0)
-        self.dropped_tokens = torch.zeros((), dtype=torch.int64, device=x.device)
         self.real_tokens_per_expert = tokens_per_expert
         state = A2ADispatchState(row_of_slot, weights, order, send_splits=send_splits,
                                  recv_splits=recv_splits)
-        if ep == 1:     # one source: (source, expert) order is already (expert, source)
-            return recv, tokens_per_expert, state
         local_expert = torch.arange(ep * e_loc, device=x.device) % e_loc
         seg = torch.repeat_interleave(local_expert, recv_counts.reshape(-1), output_size=m)
         state.regroup = torch.argsort(seg, stable=True)            # -> by (expert, source)
@@ -209,11 +216,11 @@ class GroupedAllToAllDispatcher(TokenDispatcher):
         return permute_rows(recv, state.regroup, state.regroup_inverse), tokens_per_expert, state
 
     def _combine_dynamic(self, y_sorted, state):
-        y_recv = y_sorted                                          # back to (source, expert)
-        if state.regroup is not None:
+        y_back = y_sorted                                          # EP=1: already slot rows
+        if state.regroup is not None:                              # back to (source, expert)
             y_recv = permute_rows(y_sorted, state.regroup_inverse, state.regroup)
-        y_back = self._exchange(y_recv, sum(state.send_splits), state.send_splits,
-                                state.recv_splits)                 # [N*k, d] expert-major
+            y_back = self._exchange(y_recv, sum(state.send_splits), state.send_splits,
+                                    state.recv_splits)             # [N*k, d] expert-major
         return combine_rows(y_back, state.row_of_slot, state.slot_of_row, state.weights)
 
     # ------------------------------------------------------------------ static

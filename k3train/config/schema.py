@@ -107,8 +107,8 @@ class MoEConfig(_Strict):
     aux_loss_coef: float = Field(1e-2, ge=0)
     """Weight of the switch-style balance loss; used only with ``balancing: aux_loss``."""
     dispatcher: Literal["auto", "local", "grouped_a2a"] = "auto"
-    """auto: local when parallel.ep == 1, else grouped_a2a (one all-to-all of counts and one of
-    tokens per direction over the expert-parallel group)."""
+    """auto: local when parallel.ep == 1 and no capacity_factor is set, else grouped_a2a (one
+    all-to-all of counts and one of tokens per direction over the expert-parallel group)."""
     capacity_factor: float | None = Field(None, gt=0)
     """None: dynamic split sizes, exact, no token dropped, one host sync per layer on GPU (the
     default, so results never depend on the EP size). A number: fixed per-(rank, expert)

@@ -71,3 +71,32 @@ def _static_vs_dynamic_job(rank: int, world: int) -> None:
 @pytest.mark.slow
 def test_static_equals_dynamic_without_drops_at_ep2_and_ep4():
     run_multiprocess(_static_vs_dynamic_job, 4)
+
+
+@pytest.mark.parametrize("cf", [None, 1.0], ids=["dynamic", "static"])
+def test_ep1_makes_no_host_read_in_either_mode(cf):
+    """At EP=1 nothing is exchanged, so neither mode reads the counts on the host (a layer
+    step can be captured in a CUDA graph); the experts get the same rows as LocalDispatcher's
+    (dynamic) or fixed blocks of C rows (static)."""
+    from moe.host_reads import count_host_reads
+
+    full = _full_model()
+    moe = _ep_model(full, GroupedAllToAllDispatcher(E, capacity_factor=cf))
+    x = torch.randn(10, HIDDEN, requires_grad=True)
+    with count_host_reads() as reads:
+        moe(x).sum().backward()
+    assert reads[0] == 0
+    if cf is None:
+        assert torch.equal(moe.routing.last_tokens_per_expert,
+                           torch.bincount(moe.routing.last.indices.reshape(-1), minlength=E))
+
+
+def test_capacity_factor_selects_the_static_dispatcher():
+    from k3train.config import load_config
+    from k3train.errors import LayoutError
+    from k3train.model.model import build_dispatcher
+
+    d = build_dispatcher(load_config("configs/k3_tiny.yaml", ["moe.capacity_factor=1.5"]))
+    assert isinstance(d, GroupedAllToAllDispatcher) and d.mode == "static" and d.capacity_factor == 1.5
+    with pytest.raises(LayoutError, match=r"moe.capacity_factor=1.5 needs moe.dispatcher=grouped_a2a or auto"):
+        build_dispatcher(load_config("configs/k3_tiny.yaml", ["moe.capacity_factor=1.5", "moe.dispatcher=local"]))
