@@ -15,6 +15,7 @@ kda            fla, torch                chunked KDA recurrence (fla's ``chunk_k
 attnres        fla, torch                AttnRes depth mix (fla's ``fused_attnres``)
 short_conv     k3train, fla, torch       KDA short conv + SiLU (ours; fla's causal_conv1d)
 router_topk    k3train, torch            router / Quantile Balancing top-k (ours; torch.topk)
+moe_permute    k3train, torch            MoE dispatch/combine row passes (ours; gathers)
 muon_momentum  k3train, torch            Muon momentum + Nesterov input in one pass (ours)
 ns_gemm        k3train, torch            Newton-Schulz ``beta C + alpha A B`` (ours; baddbmm)
 ============== ========================= ==================================================
@@ -47,6 +48,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "attnres": ("fla", "torch"),
     "short_conv": ("k3train", "fla", "torch"),
     "router_topk": ("k3train", "torch"),
+    "moe_permute": ("k3train", "torch"),
     "muon_momentum": ("k3train", "torch"),
     "ns_gemm": ("k3train", "torch"),
 }
@@ -163,11 +165,12 @@ def resolved(device: torch.device | str) -> dict:
 def _push_to_packages(device_type: str = "cuda") -> None:
     """Hand ``moe`` and ``optim`` (which never import k3train) their CUDA choices."""
     from moe import compile as moe_compile
-    from moe import topk
+    from moe import permute_fused, topk
     from optim import muon
 
     moe_compile.set_compile(compile_enabled(device_type))
     topk.set_kernel(backend("router_topk", device_type))
+    permute_fused.set_kernel(backend("moe_permute", device_type))
     muon.set_kernels(momentum=backend("muon_momentum", device_type), ns_gemm=backend("ns_gemm", device_type))
 
 

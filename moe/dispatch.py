@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .metrics import expert_load
-from .permute import permute_rows, repeat_rows, weighted_sum
+from .permute_fused import combine_rows, dispatch_rows
 
 
 class TokenDispatcher(ABC):
@@ -72,9 +72,9 @@ class LocalDispatcher(TokenDispatcher):
         row_of_slot[order] = torch.arange(order.numel(), device=order.device)
         tokens_per_expert = expert_load(flat, self.num_experts)  # no host sync
         state = LocalDispatchState(row_of_slot, order, weights)
-        return repeat_rows(x, order, row_of_slot, k), tokens_per_expert, state
+        return dispatch_rows(x, row_of_slot, order, k), tokens_per_expert, state
 
     def combine(self, y_sorted: torch.Tensor, state: LocalDispatchState) -> torch.Tensor:
-        # Gather back to slot order and reduce over k instead of a scatter-add: no atomics, so
-        # the result is bitwise deterministic on GPU too.
-        return weighted_sum(permute_rows(y_sorted, state.row_of_slot, state.order), state.weights)
+        # Gather each token's k rows and reduce them instead of a scatter-add: no atomics, so
+        # the result is bitwise deterministic on GPU too (moe/permute_fused.py).
+        return combine_rows(y_sorted, state.row_of_slot, state.order, state.weights)

@@ -13,12 +13,18 @@ Two modes:
 * dynamic (``capacity_factor=None``, the default): exact, never drops a slot. The split sizes
   depend on the routing, so after a tiny all-to-all of the per-(rank, expert) counts the
   counts are read on the host once per layer forward (one device sync on GPU); combine and
-  both backwards reuse those host split sizes and do not sync again.
+  both backwards reuse those host split sizes and do not sync again. At EP=1 there is nothing
+  to exchange: no host read (the buffer is the ``N*k`` slot rows in expert order).
 * static (``capacity_factor=c``): every (source rank, expert) pair gets
   ``C = ceil(c * N * k / E)`` slots; slots past C are dropped (the earliest tokens win) and
   free slots are zero rows. Every split size is ``E_local * C``, so nothing is read on the
   host: the step can be captured in a CUDA graph or overlapped with compute. All ranks of the
   EP group must pass the same ``N`` (a fixed micro-batch shape) so that they agree on C.
+
+The permutations on both sides are the fused row passes of ``moe/permute_fused.py`` (Triton
+on CUDA): dispatch writes each token row straight to its (destination rank, expert, slot) row
+of the send buffer, combine gathers each token's k rows back and reduces them with the routing
+weights; the maps they use are ``row_of_slot`` and ``slot_of_row`` in the state.
 
 Default for the trainer: dynamic. It is exact (the loss does not depend on the EP layout, which
 tests/moe/test_dispatch_a2a.py checks against one process) and, with balanced routing, its one small sync per layer is cheap
@@ -48,7 +54,8 @@ import torch
 import torch.distributed as dist
 
 from .dispatch import TokenDispatcher
-from .permute import permute_rows, repeat_rows, weighted_sum
+from .permute import permute_rows
+from .permute_fused import combine_rows, dispatch_rows
 
 
 class _AllToAll(torch.autograd.Function):
@@ -85,17 +92,18 @@ def all_to_all_rows(x: torch.Tensor, out_rows: int, out_splits: list[int] | None
 
 @dataclass
 class A2ADispatchState:
-    """What combine needs. row_of_slot: ``[N*k]`` row of the returned buffer holding slot
-    ``i*k+j`` (static: ``E*C`` = the appended zero row for dropped slots); weights ``[N, k]``.
-    Dynamic only: regroup ``[M]`` (x_sorted row m = received row regroup[m]) and its inverse,
-    ``order`` ``[N*k]`` (the inverse of row_of_slot), host split lists. Static only:
+    """What combine needs. row_of_slot: ``[N*k]`` send-buffer row holding slot ``i*k+j``
+    (static: ``E*C`` for dropped slots); weights ``[N, k]``; slot_of_row: ``[rows]`` the slot
+    filling each send-buffer row (static: ``N*k`` for padding rows); the pair drives the fused
+    row passes (``moe/permute_fused.py``). Dynamic only: host split lists, and for EP > 1
+    regroup ``[M]`` (x_sorted row m = received row regroup[m]) and its inverse. Static only:
     ``capacity`` C."""
 
     row_of_slot: torch.Tensor
     weights: torch.Tensor
+    slot_of_row: torch.Tensor
     regroup: torch.Tensor | None = None
     regroup_inverse: torch.Tensor | None = None
-    order: torch.Tensor | None = None
     send_splits: list[int] | None = None
     recv_splits: list[int] | None = None
     capacity: int = 0
@@ -145,7 +153,7 @@ class GroupedAllToAllDispatcher(TokenDispatcher):
         return math.ceil(self.capacity_factor * num_tokens * topk / self.num_experts)
 
     def _exchange(self, x, out_rows, out_splits, in_splits):
-        if not self._comm:
+        if not self._comm or self.ep_size == 1:    # one rank: the exchange is the identity
             return x
         return all_to_all_rows(x, out_rows, out_splits, in_splits, self.group)
 
@@ -160,7 +168,7 @@ class GroupedAllToAllDispatcher(TokenDispatcher):
 
     def combine(self, y_sorted: torch.Tensor, state: A2ADispatchState) -> torch.Tensor:
         """y_sorted ``[M, d]`` in x_sorted order -> ``[N, d]`` routing-weighted sum over k."""
-        if state.regroup is not None:
+        if self.capacity_factor is None:
             return self._combine_dynamic(y_sorted, state)
         return self._combine_static(y_sorted, state)
 
@@ -180,7 +188,11 @@ class GroupedAllToAllDispatcher(TokenDispatcher):
         _, order, counts = self._slot_order(indices)
         row_of_slot = torch.empty_like(order)
         row_of_slot[order] = torch.arange(order.numel(), device=order.device)
-        x_perm = repeat_rows(x, order, row_of_slot, k)             # [N*k, d], expert-major
+        x_perm = dispatch_rows(x, row_of_slot, order, k)          # [N*k, d], expert-major
+        self.dropped_tokens = torch.zeros((), dtype=torch.int64, device=x.device)
+        if ep == 1:     # nothing to exchange: no split sizes, no host read, no regroup
+            self.real_tokens_per_expert = counts
+            return x_perm, counts, A2ADispatchState(row_of_slot, weights, order)
         # recv_counts[s, l]: rows source rank s sends to our local expert l.
         recv_counts = counts
         if self._comm:
@@ -192,23 +204,24 @@ class GroupedAllToAllDispatcher(TokenDispatcher):
             [counts.view(ep, e_loc).sum(1), recv_counts.sum(1)]).tolist()
         m = sum(recv_splits)
         recv = self._exchange(x_perm, m, recv_splits, send_splits)  # [M, d] by (source, expert)
+        tokens_per_expert = recv_counts.sum(0)
+        self.real_tokens_per_expert = tokens_per_expert
+        state = A2ADispatchState(row_of_slot, weights, order, send_splits=send_splits,
+                                 recv_splits=recv_splits)
         local_expert = torch.arange(ep * e_loc, device=x.device) % e_loc
         seg = torch.repeat_interleave(local_expert, recv_counts.reshape(-1), output_size=m)
-        regroup = torch.argsort(seg, stable=True)                  # -> by (expert, source)
-        tokens_per_expert = recv_counts.sum(0)
-        self.dropped_tokens = torch.zeros((), dtype=torch.int64, device=x.device)
-        self.real_tokens_per_expert = tokens_per_expert
-        inverse = torch.empty_like(regroup)
-        inverse[regroup] = torch.arange(inverse.numel(), device=inverse.device)
-        state = A2ADispatchState(row_of_slot, weights, regroup, inverse, order, send_splits, recv_splits)
-        return permute_rows(recv, regroup, inverse), tokens_per_expert, state
+        state.regroup = torch.argsort(seg, stable=True)            # -> by (expert, source)
+        state.regroup_inverse = torch.empty_like(state.regroup)
+        state.regroup_inverse[state.regroup] = torch.arange(m, device=x.device)
+        return permute_rows(recv, state.regroup, state.regroup_inverse), tokens_per_expert, state
 
     def _combine_dynamic(self, y_sorted, state):
-        # back to (source, expert)
-        y_recv = permute_rows(y_sorted, state.regroup_inverse, state.regroup)
-        y_back = self._exchange(y_recv, sum(state.send_splits), state.send_splits,
-                                state.recv_splits)                 # [N*k, d] expert-major
-        return weighted_sum(permute_rows(y_back, state.row_of_slot, state.order), state.weights)
+        y_back = y_sorted                                          # EP=1: already slot rows
+        if state.regroup is not None:                              # back to (source, expert)
+            y_recv = permute_rows(y_sorted, state.regroup_inverse, state.regroup)
+            y_back = self._exchange(y_recv, sum(state.send_splits), state.send_splits,
+                                    state.recv_splits)             # [N*k, d] expert-major
+        return combine_rows(y_back, state.row_of_slot, state.slot_of_row, state.weights)
 
     # ------------------------------------------------------------------ static
     def _dispatch_static(self, x, indices, weights):
@@ -222,14 +235,14 @@ class GroupedAllToAllDispatcher(TokenDispatcher):
         pos = torch.arange(order.numel(), device=x.device) - starts[flat_sorted]
         trash = e * cap                                            # one row past the buffer
         dest = torch.where(pos < cap, flat_sorted * cap + pos, torch.full_like(pos, trash))
-        # token_of_row: source token of each send-buffer row, n (a zero row) for padding.
-        # Only dropped slots collide, all on the trash entry, which is cut off.
-        token_of_row = torch.full((trash + 1,), n, dtype=torch.int64, device=x.device)
-        token_of_row.scatter_(0, dest, order // k)
-        x_pad = torch.cat([x, x.new_zeros(1, x.shape[1])])
-        send = x_pad.index_select(0, token_of_row[:trash])         # [E*C, d] = [ep, E_loc, C]
         row_of_slot = torch.empty_like(dest)
         row_of_slot[order] = dest
+        # slot_of_row: the slot filling each send-buffer row, n*k (a zero row) for padding.
+        # Only dropped slots collide, all on the trash entry, which is cut off.
+        slot_of_row = torch.full((trash + 1,), n * k, dtype=torch.int64, device=x.device)
+        slot_of_row.scatter_(0, dest, order)
+        slot_of_row = slot_of_row[:trash]
+        send = dispatch_rows(x, row_of_slot, slot_of_row, k)      # [E*C, d] = [ep, E_loc, C]
         recv = self._exchange(send, trash, None, None)             # [ep(source), E_loc, C]
         # Fixed regroup to (local expert, source, slot): a transpose, no data dependence.
         d = x.shape[1]
@@ -237,7 +250,7 @@ class GroupedAllToAllDispatcher(TokenDispatcher):
         self.dropped_tokens = (counts - cap).clamp_min(0).sum()
         self.real_tokens_per_expert = None
         tokens_per_expert = torch.full((e_loc,), ep * cap, dtype=torch.int64, device=x.device)
-        state = A2ADispatchState(row_of_slot, weights, capacity=cap)
+        state = A2ADispatchState(row_of_slot, weights, slot_of_row, capacity=cap)
         return x_sorted, tokens_per_expert, state
 
     def _combine_static(self, y_sorted, state):
@@ -246,6 +259,5 @@ class GroupedAllToAllDispatcher(TokenDispatcher):
         d = y_sorted.shape[1]
         y_recv = y_sorted.view(e_loc, ep, cap, d).transpose(0, 1).reshape(rows, d)
         y_back = self._exchange(y_recv, rows, None, None)          # [E*C, d] expert-major
-        # Dropped slots point at the appended zero row: they contribute exactly zero.
-        y_pad = torch.cat([y_back, y_back.new_zeros(1, y_back.shape[1])])
-        return weighted_sum(y_pad.index_select(0, state.row_of_slot), state.weights)
+        # Dropped slots (row_of_slot == E*C) contribute exactly zero.
+        return combine_rows(y_back, state.row_of_slot, state.slot_of_row, state.weights)

@@ -7,8 +7,10 @@ atomics. Dispatch indices have structure that makes the backward a gather:
 * "each token k times" (``order // k`` with ``order`` a permutation of the ``N*k`` slots):
   the gradient of token ``i`` is the sum over its k slots, a gather by ``row_of_slot`` (the
   inverse of ``order``) and a sum over k. Deterministic, no atomics.
-The static-capacity expert-parallel combine gathers with a "trash" row for dropped slots, which
-is not a permutation; it keeps ``index_select``.
+The dispatchers now move token rows with the fused passes of ``moe/permute_fused.py`` (which
+also handle the static mode's dropped slots and padding rows); ``permute_rows`` still does the
+expert-parallel regroup, and ``weighted_sum`` stays as the compiled combine reduction that
+``scripts/bench/bench_moe_layer.py`` measures.
 """
 from __future__ import annotations
 

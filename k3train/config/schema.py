@@ -107,8 +107,8 @@ class MoEConfig(_Strict):
     aux_loss_coef: float = Field(1e-2, ge=0)
     """Weight of the switch-style balance loss; used only with ``balancing: aux_loss``."""
     dispatcher: Literal["auto", "local", "grouped_a2a"] = "auto"
-    """auto: local when parallel.ep == 1, else grouped_a2a (one all-to-all of counts and one of
-    tokens per direction over the expert-parallel group)."""
+    """auto: local when parallel.ep == 1 and no capacity_factor is set, else grouped_a2a (one
+    all-to-all of counts and one of tokens per direction over the expert-parallel group)."""
     capacity_factor: float | None = Field(None, gt=0)
     """None: dynamic split sizes, exact, no token dropped, one host sync per layer on GPU (the
     default, so results never depend on the EP size). A number: fixed per-(rank, expert)
@@ -340,6 +340,9 @@ class KernelsConfig(_Strict):
     ``causal_conv1d``, or torch's ``conv1d``. auto: ours."""
     router_topk: Literal["auto", "k3train", "torch"] = "auto"
     """The router's and Quantile Balancing's row top-k: ours (Triton) or ``torch.topk``."""
+    moe_permute: Literal["auto", "k3train", "torch"] = "auto"
+    """MoE dispatch and combine row passes (``moe/permute_fused.py``): ours (one Triton pass
+    each way) or the torch gathers."""
     muon_momentum: Literal["auto", "k3train", "torch"] = "auto"
     """Muon's momentum + Nesterov pass: ours (one Triton pass) or two torch passes."""
     ns_gemm: Literal["auto", "k3train", "torch"] = "auto"

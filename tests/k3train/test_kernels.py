@@ -14,10 +14,10 @@ from k3train.config import ConfigError, load_config
 from k3train.config.schema import KernelsConfig
 from k3train.errors import K3TrainError
 from moe import compile as moe_compile
-from moe import topk
+from moe import permute_fused, topk
 from optim import muon
 
-FAMILIES = ("kda", "attnres", "short_conv", "router_topk", "muon_momentum", "ns_gemm")
+FAMILIES = ("kda", "attnres", "short_conv", "router_topk", "moe_permute", "muon_momentum", "ns_gemm")
 
 
 @pytest.fixture(autouse=True)
@@ -44,7 +44,7 @@ def test_auto_picks_the_first_installed_backend_on_cuda(monkeypatch):
     _installed(monkeypatch, fla=True, k3train=True)
     got = {f: kernels.backend(f, "cuda") for f in FAMILIES}
     assert got == {"kda": "fla", "attnres": "fla", "short_conv": "k3train", "router_topk": "k3train",
-                   "muon_momentum": "k3train", "ns_gemm": "k3train"}
+                   "moe_permute": "k3train", "muon_momentum": "k3train", "ns_gemm": "k3train"}
     _installed(monkeypatch, k3train=True)  # no fla: fla's families fall back, ours stay
     assert kernels.backend("kda", "cuda") == "torch" and kernels.backend("short_conv", "cuda") == "k3train"
     _installed(monkeypatch)  # neither Triton nor fla
@@ -61,6 +61,7 @@ def test_config_fields_choose_and_reach_moe_and_optim(monkeypatch):
     kernels.apply(KernelsConfig(backend="torch"))
     assert all(kernels.backend(f, "cuda") == "torch" for f in FAMILIES)
     assert topk._KERNEL["router_topk"] == "torch" and muon._KERNELS == {"momentum": "torch", "ns_gemm": "torch"}
+    assert permute_fused._KERNEL["moe_permute"] == "torch"
     assert not kernels.uses_triton("cuda")
 
 
