@@ -184,24 +184,33 @@ class PipelineEngine:
             return MsgKey("fwd", op.chunk - 1, op.microbatch) if op.chunk > 0 else None
         return MsgKey("bwd", op.chunk, op.microbatch) if op.chunk < self.C - 1 else None
 
+    def _receives_ahead(self, needs: list[MsgKey | None]) -> list[tuple[MsgKey, ...]]:
+        """Per op: the receives to post before it, its own and the next one from another rank
+        that a later op needs (post_until posts every earlier message of that peer's channel)."""
+        ahead, nxt = [()] * len(needs), None
+        for i in range(len(needs) - 1, -1, -1):
+            own = needs[i] if needs[i] is not None and self.comm.is_remote(needs[i]) else None
+            ahead[i] = tuple(k for k in (own, nxt if nxt != own else None) if k is not None)
+            nxt = own if own is not None else nxt
+        return ahead
+
     def _run(self, ops: list[Op], schedules, microbatches, training: bool):
         self._reset_state()
         if self.recorder is not None:
             self.recorder.new_step()
         self.comm.begin_step(schedules, len(microbatches))
         timer = SpanTimer(self.device) if self.recorder is not None else None
+        needs = [self._needs(op) for op in ops]
+        ahead = self._receives_ahead(needs)
         for i, op in enumerate(ops):
-            # Post the receives of this op and the next one now, so their transfer overlaps
-            # with this op's compute; the wait happens inside recv() when the data is needed.
-            for nxt in ops[i:i + 2]:
-                key = self._needs(nxt)
-                if key is not None:
-                    self.comm.post_until(key, block=False)
+            # Post the receives up to the next message a later op needs, so its transfer
+            # overlaps this op's compute; the wait happens inside recv() when the data is needed.
+            for key in ahead[i]:
+                self.comm.post_until(key, block=False)
             if timer is not None:
                 # Waiting for the op's input is idle time, not compute: it belongs to the bubble.
-                key = self._needs(op)
-                if key is not None:
-                    self.comm.wait(key, op.chunk)
+                if needs[i] is not None:
+                    self.comm.wait(needs[i], op.chunk)
                 start = timer.mark()
             if op.kind == "F":
                 self._forward(op, microbatches[op.microbatch], training)
