@@ -232,7 +232,8 @@ class PipelineEngine:
         saved = _SavedStorages()
         with saved.ctx() if training and self.deallocate_outputs else nullcontext():
             if c == 0:
-                out = chunk(inputs)
+                # One chunk (P = V = 1) is first and last: it takes the tokens and the targets.
+                out = chunk(inputs, targets) if self.C == 1 else chunk(inputs)
             else:
                 tensors = self.comm.recv(MsgKey("fwd", c - 1, mb), c)
                 has_hidden = self.comm.has_hidden[c - 1]
