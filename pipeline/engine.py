@@ -130,6 +130,9 @@ class PipelineEngine:
                              directional_groups)
         self.peak_cache_bytes = 0
         self.deallocated_outputs = 0          # sent outputs whose data was dropped (cumulative)
+        # chunk -> per sent tensor of its hop: whether its data may be dropped after the send
+        # (autograd saves neither it nor an alias), learnt at the chunk's first training forward.
+        self._droppable: dict[int, tuple[bool, ...]] = {}
         self._reset_state()
 
     # ---- per-step state ---------------------------------------------------------------------
@@ -230,7 +233,10 @@ class PipelineEngine:
         inputs, targets = batch
         chunk = self.chunks[c]
         saved = _SavedStorages()
-        with saved.ctx() if training and self.deallocate_outputs else nullcontext():
+        # Which sent outputs autograd saves is a property of the chunk's code, not of the data:
+        # learnt once per chunk (a Python hook per saved tensor costs host time every op).
+        learn = training and self.deallocate_outputs and c != self.C - 1 and c not in self._droppable
+        with saved.ctx() if learn else nullcontext():
             if c == 0:
                 # One chunk (P = V = 1) is first and last: it takes the tokens and the targets.
                 out = chunk(inputs, targets) if self.C == 1 else chunk(inputs)
@@ -286,11 +292,15 @@ class PipelineEngine:
         self._outputs[(c, mb)] = tensors
         self._produced[(c, mb)] = produced
         if self.deallocate_outputs:
-            ids = [id(t) for t in tensors]
-            for t in tensors:
-                # The send owns its own reference to the data; the graph only needs grad_fn.
-                if (t.grad_fn is not None and ids.count(id(t)) == 1
-                        and t.untyped_storage().data_ptr() not in saved.ptrs):
+            drop = self._droppable.get(c)
+            if drop is None:
+                ids = [id(t) for t in tensors]
+                drop = self._droppable[c] = tuple(
+                    t.grad_fn is not None and ids.count(id(t)) == 1
+                    and t.untyped_storage().data_ptr() not in saved.ptrs for t in tensors)
+            for t, d in zip(tensors, drop):
+                if d:
+                    # The send owns its own reference to the data; the graph only needs grad_fn.
                     t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
                     self.deallocated_outputs += 1
 
