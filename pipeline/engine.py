@@ -133,6 +133,7 @@ class PipelineEngine:
         # chunk -> per sent tensor of its hop: whether its data may be dropped after the send
         # (autograd saves neither it nor an alias), learnt at the chunk's first training forward.
         self._droppable: dict[int, tuple[bool, ...]] = {}
+        self._schedule_cache: dict[tuple[int, bool], list] = {}
         self._reset_state()
 
     # ---- per-step state ---------------------------------------------------------------------
@@ -166,7 +167,7 @@ class PipelineEngine:
         single-process run; zero the grads before calling.
         """
         m = len(microbatches)
-        schedules = all_schedules(self.P, self.V, m, self.group_size)
+        schedules = self._schedules(m, forward_only=False)
         self._run(schedules[self.rank], schedules, microbatches, training=True)
         loss = self._finish_loss(m)
         if self.dp_group is not None:
@@ -177,11 +178,20 @@ class PipelineEngine:
     def eval_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Forward only (no autograd graph); returns the mean loss (same on every rank)."""
         m = len(microbatches)
-        schedules = all_schedules(self.P, self.V, m, self.group_size, forward_only=True)
+        schedules = self._schedules(m, forward_only=True)
         self._run(schedules[self.rank], schedules, microbatches, training=False)
         return self._finish_loss(m)
 
     # ---- the step -----------------------------------------------------------------------------
+    def _schedules(self, m: int, forward_only: bool):
+        """Every rank's op list, built once per (m, forward_only): the schedule is static, and
+        building it costs host time (~ms at V=4, m=8) that a step should not pay each time."""
+        key = (m, forward_only)
+        if key not in self._schedule_cache:
+            self._schedule_cache[key] = all_schedules(self.P, self.V, m, self.group_size,
+                                                      forward_only=forward_only)
+        return self._schedule_cache[key]
+
     def _needs(self, op: Op) -> MsgKey | None:
         if op.kind == "F":
             return MsgKey("fwd", op.chunk - 1, op.microbatch) if op.chunk > 0 else None
