@@ -244,9 +244,11 @@ class PipeComm:
         return names if key.direction == "fwd" else [f"grad:{n}" for n in names]
 
     def _record(self, kind, key, peer, chunk, ids, nbytes, start, end):
+        """ids: the tensor names, or None to name them from ``key`` (only when recording)."""
         if self.recorder is not None:
             self.recorder.add_comm(kind=kind, direction=key.direction, hop=key.hop, chunk=chunk,
-                                   microbatch=key.microbatch, peer=peer, tensor_ids=ids,
+                                   microbatch=key.microbatch, peer=peer,
+                                   tensor_ids=self.tensor_ids(key) if ids is None else ids,
                                    nbytes=nbytes, start=start, end=end)
 
     # ---- sending ----------------------------------------------------------------------------
@@ -267,7 +269,7 @@ class PipeComm:
         if peer == self.rank:
             start = time.perf_counter()
             self._mailbox[key] = [t.detach() for t in tensors]
-            self._record("send", key, peer, chunk, self.tensor_ids(key), self.layout(key.hop).nbytes,
+            self._record("send", key, peer, chunk, None, self.layout(key.hop).nbytes,
                          start, time.perf_counter())
             return
         lay = self.layout(key.hop)
@@ -275,7 +277,7 @@ class PipeComm:
         self._post_send(key, pack(tensors, lay), chunk, lay.nbytes)
 
     def _post_send(self, key: MsgKey, buf: torch.Tensor, chunk: int, nbytes: int) -> None:
-        ids = self.tensor_ids(key)
+        ids = self.tensor_ids(key) if self.recorder is not None else None
         peer = self._peer(key, sending=True)
         start = time.perf_counter()
         grp = self.up if peer > self.rank else self.down
@@ -349,7 +351,7 @@ class PipeComm:
         if peer == self.rank:
             start = time.perf_counter()
             tensors = self._mailbox.pop(key)
-            self._record("recv", key, peer, chunk, self.tensor_ids(key), self.layout(key.hop).nbytes,
+            self._record("recv", key, peer, chunk, None, self.layout(key.hop).nbytes,
                          start, time.perf_counter())
             return tensors
         self.post_until(key, block=True)
@@ -357,5 +359,5 @@ class PipeComm:
         work.wait()
         if self.host_staged:
             buf = buf.to(self.device)
-        self._record("recv", key, peer, chunk, self.tensor_ids(key), lay.nbytes, start, time.perf_counter())
+        self._record("recv", key, peer, chunk, None, lay.nbytes, start, time.perf_counter())
         return unpack(buf, lay)
