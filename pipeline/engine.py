@@ -130,6 +130,10 @@ class PipelineEngine:
                              directional_groups)
         self.peak_cache_bytes = 0
         self.deallocated_outputs = 0          # sent outputs whose data was dropped (cumulative)
+        # chunk -> per sent tensor of its hop: whether its data may be dropped after the send
+        # (autograd saves neither it nor an alias), learnt at the chunk's first training forward.
+        self._droppable: dict[int, tuple[bool, ...]] = {}
+        self._schedule_cache: dict[tuple[int, bool], list] = {}
         self._reset_state()
 
     # ---- per-step state ---------------------------------------------------------------------
@@ -163,7 +167,7 @@ class PipelineEngine:
         single-process run; zero the grads before calling.
         """
         m = len(microbatches)
-        schedules = all_schedules(self.P, self.V, m, self.group_size)
+        schedules = self._schedules(m, forward_only=False)
         self._run(schedules[self.rank], schedules, microbatches, training=True)
         loss = self._finish_loss(m)
         if self.dp_group is not None:
@@ -174,15 +178,34 @@ class PipelineEngine:
     def eval_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Forward only (no autograd graph); returns the mean loss (same on every rank)."""
         m = len(microbatches)
-        schedules = all_schedules(self.P, self.V, m, self.group_size, forward_only=True)
+        schedules = self._schedules(m, forward_only=True)
         self._run(schedules[self.rank], schedules, microbatches, training=False)
         return self._finish_loss(m)
 
     # ---- the step -----------------------------------------------------------------------------
+    def _schedules(self, m: int, forward_only: bool):
+        """Every rank's op list, built once per (m, forward_only): the schedule is static, and
+        building it costs host time (~ms at V=4, m=8) that a step should not pay each time."""
+        key = (m, forward_only)
+        if key not in self._schedule_cache:
+            self._schedule_cache[key] = all_schedules(self.P, self.V, m, self.group_size,
+                                                      forward_only=forward_only)
+        return self._schedule_cache[key]
+
     def _needs(self, op: Op) -> MsgKey | None:
         if op.kind == "F":
             return MsgKey("fwd", op.chunk - 1, op.microbatch) if op.chunk > 0 else None
         return MsgKey("bwd", op.chunk, op.microbatch) if op.chunk < self.C - 1 else None
+
+    def _receives_ahead(self, needs: list[MsgKey | None]) -> list[tuple[MsgKey, ...]]:
+        """Per op: the receives to post before it, its own and the next one from another rank
+        that a later op needs (post_until posts every earlier message of that peer's channel)."""
+        ahead, nxt = [()] * len(needs), None
+        for i in range(len(needs) - 1, -1, -1):
+            own = needs[i] if needs[i] is not None and self.comm.is_remote(needs[i]) else None
+            ahead[i] = tuple(k for k in (own, nxt if nxt != own else None) if k is not None)
+            nxt = own if own is not None else nxt
+        return ahead
 
     def _run(self, ops: list[Op], schedules, microbatches, training: bool):
         self._reset_state()
@@ -190,18 +213,17 @@ class PipelineEngine:
             self.recorder.new_step()
         self.comm.begin_step(schedules, len(microbatches))
         timer = SpanTimer(self.device) if self.recorder is not None else None
+        needs = [self._needs(op) for op in ops]
+        ahead = self._receives_ahead(needs)
         for i, op in enumerate(ops):
-            # Post the receives of this op and the next one now, so their transfer overlaps
-            # with this op's compute; the wait happens inside recv() when the data is needed.
-            for nxt in ops[i:i + 2]:
-                key = self._needs(nxt)
-                if key is not None:
-                    self.comm.post_until(key, block=False)
+            # Post the receives up to the next message a later op needs, so its transfer
+            # overlaps this op's compute; the wait happens inside recv() when the data is needed.
+            for key in ahead[i]:
+                self.comm.post_until(key, block=False)
             if timer is not None:
                 # Waiting for the op's input is idle time, not compute: it belongs to the bubble.
-                key = self._needs(op)
-                if key is not None:
-                    self.comm.wait(key, op.chunk)
+                if needs[i] is not None:
+                    self.comm.wait(needs[i], op.chunk)
                 start = timer.mark()
             if op.kind == "F":
                 self._forward(op, microbatches[op.microbatch], training)
@@ -221,9 +243,13 @@ class PipelineEngine:
         inputs, targets = batch
         chunk = self.chunks[c]
         saved = _SavedStorages()
-        with saved.ctx() if training and self.deallocate_outputs else nullcontext():
+        # Which sent outputs autograd saves is a property of the chunk's code, not of the data:
+        # learnt once per chunk (a Python hook per saved tensor costs host time every op).
+        learn = training and self.deallocate_outputs and c != self.C - 1 and c not in self._droppable
+        with saved.ctx() if learn else nullcontext():
             if c == 0:
-                out = chunk(inputs)
+                # One chunk (P = V = 1) is first and last: it takes the tokens and the targets.
+                out = chunk(inputs, targets) if self.C == 1 else chunk(inputs)
             else:
                 tensors = self.comm.recv(MsgKey("fwd", c - 1, mb), c)
                 has_hidden = self.comm.has_hidden[c - 1]
@@ -276,11 +302,15 @@ class PipelineEngine:
         self._outputs[(c, mb)] = tensors
         self._produced[(c, mb)] = produced
         if self.deallocate_outputs:
-            ids = [id(t) for t in tensors]
-            for t in tensors:
-                # The send owns its own reference to the data; the graph only needs grad_fn.
-                if (t.grad_fn is not None and ids.count(id(t)) == 1
-                        and t.untyped_storage().data_ptr() not in saved.ptrs):
+            drop = self._droppable.get(c)
+            if drop is None:
+                ids = [id(t) for t in tensors]
+                drop = self._droppable[c] = tuple(
+                    t.grad_fn is not None and ids.count(id(t)) == 1
+                    and t.untyped_storage().data_ptr() not in saved.ptrs for t in tensors)
+            for t, d in zip(tensors, drop):
+                if d:
+                    # The send owns its own reference to the data; the graph only needs grad_fn.
                     t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
                     self.deallocated_outputs += 1
 

@@ -4,22 +4,36 @@ Messages are identified by ``MsgKey(direction, hop, microbatch)``: ``fwd`` carri
 forward list (chunk c -> c+1), ``bwd`` the gradients of that list (c+1 -> c), ``meta`` the
 once-per-run shape description of hop c's forward list.
 
+One message per hop per microbatch and direction. A hop's list (``[hidden] + blocks``) travels
+as one contiguous byte buffer, one ``isend`` matched by one ``irecv``, as Megatron sends one
+tensor per hop. The layout is fixed once per hop from the shapes the ``meta`` message agrees
+(:func:`message_layout`): tensors sit in order of decreasing element size, so every offset is
+aligned for its dtype without padding, and mixed dtypes need no second message. The sender
+packs with one copy (none for a one-tensor message: its bytes are sent in place); the receiver
+unpacks into views of the buffer, no copy. Payload bytes are exactly the tensors' bytes, so
+the byte accounting is unchanged; a hand-over between two chunks of one rank is not packed.
+
 Why this cannot deadlock, on either backend:
 * sends are ``isend`` and are never waited on before the end of the step (gloo completes a
   send only once the receiver has posted the matching receive, so waiting earlier would add
   a dependency the schedule does not have);
-* a rank waits on a receive only when its next compute op needs the data, so the engine
-  blocks exactly where :func:`pipeline.schedule.simulate` blocks, and that simulation proves
-  every schedule we build completes (including the ring wrap rank P-1 -> rank 0);
+* receives are posted ahead (``irecv`` never blocks the host), in each peer's send order, up to
+  the next message this rank will need; a rank waits on a receive only when its next compute op
+  needs the data, so the engine blocks exactly where :func:`pipeline.schedule.simulate` blocks,
+  and that simulation proves every schedule we build completes (including the ring wrap rank
+  P-1 -> rank 0). On the first step a receive whose shapes are not yet agreed is posted only
+  when it is needed, after its ``meta`` has arrived;
 * each rank posts its receives from a peer in the order that peer posts the sends (both
   derive it from the same static schedule), so FIFO matching (NCCL ignores tags) pairs every
   receive with the right send; the unique tag makes gloo pair them even without that;
-* on NCCL the host never blocks: ops queue on one stream per communicator, and a send and a
-  receive of opposite directions on one stream wait on each other (measured: 2 x H200 hang
-  on the P=2 ring). ``directional_groups = (up, down)``, two copies of the pipeline group,
-  give each direction of a rank pair its own communicator (messages to a higher pipeline
-  rank go over ``up``), so each stream is a single ordered channel and the GPU follows the
-  same dependencies as the gloo host.
+* on NCCL the host never blocks and never synchronises in the steady state (shapes and layouts
+  are known on the host, nothing is read back): ops queue on one stream per communicator, and
+  a send and a receive of opposite directions on one stream wait on each other (measured:
+  2 x H200 hang on the P=2 ring). ``directional_groups = (up, down)``, two copies of the
+  pipeline group, give each direction of a rank pair its own communicator (messages to a
+  higher pipeline rank go over ``up``), so each stream is a single ordered channel and the GPU
+  follows the same dependencies as the gloo host. The compute stream waits for a receive only
+  at :meth:`PipeComm.recv` of the op that needs it.
 
 ``pipeline.p2p_backend=gloo`` sends a GPU model's messages over gloo through host memory: the
 schedule then runs exactly as in the CPU tests, at the cost of two copies per message (a
@@ -83,6 +97,41 @@ def decode_meta(meta: torch.Tensor) -> tuple[list[TensorSpec], bool]:
     return specs, bool(vals[0])
 
 
+class MessageLayout(NamedTuple):
+    """Where each tensor of a hop's list lies in the message's byte buffer.
+
+    specs: the list's tensors in list order; offsets[i]: byte offset of tensor i; nbytes: the
+    buffer's length (the sum of the tensors' bytes, no padding); order: list indices in buffer
+    order (decreasing element size, stable), which keeps every offset aligned for its dtype.
+    """
+
+    specs: tuple[TensorSpec, ...]
+    offsets: tuple[int, ...]
+    nbytes: int
+    order: tuple[int, ...]
+
+
+def message_layout(specs: list[TensorSpec]) -> MessageLayout:
+    """The fixed layout of a message of ``specs`` (both ends derive it from the agreed specs)."""
+    order = tuple(sorted(range(len(specs)), key=lambda i: -specs[i].dtype.itemsize))
+    offsets, pos = [0] * len(specs), 0
+    for i in order:
+        offsets[i] = pos
+        pos += specs[i].nbytes
+    return MessageLayout(tuple(specs), tuple(offsets), pos, order)
+
+
+def pack(tensors: list[torch.Tensor], layout: MessageLayout) -> torch.Tensor:
+    """``tensors`` (detached) as one ``[layout.nbytes]`` uint8 buffer; one copy, none for one tensor."""
+    flat = [tensors[i].detach().reshape(-1).view(torch.uint8) for i in layout.order]
+    return flat[0] if len(flat) == 1 else torch.cat(flat)
+
+
+def unpack(buf: torch.Tensor, layout: MessageLayout) -> list[torch.Tensor]:
+    """Views of the uint8 ``buf`` as the layout's tensors, in list order (no copy)."""
+    return [buf[o:o + s.nbytes].view(s.dtype).view(s.shape) for s, o in zip(layout.specs, layout.offsets)]
+
+
 class PipeComm:
     """Sends and receives hop messages for one pipeline rank; records every op.
 
@@ -111,9 +160,10 @@ class PipeComm:
         self.recorder = recorder
         self.specs: dict[int, list[TensorSpec]] = {}     # hop -> agreed forward message spec
         self.has_hidden: dict[int, bool] = {}
+        self._layouts: dict[int, MessageLayout] = {}      # hop -> byte layout of its messages
         self._mailbox: dict[MsgKey, list[torch.Tensor]] = {}
-        self._posted: dict[MsgKey, tuple[list, list[torch.Tensor], float]] = {}
-        self._sends: list[tuple[list, list[torch.Tensor], dict]] = []
+        self._posted: dict[MsgKey, tuple] = {}             # key -> (work, buffer, layout, start)
+        self._sends: list[tuple] = []                      # (work, buffer, record fields)
         self._ready: dict[MsgKey, list[torch.Tensor]] = {}   # received ahead by wait()
         self.bytes_sent = 0  # p2p payload bytes sent to other ranks, cumulative (trainer metrics)
         self._queues: dict[int, list[MsgKey]] = {}
@@ -166,13 +216,24 @@ class PipeComm:
                     queue.append(MsgKey("bwd", op.chunk - 1, op.microbatch))
             self._queues[src], self._qpos[src] = queue, 0
 
+    def is_remote(self, key: MsgKey) -> bool:
+        """Whether ``key`` arrives from another rank (else it is a local hand-over)."""
+        return self._peer(key, sending=False) != self.rank
+
     def _peer(self, key: MsgKey, sending: bool) -> int:
         c = key.hop
         to_next = (key.direction != "bwd") == sending
         return (c + 1) % self.P if to_next else c % self.P
 
-    def _tag(self, key: MsgKey, i: int) -> int:
-        return (((key.hop * (self._num_mb + 1) + key.microbatch + 1) * 3 + _DIRS[key.direction]) << 6) + i
+    def _tag(self, key: MsgKey) -> int:
+        return (key.hop * (self._num_mb + 1) + key.microbatch + 1) * 3 + _DIRS[key.direction]
+
+    def layout(self, hop: int) -> MessageLayout:
+        """The agreed byte layout of hop ``hop``'s messages (forward and backward alike)."""
+        lay = self._layouts.get(hop)
+        if lay is None:
+            lay = self._layouts[hop] = message_layout(self.specs[hop])
+        return lay
 
     def tensor_ids(self, key: MsgKey) -> list[str]:
         """Names of a message's tensors, e.g. ``["hidden", "block3"]`` (gradients: ``"grad:"``)."""
@@ -183,69 +244,70 @@ class PipeComm:
         return names if key.direction == "fwd" else [f"grad:{n}" for n in names]
 
     def _record(self, kind, key, peer, chunk, ids, nbytes, start, end):
+        """ids: the tensor names, or None to name them from ``key`` (only when recording)."""
         if self.recorder is not None:
             self.recorder.add_comm(kind=kind, direction=key.direction, hop=key.hop, chunk=chunk,
-                                   microbatch=key.microbatch, peer=peer, tensor_ids=ids,
+                                   microbatch=key.microbatch, peer=peer,
+                                   tensor_ids=self.tensor_ids(key) if ids is None else ids,
                                    nbytes=nbytes, start=start, end=end)
 
     # ---- sending ----------------------------------------------------------------------------
     def send(self, key: MsgKey, tensors: list[torch.Tensor], chunk: int,
              has_hidden: bool | None = None) -> None:
-        """Post ``tensors`` (detached here) to the peer of ``key``; never blocks."""
-        bufs = [t.detach().contiguous() for t in tensors]
-        specs = [TensorSpec(tuple(b.shape), b.dtype) for b in bufs]
-        if key.direction == "fwd":
-            if key.hop not in self.specs:
-                self.specs[key.hop], self.has_hidden[key.hop] = specs, bool(has_hidden)
-                if self._peer(key, sending=True) != self.rank:   # a local hand-over needs no handshake
-                    meta = encode_meta(specs, bool(has_hidden), self.max_tensors[key.hop]).to(self.wire)
-                    self._post_send(MsgKey("meta", key.hop, -1), [meta], chunk)
-            elif specs != self.specs[key.hop]:
-                raise RuntimeError(f"hop {key.hop} microbatch {key.microbatch}: tensors {specs} differ "
-                                   f"from the shapes agreed at the first step {self.specs[key.hop]}")
-        self._post_send(key, bufs, chunk)
+        """Post ``tensors`` (detached here) to the peer of ``key`` as one message; never blocks."""
+        specs = [TensorSpec(tuple(t.shape), t.dtype) for t in tensors]
+        peer = self._peer(key, sending=True)
+        if key.direction == "fwd" and key.hop not in self.specs:
+            self.specs[key.hop], self.has_hidden[key.hop] = specs, bool(has_hidden)
+            if peer != self.rank:   # a local hand-over needs no handshake
+                meta = encode_meta(specs, bool(has_hidden), self.max_tensors[key.hop]).to(self.wire)
+                self._post_send(MsgKey("meta", key.hop, -1), meta, chunk, meta.numel() * 8)
+        elif specs != self.specs[key.hop]:
+            what = "gradients" if key.direction == "bwd" else "tensors"
+            raise RuntimeError(f"hop {key.hop} microbatch {key.microbatch}: {what} {specs} differ "
+                               f"from the shapes agreed at the first step {self.specs[key.hop]}")
+        if peer == self.rank:
+            start = time.perf_counter()
+            self._mailbox[key] = [t.detach() for t in tensors]
+            self._record("send", key, peer, chunk, None, self.layout(key.hop).nbytes,
+                         start, time.perf_counter())
+            return
+        lay = self.layout(key.hop)
+        self.bytes_sent += lay.nbytes
+        self._post_send(key, pack(tensors, lay), chunk, lay.nbytes)
 
-    def _post_send(self, key, bufs, chunk):
-        ids = self.tensor_ids(key)
+    def _post_send(self, key: MsgKey, buf: torch.Tensor, chunk: int, nbytes: int) -> None:
+        ids = self.tensor_ids(key) if self.recorder is not None else None
         peer = self._peer(key, sending=True)
         start = time.perf_counter()
-        nbytes = sum(b.numel() * b.element_size() for b in bufs)
-        if key.direction != "meta" and peer != self.rank:
-            self.bytes_sent += nbytes
-        if peer == self.rank:
-            self._mailbox[key] = bufs
-            self._record("send", key, peer, chunk, ids, nbytes, start, time.perf_counter())
-            return
-        dst = self.global_ranks[peer]
         grp = self.up if peer > self.rank else self.down
         if self.host_staged:
-            bufs = [b.to(self.wire) for b in bufs]   # waits for the producing kernels
-        works = [dist.isend(b, dst, group=grp, tag=self._tag(key, i)) for i, b in enumerate(bufs)]
-        # Keep the buffers referenced until the send completes: the caller may free its copy.
-        self._sends.append((works, bufs, dict(kind="send", key=key, peer=peer, chunk=chunk, ids=ids,
-                                              nbytes=nbytes, start=start)))
+            buf = buf.to(self.wire)   # waits for the producing kernels
+        work = dist.isend(buf, self.global_ranks[peer], group=grp, tag=self._tag(key))
+        # Keep the buffer referenced until the send completes: the caller may free its copy.
+        self._sends.append((work, buf, dict(kind="send", key=key, peer=peer, chunk=chunk, ids=ids,
+                                            nbytes=nbytes, start=start)))
 
     def finish_sends(self) -> None:
         """Wait for every posted send (end of step: all matching receives are posted by then)."""
-        for works, _bufs, rec in self._sends:
-            for w in works:
-                w.wait()
+        for work, _buf, rec in self._sends:
+            work.wait()
             self._record(rec["kind"], rec["key"], rec["peer"], rec["chunk"], rec["ids"], rec["nbytes"],
                          rec["start"], time.perf_counter())
         self._sends = []
 
     # ---- receiving --------------------------------------------------------------------------
-    def _spec_of(self, key: MsgKey, block: bool) -> list[TensorSpec] | None:
+    def _layout_of(self, key: MsgKey, block: bool) -> MessageLayout | None:
         if key.direction == "meta":
-            return [TensorSpec((_meta_len(self.max_tensors[key.hop]),), torch.int64)]
+            return message_layout([TensorSpec((_meta_len(self.max_tensors[key.hop]),), torch.int64)])
         if key.hop not in self.specs and key.direction == "fwd" and block:
-            works, bufs, start = self._posted.pop(MsgKey("meta", key.hop, -1))
-            for w in works:
-                w.wait()
-            self.specs[key.hop], self.has_hidden[key.hop] = decode_meta(bufs[0])
-            self._record("recv", MsgKey("meta", key.hop, -1), self._peer(key, False), key.hop + 1,
-                         ["meta"], bufs[0].numel() * 8, start, time.perf_counter())
-        return self.specs.get(key.hop)
+            meta_key = MsgKey("meta", key.hop, -1)
+            work, buf, lay, start = self._posted.pop(meta_key)
+            work.wait()
+            self.specs[key.hop], self.has_hidden[key.hop] = decode_meta(unpack(buf, lay)[0])
+            self._record("recv", meta_key, self._peer(key, False), key.hop + 1, ["meta"], lay.nbytes,
+                         start, time.perf_counter())
+        return self.layout(key.hop) if key.hop in self.specs else None
 
     def post_until(self, key: MsgKey, block: bool = False) -> bool:
         """Post receives from ``key``'s peer in channel order up to and including ``key``.
@@ -254,23 +316,22 @@ class PipeComm:
         known (first step); returns whether ``key`` is posted.
         """
         peer = self._peer(key, sending=False)
-        if peer == self.rank or key in self._posted:
+        if peer == self.rank or key in self._posted or key in self._ready:
             return True
         queue = self._queues[peer]
         while self._qpos[peer] < len(queue):
             nxt = queue[self._qpos[peer]]
-            specs = self._spec_of(nxt, block)
-            if specs is None:
+            lay = self._layout_of(nxt, block)
+            if lay is None:
                 if block:
                     raise RuntimeError(f"no agreed shapes for {nxt}: schedule receives a gradient "
                                        "before its forward was sent")
                 return False
-            bufs = [torch.empty(s.shape, dtype=s.dtype, device=self.wire) for s in specs]
-            src = self.global_ranks[peer]
+            buf = torch.empty(lay.nbytes, dtype=torch.uint8, device=self.wire)
             start = time.perf_counter()
             grp = self.up if self.rank > peer else self.down
-            works = [dist.irecv(b, src, group=grp, tag=self._tag(nxt, i)) for i, b in enumerate(bufs)]
-            self._posted[nxt] = (works, bufs, start)
+            work = dist.irecv(buf, self.global_ranks[peer], group=grp, tag=self._tag(nxt))
+            self._posted[nxt] = (work, buf, lay, start)
             self._qpos[peer] += 1
             if nxt == key:
                 return True
@@ -283,22 +344,20 @@ class PipeComm:
             self._ready[key] = self.recv(key, chunk)
 
     def recv(self, key: MsgKey, chunk: int) -> list[torch.Tensor]:
-        """Wait for ``key``'s tensors (posting its receive first if needed)."""
+        """Wait for ``key``'s tensors (posting its receive first if needed): views of one buffer."""
         if key in self._ready:
             return self._ready.pop(key)
         peer = self._peer(key, sending=False)
         if peer == self.rank:
             start = time.perf_counter()
-            bufs = self._mailbox.pop(key)
-            self._record("recv", key, peer, chunk, self.tensor_ids(key),
-                         sum(b.numel() * b.element_size() for b in bufs), start, time.perf_counter())
-            return [b.detach() for b in bufs]
+            tensors = self._mailbox.pop(key)
+            self._record("recv", key, peer, chunk, None, self.layout(key.hop).nbytes,
+                         start, time.perf_counter())
+            return tensors
         self.post_until(key, block=True)
-        works, bufs, start = self._posted.pop(key)
-        for w in works:
-            w.wait()
+        work, buf, lay, start = self._posted.pop(key)
+        work.wait()
         if self.host_staged:
-            bufs = [b.to(self.device) for b in bufs]
-        self._record("recv", key, peer, chunk, self.tensor_ids(key),
-                     sum(b.numel() * b.element_size() for b in bufs), start, time.perf_counter())
-        return bufs
+            buf = buf.to(self.device)
+        self._record("recv", key, peer, chunk, None, lay.nbytes, start, time.perf_counter())
+        return unpack(buf, lay)

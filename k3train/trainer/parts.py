@@ -25,9 +25,16 @@ def build_parts(cfg: RunConfig, device: torch.device, parallel: ParallelContext,
                 recorder: CommRecorder | None = None):
     """Returns (module holding this rank's parameters, engine or None); the engine gets its
     groups from ``parallel`` (k3train.distributed makes them)."""
-    p = cfg.parallel
-    if p.pp == 1 and p.vpp == 1:
+    if cfg.parallel.pp == 1 and cfg.parallel.vpp == 1:
         return build_model(cfg).to(device), None
+    return build_pipeline_parts(cfg, device, parallel, recorder)
+
+
+def build_pipeline_parts(cfg: RunConfig, device: torch.device, parallel: ParallelContext,
+                         recorder: CommRecorder | None = None):
+    """This rank's ``pp * vpp`` layout chunks and the engine driving them, at any size
+    (pp = vpp = 1 too: one chunk under the engine, as the engine-overhead benchmark runs it)."""
+    p = cfg.parallel
     layout = PipelineLayout(cfg.model.num_layers, p.pp, p.vpp)
     ranges = [(r.start, r.stop) for r in map(layout.layer_range, range(layout.num_chunks))]
     rank = parallel.pp_rank
@@ -38,7 +45,8 @@ def build_parts(cfg: RunConfig, device: torch.device, parallel: ParallelContext,
     engine = PipelineEngine(
         local_chunks={int(c): m for c, m in chunks.items()}, num_chunks=layout.num_chunks,
         produced_blocks=produced_blocks(cfg, ranges),
-        pp_group=parallel.pp_group,
+        # P = 1 needs no group: every hop is a local hand-over, and the loss needs no broadcast.
+        pp_group=parallel.pp_group if p.pp > 1 else None,
         transport=cfg.pipeline.attnres_transport,
         recorder=recorder,
         directional_groups=parallel.pp_messages,

@@ -1,0 +1,227 @@
+"""What the pipeline engine adds on one device: a plain step against the engine at P=1, V=1,2,4.
+
+    python scripts/bench/bench_engine_overhead.py [--shape tiny|medium|pipeline] [--device cpu|cuda]
+        [--vpp 1,2,4] [--steps N] [--profile] [--json OUT]
+
+At P = 1 the engine runs the same code with C = V chunks on one rank: every hop is a local
+hand-over, so whatever it costs over a plain step is the engine's own work (schedule walk,
+StageIO hand-overs, AttnRes block cache puts and drops, gradient deposits, one autograd call
+per op instead of one per microbatch). Side by side in one run, for the standard residual and
+for AttnRes with the cached transport, with the same weights (chunks and the whole model draw
+their parameters from the same seeded streams) and the same m = 8 microbatches:
+
+* ``plain``: the whole model, gradient accumulation over the microbatches (the trainer's pp=1 path);
+* ``engine V=v``: ``k3train.trainer.parts.build_pipeline_parts`` at pp=1, vpp=v.
+
+Timed: forward and backward of the m microbatches (gradients set to None before each step, no
+optimizer: it is the same for both). The runners of one residual variant step in turns, so
+drift hits them alike. Prints step times, engine/plain per V, and the AttnRes cost
+(attnres/standard) under the engine next to the plain step's. ``--profile`` prints the top
+host-side costs of one engine step at the largest V: the engine's own Python functions by self
+time (cProfile) and the aten operators whose call count differs from the plain step.
+
+Shapes: ``pipeline`` is bench_pipeline.py's model (hidden 2048, seq 4096, 16 layers: one H200);
+``tiny`` (hidden 64, seq 64) shows the host overhead on CPU; ``medium`` (hidden 256, seq 256) a
+CPU step where compute dominates.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import collections
+import json
+import pstats
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from bench_pipeline import BASE, MEDIUM, SMALL  # noqa: E402  (the pipeline benchmark's model)
+
+warnings.filterwarnings("ignore")
+
+SHAPES = {"tiny": SMALL, "medium": MEDIUM, "pipeline": []}
+VARIANTS = {"standard": ["model.attnres.enabled=false"],
+            "attnres_cached": ["model.attnres.enabled=true", "pipeline.attnres_transport=cached"]}
+
+
+class Runner:
+    """One way of running the step: ``step()`` does forward+backward of every microbatch."""
+
+    def __init__(self, name, module, step_fn):
+        self.name, self.module, self.step_fn, self.times, self.loss = name, module, step_fn, [], None
+
+    def step(self):
+        for p in self.module.parameters():
+            p.grad = None
+        self.loss = self.step_fn()
+
+
+def build_runners(cfg_for, vpps, device, parallel):
+    from k3train.model.model import build_model
+    from k3train.trainer.parts import build_pipeline_parts
+    from k3train.trainer.state import autocast_for
+
+    cfg = cfg_for(1)
+    autocast = autocast_for(cfg, device)
+    m = cfg.train.microbatches
+
+    def batches(c):
+        g = torch.Generator().manual_seed(0)
+        toks = torch.randint(0, c.model.vocab_size, (c.train.micro_batch_size * m, c.train.seq_len + 1),
+                             generator=g).to(device)
+        return [(mb[:, :-1], mb[:, 1:]) for mb in toks.chunk(m)]
+
+    mbs = batches(cfg)
+    model = build_model(cfg).to(device)
+
+    def plain():
+        # The trainer's pp=1 path (k3train/trainer/state.py): gradient accumulation.
+        total = torch.zeros((), device=device)
+        for x, y in mbs:
+            with autocast:
+                loss = model(x, y)
+            (loss / m).backward()
+            total += loss.detach() / m
+        return total
+
+    runners = [Runner("plain", model, plain)]
+    for v in vpps:
+        chunks, engine = build_pipeline_parts(cfg_for(v), device, parallel)
+
+        def run(engine=engine):
+            with autocast:
+                return engine.train_step(mbs)
+
+        runners.append(Runner(f"engine V={v}", chunks, run))
+    return runners
+
+
+def time_runners(runners, steps, device):
+    for i in range(steps + 2):       # two untimed steps: shapes agreed, kernels compiled/tuned
+        for r in runners:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            r.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i >= 2:
+                r.times.append(time.perf_counter() - t0)
+
+
+def profile_host(runner, plain, rows=15):
+    """Top host-side costs of one engine step: the engine's Python functions by self time, and
+    the aten ops whose counts differ from the plain step (what the engine adds per step)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    runner.step()
+    prof.disable()
+    st = pstats.Stats(prof)
+    total = sum(v[2] for v in st.stats.values())
+    own = [(v[2], v[0], k) for k, v in st.stats.items() if "/pipeline/" in k[0]]
+    own.sort(reverse=True)
+    print(f"\n--profile: {runner.name}, host self time of the engine's own functions "
+          f"({sum(t for t, _, _ in own) * 1e3:.2f} ms of {total * 1e3:.1f} ms in Python-visible calls)")
+    print(f"{'self ms':>9}{'calls':>7}  function")
+    for t, n, (f, line, fn) in own[:rows]:
+        print(f"{t * 1e3:>9.3f}{n:>7}  {f.rsplit('/', 2)[-2]}/{f.rsplit('/', 1)[-1]}:{line} {fn}")
+
+    from torch.profiler import ProfilerActivity, profile
+
+    def op_counts(r):
+        with profile(activities=[ProfilerActivity.CPU]) as p:
+            r.step()
+        return {e.key: (e.count, e.self_cpu_time_total) for e in p.key_averages()}
+
+    a, b = op_counts(plain), op_counts(runner)
+    diff = [(b[k][1] - a.get(k, (0, 0))[1], k, a.get(k, (0, 0))[0], b[k][0]) for k in b
+            if b[k][0] != a.get(k, (0, 0))[0]]
+    diff.sort(reverse=True)
+    print(f"\naten ops whose call count differs (plain -> {runner.name}), by added host self time")
+    print(f"{'+self ms':>9}{'plain':>7}{'engine':>8}  op")
+    for dt, k, na, nb in diff[:rows]:
+        print(f"{dt / 1e3:>9.3f}{na:>7}{nb:>8}  {k}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="pipeline")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--vpp", default="1,2,4", help="engine chunk counts V (comma-separated)")
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per runner (after 2 untimed)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"residual variants, of {list(VARIANTS)}")
+    ap.add_argument("--profile", action="store_true", help="print the engine's top host-side costs")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    vpps = [int(v) for v in args.vpp.split(",")]
+    variants = args.variants.split(",")
+    for v in variants:
+        if v not in VARIANTS:
+            ap.error(f"--variants: unknown {v!r}; choose from {list(VARIANTS)}")
+    from k3train.config import load_config
+    from k3train.cuda_env import prepare_cuda_env
+    from k3train.distributed import init_distributed, parallel_context, shutdown_distributed
+
+    def cfg_for(variant):
+        return lambda v: load_config("configs/k3_tiny.yaml", [
+            *BASE, *SHAPES[args.shape], *VARIANTS[variant], "parallel.pp=1", f"parallel.vpp={v}",
+            f"train.device={args.device}"])
+
+    prepare_cuda_env(cfg_for(variants[0])(1))
+    info = init_distributed(1, 1, 1, 1, args.device)
+    parallel = parallel_context(info)
+    device = torch.device(args.device)
+    results = []
+    for variant in variants:
+        runners = build_runners(cfg_for(variant), vpps, device, parallel)
+        if device.type == "cuda":
+            from k3train import kernels
+            from k3train.ops.triton_compile import compile_ahead
+            if kernels.uses_triton(device):
+                compile_ahead(runners[0].step, label="the plain step")
+        print(f"[{variant}] timing {[r.name for r in runners]} x {args.steps} steps ...", flush=True)
+        time_runners(runners, args.steps, device)
+        plain = runners[0]
+        for r in runners:
+            ms = statistics.median(r.times) * 1e3
+            results.append({"variant": variant, "runner": r.name, "step_ms": ms, "min_ms": min(r.times) * 1e3,
+                            "times_ms": [t * 1e3 for t in r.times],
+                            "loss_rel_diff": abs(r.loss.item() / plain.loss.item() - 1)})
+            print(json.dumps(results[-1]), flush=True)
+        if args.profile:
+            profile_host(runners[-1], plain)
+        del runners, plain
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    ms = {(r["variant"], r["runner"]): r["step_ms"] for r in results}
+    fastest = {(r["variant"], r["runner"]): r["min_ms"] for r in results}
+    # The minimum beside the median: on a shared host (CPU runs) the median still carries the
+    # neighbours' load, the fastest step is the closest to the code's own cost.
+    print(f"\nshape={args.shape} device={args.device} m=8, forward+backward per step "
+          f"(median and min of {args.steps}); loss diff: |engine/plain - 1| of the step's loss")
+    print(f"{'variant':<16}{'runner':<12}{'median ms':>10}{'engine/plain':>14}{'min ms':>10}"
+          f"{'engine/plain':>14}{'loss diff':>11}")
+    for r in results:
+        r["engine_over_plain"] = r["step_ms"] / ms[(r["variant"], "plain")]
+        r["engine_over_plain_min"] = r["min_ms"] / fastest[(r["variant"], "plain")]
+        print(f"{r['variant']:<16}{r['runner']:<12}{r['step_ms']:>10.2f}{r['engine_over_plain']:>14.3f}"
+              f"{r['min_ms']:>10.2f}{r['engine_over_plain_min']:>14.3f}{r['loss_rel_diff']:>11.1e}")
+    summary = {}
+    if len(variants) == 2:
+        print("\nAttnRes cost (attnres_cached / standard), same runner:")
+        for runner in ["plain"] + [f"engine V={v}" for v in vpps]:
+            summary[runner] = ms[("attnres_cached", runner)] / ms[("standard", runner)]
+            print(f"  {runner:<12}{summary[runner]:>7.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": args.shape, "device": args.device, "steps": args.steps,
+                       "results": results, "attnres_over_standard": summary}, f, indent=1)
+    shutdown_distributed()
+
+
+if __name__ == "__main__":
+    main()
