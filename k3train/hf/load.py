@@ -1,7 +1,7 @@
 """Read a Hugging Face directory written by ``export --format hf`` back into our names.
 
 ``load_hf(dir)`` -> (model config dict ``{"model": ..., "moe": ..., "data": {"tokenizer": ...}}``,
-which ``RunConfig.model_validate`` accepts merged into any run config, and the full one-process
+which ``merge_model_config`` puts into any run config, and the full one-process
 state dict in our names, ready for ``build_model(cfg).load_state_dict``). MXFP4-packed experts
 (``NAME.mx_codes`` + ``NAME.mx_scales``, uint8) are dequantised to ``quantization_config``'s dtype.
 
@@ -105,6 +105,14 @@ def _model_cfg(config: dict, path: Path) -> dict:
             "data": {"tokenizer": section.get("data", {}).get("tokenizer", "byte")}}
 
 
+def merge_model_config(base: RunConfig, model_cfg: dict) -> RunConfig:
+    """``base`` with ``load_hf``'s model and moe sections and its tokenizer."""
+    tree = base.model_dump(mode="json")
+    tree.update({"model": model_cfg["model"], "moe": model_cfg["moe"]})
+    tree["data"] = {**tree["data"], **model_cfg.get("data", {})}
+    return RunConfig.model_validate(tree)
+
+
 def expected_state(cfg: RunConfig) -> dict:
     """Our state dict's entries for ``cfg``: shapes of tensors, None for megatron's extra state.
     Built on the meta device: no memory, no init."""
@@ -127,9 +135,8 @@ def load_hf(hf_dir: str | os.PathLike, base: RunConfig | None = None) -> tuple[d
         raise CheckpointError(f"{hf_dir} is not a directory")
     config = _read_json(hf_dir / "config.json")
     model_cfg = _model_cfg(config, hf_dir / "config.json")
-    base = base or RunConfig()
     try:
-        cfg = RunConfig.model_validate({**base.model_dump(mode="json"), **model_cfg})
+        cfg = merge_model_config(base or RunConfig(), model_cfg)
     except ValueError as exc:
         raise CheckpointError(f"{hf_dir / 'config.json'}: its k3train model config is invalid: "
                               f"{str(exc).splitlines()[0]}") from None
@@ -152,10 +159,7 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike,
 
     base = load_config(config)
     model_cfg, state = load_hf(hf_dir, base)
-    tree = base.model_dump(mode="json")
-    tree.update({"model": model_cfg["model"], "moe": model_cfg["moe"]})
-    tree["data"] = {**tree["data"], **model_cfg["data"]}
-    cfg = RunConfig.model_validate(tree)
+    cfg = merge_model_config(base, model_cfg)
     out = Path(out_dir)
     if (out / "checkpoints").exists():
         raise CheckpointError(f"{out / 'checkpoints'} already exists; import into a new directory")
