@@ -156,11 +156,14 @@ def export_hf(state: dict, cfg: RunConfig, out_dir: str | os.PathLike, *, shard_
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     shards = _shards(tensors, shard_bytes)
+    umask = os.umask(0)
+    os.umask(umask)
     weight_map, total = {}, 0
     for k, shard in enumerate(shards, 1):
         fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
         # clone: safetensors refuses tensors that share storage (views of one expert stack)
         save_file({n: t.clone() for n, t in shard.items()}, str(tmp / fname), metadata={"format": "pt"})
+        os.chmod(tmp / fname, 0o666 & ~umask)  # safetensors writes 0600; shards are shared like the JSON files
         weight_map.update({n: fname for n in shard})
         total += sum(t.numel() * t.element_size() for t in shard.values())
         log(f"[k3train] wrote shard {k}/{len(shards)} ({fname}, {len(shard)} tensors)")

@@ -73,6 +73,10 @@ def test_round_trip_is_bitwise_tensors_and_logits(tmp_path, world1, tied):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    for f in shards:  # each shard within the limit, unless one tensor alone is bigger
+        held = load_file(str(out / f))
+        assert len(held) == 1 or sum(t.numel() * t.element_size() for t in held.values()) <= 40_000, f
+    assert (out / shards[0]).stat().st_mode & 0o777 == (out / "config.json").stat().st_mode & 0o777
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] and config["model_type"] and config["num_hidden_layers"] == 4
     assert config["linear_attn_config"]["full_attn_layers"] == [4]
