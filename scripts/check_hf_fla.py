@@ -76,7 +76,7 @@ def main() -> int:
 
     t0 = time.time()
     cfg = load_config("configs/k3_tiny.yaml", OVERRIDES)
-    init_distributed()
+    init_distributed(device="cuda")
     torch.manual_seed(0)
     ours = build_model(cfg)
     with torch.no_grad():  # trained-looking weights: away from init symmetries (A_log = 0 ...)
