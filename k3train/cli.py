@@ -66,13 +66,12 @@ def _cmd_sweep(args) -> int:
 
 
 def _cmd_export(args) -> int:
+    from k3train.hf.commands import refuse_hf_options, run_export_hf
     from k3train.quant.export import export_mxfp4
 
     if args.format == "hf":
-        from k3train.hf.commands import run_export_hf
-
         return run_export_hf(args)
-
+    refuse_hf_options(args)
     out = export_mxfp4(args.checkpoint, args.out, args.config)
     print(f"wrote {out}/model.safetensors and export.json ({args.format}, "
           f"{(out / 'model.safetensors').stat().st_size / 2**20:.1f} MiB)")

@@ -5,7 +5,7 @@ import argparse
 
 
 def add_export_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shard-size", default="5GB",
+    p.add_argument("--shard-size",
                    help="hf: the most bytes per model-*.safetensors shard (default 5GB; e.g. 500MB, 2GiB)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"],
                    help="hf: cast floating-point tensors (default: keep the checkpoint's dtype, bit for bit)")
@@ -13,10 +13,20 @@ def add_export_args(p: argparse.ArgumentParser) -> None:
                    help="hf: store routed expert weights MXFP4-packed (.mx_codes/.mx_scales); import dequantises")
 
 
+def refuse_hf_options(args) -> None:
+    """The hf-only options with another --format: refused, not silently ignored."""
+    from k3train.errors import UsageError
+
+    given = [flag for flag, value in (("--shard-size", args.shard_size), ("--dtype", args.dtype),
+                                      ("--mxfp4", args.mxfp4)) if value]
+    if given:
+        raise UsageError(f"{', '.join(given)} apply to --format hf only, not --format {args.format}")
+
+
 def run_export_hf(args) -> int:
     from k3train.hf.export import export_hf_checkpoint, parse_size
 
-    out = export_hf_checkpoint(args.checkpoint, args.out, args.config, shard_bytes=parse_size(args.shard_size),
+    out = export_hf_checkpoint(args.checkpoint, args.out, args.config, shard_bytes=parse_size(args.shard_size or "5GB"),
                                dtype=args.dtype, mxfp4=args.mxfp4)
     print(f"wrote {out} (config.json, model.safetensors.index.json, tokenizer_config.json)")
     return 0

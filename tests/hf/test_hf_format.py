@@ -188,3 +188,13 @@ def test_refusals_name_the_file_or_tensor(tmp_path, world1, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("k3train: error: ") and "\n" not in err and "model.safetensors.index.json" in err
     assert not (tmp_path / "x").exists()
+
+
+def test_hf_only_options_are_refused_for_other_formats(tmp_path, capsys):
+    argv = ["export", "--checkpoint", str(tmp_path), "--format", "mxfp4-packed", "--out", str(tmp_path / "o")]
+    assert main([*argv, "--mxfp4", "--shard-size", "1GB"]) == 2
+    assert capsys.readouterr().err.strip() == ("k3train: error: --shard-size, --mxfp4 apply to --format hf only, "
+                                               "not --format mxfp4-packed")
+    assert main(["export", "--checkpoint", str(tmp_path), "--format", "hf", "--out", str(tmp_path / "o"),
+                 "--shard-size", "5 parsecs"]) == 2
+    assert "--shard-size '5 parsecs' is not a size" in capsys.readouterr().err
