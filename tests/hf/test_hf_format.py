@@ -13,7 +13,6 @@ from k3train.cli import build_parser, main
 from k3train.config import RunConfig, load_config
 from k3train.config.load import save_config
 from k3train.errors import CheckpointError
-from k3train.hf.export import export_hf
 from k3train.hf.load import load_hf, merge_model_config
 from k3train.model.model import build_model
 from k3train.quant.mx import fake_quant_mx
