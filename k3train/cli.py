@@ -56,8 +56,12 @@ def _cmd_sweep(args) -> int:
 
 
 def _cmd_export(args) -> int:
+    from k3train.hf.commands import refuse_hf_options, run_export_hf
     from k3train.quant.export import export_mxfp4
 
+    if args.format == "hf":
+        return run_export_hf(args)
+    refuse_hf_options(args)
     out = export_mxfp4(args.checkpoint, args.out, args.config)
     print(f"wrote {out}/model.safetensors and export.json ({args.format}, "
           f"{(out / 'model.safetensors').stat().st_size / 2**20:.1f} MiB)")
@@ -106,6 +110,8 @@ class _VersionAction(argparse.Action):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from k3train.hf import commands as hf_commands
+
     parser = argparse.ArgumentParser(prog="k3train", description="Train Kimi-K3-style hybrid MoE models.")
     parser.add_argument("--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -150,13 +156,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="overrides applied to every variant, after the file's own")
     p.set_defaults(fn=_cmd_sweep)
 
-    p = sub.add_parser("export", help="write a checkpoint as packed MXFP4 safetensors (+ export.json)")
+    p = sub.add_parser("export", help="write a checkpoint as packed MXFP4 safetensors (+ export.json), or as "
+                                      "a Hugging Face directory (--format hf)")
     p.add_argument("--checkpoint", required=True,
                    help="a step_XXXXXXXX directory, or a run's checkpoints/ directory (uses 'latest')")
-    p.add_argument("--format", required=True, choices=["mxfp4-packed"], help="output format")
+    p.add_argument("--format", required=True, choices=["mxfp4-packed", "hf"], help="output format")
     p.add_argument("--out", required=True, help="output directory (written atomically)")
     p.add_argument("--config", help="run config (default: config.yaml of the checkpoint's run directory)")
+    hf_commands.add_export_args(p)
     p.set_defaults(fn=_cmd_export)
+    hf_commands.add_import_parser(sub)
 
     p = sub.add_parser("env", help="k3train's version and commit, dependency versions against the tested "
                                    "ranges, CUDA/Triton, and the kernel backend of each op family")

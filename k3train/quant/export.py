@@ -91,9 +91,10 @@ def quantized_params(cfg: RunConfig) -> dict[str, int]:
     return out
 
 
-def export_mxfp4(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
-                 config: str | os.PathLike | None = None) -> Path:
-    """Write ``out_dir`` (atomically: temp dir + rename) from a world-size-1 checkpoint."""
+def read_single_process_checkpoint(checkpoint: str | os.PathLike, config: str | os.PathLike | None = None,
+                                   ) -> tuple[dict, RunConfig, Path, dict]:
+    """(model state dict, run config, step dir, manifest) of a verified world-size-1 checkpoint;
+    the config defaults to the run directory's config.yaml."""
     from k3train.trainer.checkpoint import verify_checkpoint
 
     step_dir = resolve_checkpoint(checkpoint)
@@ -106,8 +107,16 @@ def export_mxfp4(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     if not cfg_path.is_file():
         raise CheckpointError(f"no run config at {cfg_path}; pass --config")
     cfg = load_config(cfg_path)
-    axes = quantized_params(cfg)
     state = torch.load(step_dir / "rank_00000.pt", map_location="cpu", weights_only=False)["model"]
+    return state, cfg, step_dir, manifest
+
+
+def export_mxfp4(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
+                 config: str | os.PathLike | None = None) -> Path:
+    """Write ``out_dir`` (atomically: temp dir + rename) from a world-size-1 checkpoint."""
+    state, cfg, step_dir, manifest = read_single_process_checkpoint(checkpoint, config)
+    cfg_path = Path(config) if config is not None else step_dir.parent.parent / "config.yaml"
+    axes = quantized_params(cfg)
     missing = sorted(set(axes) - set(state))
     if missing:
         raise UsageError(f"checkpoint {step_dir} lacks {missing[:3]}: does {cfg_path} describe this model?")
