@@ -56,10 +56,18 @@ class Widths:
                    Fs=moe.num_shared_experts * moe.shared_ffn_size, V=m.vocab_size)
 
 
+OPS = ("fused", "fused-eager", "torch")
+
+
+def _eager(ops: str) -> bool:
+    """Whether norms and SiTU-GLU run op by op (torch forms; ``kernels.compile=false`` on CUDA)."""
+    return ops in ("torch", "fused-eager")
+
+
 def _norm(n: int, a: int, f: int, ops: str) -> float:
-    """RMSNorm of width n: torch keeps its fp32 input, the rstd and the unweighted output;
+    """RMSNorm of width n: eager keeps its fp32 input, the rstd and the unweighted output;
     the compiled kernel its input and the rstd."""
-    return (2 * n * f + f) if ops == "torch" else (n * a + f)
+    return (2 * n * f + f) if _eager(ops) else (n * a + f)
 
 
 def _kda_core(w: Widths, T: int, a: int, f: int, ops: str) -> float:
@@ -100,14 +108,14 @@ def _mla(w: Widths, T: int, a: int, f: int, ops: str, mode: str) -> float:
     if mode == "selective":
         return core + H * w.v * a
     lora = _norm(w.ql, a, f, ops) + w.ql * a + (w.kvl + w.rope) * a + _norm(w.kvl, a, f, ops) \
-        - (w.kvl * f if ops == "torch" else w.kvl * a) + w.kvl * a
+        - (w.kvl * f if _eager(ops) else w.kvl * a) + w.kvl * a
     # q_down input; low-rank norms and up-projection inputs; the core; gate, attn, o_proj input
     return w.D * a + lora + core + 3 * H * w.v * a
 
 
 def _glu(n: int, a: int, ops: str) -> float:
     """SiTU-GLU of width n plus its down-projection input: eager keeps 6 tensors, compiled 2."""
-    return (7 if ops == "torch" else 3) * n * a
+    return (7 if _eager(ops) else 3) * n * a
 
 
 def _dense(w: Widths, a: int, ops: str) -> float:
@@ -230,6 +238,7 @@ def _param_split(cfg: RunConfig) -> tuple[dict[int, dict[str, int]], dict[str, i
             d = per_layer.setdefault(i, {"muon": 0, "adamw": 0, "expert": 0, "expert_opt": opt})
             if ".ffn.experts." in e.name:
                 d["expert"] += n
+                d["expert_opt"] = opt
             else:
                 d[opt] += n
         else:
@@ -239,12 +248,13 @@ def _param_split(cfg: RunConfig) -> tuple[dict[int, dict[str, int]], dict[str, i
 
 def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: int = 1) -> list[RankPlan]:
     """Memory of each pipeline rank of ``cfg.parallel`` (tp, pp, vpp, ep) with ``dp`` data-parallel
-    replicas per stage (ep divides dp). ops: ``fused`` (CUDA kernels) or ``torch``; act_bytes: 2
+    replicas per stage (ep divides dp). ops: ``fused`` (CUDA kernels, compiled norms and SiTU-GLU),
+    ``fused-eager`` (the same with ``kernels.compile=false``) or ``torch``; act_bytes: 2
     under bf16 autocast, 4 in fp32. Activations are per ``train.micro_batch_size x seq_len``."""
     from pipeline import PipelineLayout
 
-    if ops not in ("fused", "torch"):
-        raise ValueError(f"ops must be fused or torch, got {ops!r}")
+    if ops not in OPS:
+        raise ValueError(f"ops must be one of {', '.join(OPS)}, got {ops!r}")
     p = cfg.parallel
     if dp % p.ep:
         raise ValueError(f"parallel.ep={p.ep} must divide the data-parallel size {dp} (EP runs inside DP)")
@@ -284,11 +294,14 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
                 per_chunk[c] = b * tokens
             plan.activations[mode] = sum(per_chunk.values())
             if C == 1:
-                m = cfg.train.microbatches
                 plan.peak_activations[mode], plan.in_flight = per_chunk[0], 1
             else:
                 plan.peak_activations[mode], plan.in_flight = _schedule_peak(
                     p.pp, p.vpp, cfg.train.microbatches, r, per_chunk)
+            if mode != "none":
+                # In backward one layer's region is recomputed: its whole activations are live.
+                one = max(layer_bytes_per_token(cfg, i, "none", ops, T, act_bytes) for i in layers)
+                plan.peak_activations[mode] += one * tokens
         if cfg.model.attnres.enabled and C > 1:
             # Blocks a later local chunk reads: every block made before the rank's last chunk.
             last = max(chunks)
@@ -328,3 +341,22 @@ def format_plan(cfg: RunConfig, plans: list[RankPlan], *, dp: int, ops: str) -> 
     lines.append("  activations are the schedule's peak over in-flight microbatches (1F1B warmup depth); "
                  "fp32 weights, gradients and optimizer state; see docs/memory.md")
     return "\n".join(lines)
+
+
+def memory_report(cfg: RunConfig, dp: int = 1) -> str:
+    """``model-info``'s memory section for ``cfg.parallel`` with ``dp`` replicas per stage: the
+    CUDA kernels at bf16 (fp32 under precision.recipe=fp32), or the torch forms in fp32 when
+    ``train.device=cpu``."""
+    from k3train.errors import UsageError
+
+    if dp < 1 or dp % cfg.parallel.ep:
+        raise UsageError(f"--dp must be a positive multiple of parallel.ep={cfg.parallel.ep} "
+                         f"(expert parallelism runs inside data parallelism), got {dp}")
+    cpu = cfg.train.device == "cpu"
+    ops = "torch" if cpu else "fused-eager" if cfg.kernels.compile is False else "fused"
+    act = 4 if cpu or cfg.precision.recipe == "fp32" else 2
+    try:
+        plans = plan_memory(cfg, ops=ops, act_bytes=act, dp=dp)
+    except ValueError as exc:   # a layout the pipeline cannot run (layers, microbatches)
+        raise UsageError(f"memory plan: {exc}") from None
+    return format_plan(cfg, plans, dp=dp, ops=ops)
