@@ -334,10 +334,9 @@ def format_plan(cfg: RunConfig, plans: list[RankPlan], *, dp: int, ops: str) -> 
                      + f"{q.in_flight:>10}{g(q.attnres_cache)}{g(q.moe_buffers)}")
     if len(plans) > len(shown):
         lines.append(f"  ({len(plans) - len(shown)} lighter pp ranks not shown)")
-    worst = order[0]
-    lines.append("total of the heaviest rank (params + grads + optimizer + peak activations + cache + MoE buffers):")
-    lines.append("  " + ", ".join(f"{m}: {worst.total(m, False) / GiB:.1f} GiB ({worst.total(m, True) / GiB:.1f} with ZeRO-1)"
-                                  for m in MODES))
+    top = {(m, z): max(q.total(m, z) for q in plans) / GiB for m in MODES for z in (False, True)}
+    lines.append("heaviest rank's total (params + grads + optimizer + peak activations + cache + MoE buffers):")
+    lines.append("  " + ", ".join(f"{m}: {top[(m, False)]:.1f} GiB ({top[(m, True)]:.1f} with ZeRO-1)" for m in MODES))
     lines.append("  activations are the schedule's peak over in-flight microbatches (1F1B warmup depth); "
                  "fp32 weights, gradients and optimizer state; see docs/memory.md")
     return "\n".join(lines)
