@@ -36,14 +36,18 @@ def _cmd_model_info(args) -> int:
     from k3train.model.info import format_info, model_info
 
     cfg = load_config(args.config, args.overrides)
+    from k3train.model.memory_plan import memory_report
+
     init_distributed()
     try:
         counts, assumptions = model_info(cfg)
+        memory = memory_report(cfg, args.dp)   # builds on the meta device too: needs the groups
     finally:
         shutdown_distributed()
     print(f"model: {args.config}  ({cfg.model.num_layers} layers, pattern {cfg.model.layer_pattern}, "
           f"hidden {cfg.model.hidden_size}, {cfg.moe.num_experts} experts top-{cfg.moe.topk})")
     print(format_info(counts, assumptions))
+    print(memory)
     return 0
 
 
@@ -126,8 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "RUN_DIR/archive/<time>/ first (docs/run-directory.md)")
     p.set_defaults(fn=_cmd_train)
 
-    p = sub.add_parser("model-info", help="print total and activated parameters per component")
+    p = sub.add_parser("model-info", help="print parameters per component and the per-rank memory of the layout")
     _add_config_args(p)
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas per pipeline stage for the "
+                   "memory plan (a multiple of parallel.ep; docs/memory.md)")
     p.set_defaults(fn=_cmd_model_info)
 
     from k3train.data.commands import add_prepare_data, add_train_tokenizer

@@ -12,7 +12,7 @@ Checks (prints JSON; exit 1 on failure):
 * ``train.cuda_graph`` on k3_tiny (MoE, AttnRes, Muon, Quantile Balancing): after the capture,
   a replay against an eager forward/backward on the same weights and batch (loss within 1e-3,
   all gradients together rel err < 2e-2); and 6 graphed and 6 eager training steps both learn
-  (loss drops by > 0.5).
+  (loss drops by > 0.5); the same again under ``train.recompute=selective`` and ``full``.
 Tolerances are bf16-level: relative L2 error of outputs < 2e-2, |loss difference| < 2e-2,
 gradient cosine > 0.99 over all parameters together and for every matrix of >= 4096 elements
 (small vectors are reported: see the comment in main).
@@ -101,8 +101,10 @@ def topk_check() -> dict:
             "topk_untied_rows": int(untied.sum())}
 
 
-def graph_check(tokens: torch.Tensor, steps: int = 6) -> dict:
-    """``train.cuda_graph`` against eager on k3_tiny (MoE, AttnRes, Muon, Quantile Balancing).
+def graph_check(tokens: torch.Tensor, steps: int = 6, recompute: str = "none") -> dict:
+    """``train.cuda_graph`` against eager on k3_tiny (MoE, AttnRes, Muon, Quantile Balancing),
+    under ``train.recompute`` (keys ``graph_*``, or ``graph_<recompute>_*`` for selective/full:
+    the recomputed forward runs inside the captured backward).
 
     Sharp part: after the capture, one replay and one eager forward/backward on the same weights
     and batch: the loss and every gradient must agree to bf16 atomics noise. Training part:
@@ -116,7 +118,8 @@ def graph_check(tokens: torch.Tensor, steps: int = 6) -> dict:
     batches = [tokens.roll(i, dims=1) for i in range(steps)]
     for graph in (False, True):
         cfg = load_config("configs/k3_tiny.yaml", ["train.device=cuda", f"train.cuda_graph={graph}",
-                                                  "train.micro_batch_size=2", "train.microbatches=2"])
+                                                  "train.micro_batch_size=2", "train.microbatches=2",
+                                                  f"train.recompute={recompute}"])
         torch.manual_seed(0)
         state = TrainState(cfg, init_distributed(device="cuda"), torch.device("cuda"))
         losses[graph] = [state.train_step(b)["loss"] for b in batches]
@@ -137,6 +140,8 @@ def graph_check(tokens: torch.Tensor, steps: int = 6) -> dict:
     out["graph_ok"] = (out["graph_captured"] and out["graph_replay_loss_diff"] < 1e-3
                        and out["graph_replay_grad_rel_err"] < 2e-2
                        and all(v[-1] < v[0] - 0.5 for v in losses.values()))
+    if recompute != "none":
+        out = {k.replace("graph_", f"graph_{recompute}_", 1): v for k, v in out.items()}
     return out
 
 
@@ -225,7 +230,9 @@ def main() -> int:
         out.update(muon_check())
         out.update(topk_check())
         out.update(graph_check(tokens))
-    ok = (out.get("graph_ok", True) and out["kda_layer_rel_err"] < 2e-2
+        for mode in ("selective", "full"):
+            out.update(graph_check(tokens, recompute=mode))
+    ok = (out.get("graph_ok", True) and out.get("graph_selective_ok", True) and out.get("graph_full_ok", True) and out["kda_layer_rel_err"] < 2e-2
           and all(out.get(k, 0.0) < 2e-2 for k in ("conv_rel_err", "conv_dx_rel_err", "conv_dw_rel_err",
                                                      "muon_rel_err"))
           and "conv_error" not in out and "topk_error" not in out

@@ -24,7 +24,7 @@ from k3train.model.kda_layer import KimiDeltaAttention
 from k3train.model.layer import K3Layer
 from k3train.model.layout import expand_layer_pattern
 from k3train.model.mla import GatedMLA
-from k3train.model.recompute import run_layer
+from k3train.model.recompute import run_depth_mix, run_layer
 from k3train.quant.recipes import apply_precision, resolve_device
 from moe import GroupedAllToAllDispatcher, LatentMoE, LocalDispatcher
 from moe.norm import autocast_dtype
@@ -161,7 +161,8 @@ class K3Chunk(nn.Module):
     def logits(self, io: StageIO) -> torch.Tensor:
         if self.attnres:
             done = [io.blocks[i] for i in sorted(io.blocks)]
-            h = self.final_res(done if io.hidden is None else done + [io.hidden])
+            h = run_depth_mix(self.final_res, done if io.hidden is None else done + [io.hidden],
+                              self.recompute)
         else:
             h = io.hidden
         return self.head(self.final_norm(h))

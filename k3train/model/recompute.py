@@ -17,7 +17,8 @@ Triton autograd.Function, whose kernels a dispatch-mode policy never sees as one
 
 AttnRes: the blocks are region inputs, stored once (in the pipeline's block cache under PP) and
 shared by every layer that reads them; nothing inside a region saves them again under ``full``,
-and under ``selective`` only the cores' own inputs are saved, never a block.
+and under ``selective`` only the cores' own inputs are saved, never a block. The final depth
+mix before the head gets a region of its own (``run_depth_mix``) for the same reason.
 
 Side effects: a recomputed forward writes the same module state again (MoE routing records,
 load counts, aux loss, depth-mix weights). ``_LayerRegion`` snapshots that state before a
@@ -158,3 +159,16 @@ def run_layer(layer: nn.Module, io: StageIO, mode: str) -> StageIO:
                           outer_hooks=torch._C._autograd._top_saved_tensors_default_hooks(False))
     return checkpoint(region, io.hidden, *(io.blocks[i] for i in ids),
                       use_reentrant=False, preserve_rng_state=False)
+
+
+def run_depth_mix(mix: nn.Module, sources: list[torch.Tensor], mode: str) -> torch.Tensor:
+    """``mix(sources)`` (the final AttnRes depth mix, outside every layer region) under ``mode``.
+
+    With recompute on, it runs in its own checkpoint region: its inputs are the blocks, already
+    stored once, so nothing new is kept; without it the torch form would keep a stacked fp32
+    copy of every block (``S x [B, T, D]``, twice), which made AttnRes cost more than the
+    standard residual under ``full``. sources: S tensors ``[B, T, D]`` -> ``[B, T, D]``.
+    """
+    if mode == "none" or not torch.is_grad_enabled():
+        return mix(sources)
+    return checkpoint(lambda *s: mix(list(s)), *sources, use_reentrant=False, preserve_rng_state=False)

@@ -1,0 +1,361 @@
+"""Per-rank memory of a training layout, from formulas (``k3train model-info``; docs/memory.md).
+
+Static part, counted on the meta-device model: parameters (fp32; bf16 autocast keeps no master
+copy, the weights are the fp32 ones), gradients (fp32, one per parameter) and optimizer state
+(AdamW: exp_avg + exp_avg_sq, 8 bytes per parameter; Muon: one momentum buffer, 4 bytes), with
+and without ZeRO-1 (each data-parallel rank keeps 1/dp of the dense state, 1/(dp/ep) of the
+experts'). A rank holds its pipeline chunks' layers, 1/tp of the head-sharded weights and
+1/ep of the routed experts.
+
+Activations: bytes autograd keeps per token for each layer type (KDA, MLA, dense SiTU-GLU,
+LatentMoE, AttnRes mixes), counted op by op from what each op saves for backward, for
+``none``/``selective``/``full`` (``layer_bytes_per_token``). Two op sets:
+* ``torch``: the pure-torch forms (CPU, and CUDA with ``kernels.backend=torch``): checked against
+  the saved-tensor bytes measured on CPU (tests/k3train/test_memory_plan.py, within 15%);
+* ``fused``: CUDA with fla's chunk_kda and fused AttnRes, compiled norms and SiTU-GLU and flash
+  attention (bf16 activations); counted from the kernels' saved inputs, checked against
+  ``torch.cuda.max_memory_allocated`` by scripts/bench/bench_memory_plan.py.
+Under PP, a rank holds the activations of its in-flight (chunk, microbatch) forwards, counted by
+replaying its interleaved 1F1B schedule (``pipeline.schedule``), plus the AttnRes block cache:
+the blocks its later chunks read, one set per in-flight microbatch. MoE dispatch buffers are the
+permuted tokens of one layer at capacity (transient, live during one layer's forward/backward).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from k3train.config import RunConfig
+from k3train.model.layout import expand_layer_pattern
+
+MODES = ("none", "selective", "full")
+# The chunk both KDA paths run with: fla's chunk_kda and chunk_kda_torch's default are 64 wide
+# (model.kda.chunk_size is not passed to either today).
+_KDA_CHUNK = 64
+GiB = 1024 ** 3
+
+
+@dataclass
+class Widths:
+    """The model's widths after tensor parallelism (head-sharded widths divided by tp)."""
+
+    D: int; W: int; H: int; K: int; C: int           # hidden; KDA width, heads, head dim, chunk
+    Hm: int; qk: int; v: int; ql: int; kvl: int; rope: int   # MLA (per rank: Hm heads)
+    F: int; E: int; k: int; L: int; Fe: int; Fs: int  # dense FFN, experts, topk, latent, expert/shared FFN
+    V: int
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> "Widths":
+        m, moe, tp = cfg.model, cfg.moe, cfg.parallel.tp
+        a = m.mla
+        return cls(D=m.hidden_size, W=m.kda.num_heads * m.kda.head_dim // tp, H=m.kda.num_heads // tp,
+                   K=m.kda.head_dim, C=_KDA_CHUNK, Hm=a.num_heads // tp,
+                   qk=a.qk_nope_head_dim + a.qk_rope_head_dim, v=a.v_head_dim, ql=a.q_lora_rank,
+                   kvl=a.kv_lora_rank, rope=a.qk_rope_head_dim, F=m.ffn.intermediate_size // tp,
+                   E=moe.num_experts, k=moe.topk, L=moe.latent_size, Fe=moe.expert_ffn_size,
+                   Fs=moe.num_shared_experts * moe.shared_ffn_size, V=m.vocab_size)
+
+
+OPS = ("fused", "fused-eager", "torch")
+
+
+def _eager(ops: str) -> bool:
+    """Whether norms and SiTU-GLU run op by op (torch forms; ``kernels.compile=false`` on CUDA)."""
+    return ops in ("torch", "fused-eager")
+
+
+def _norm(n: int, a: int, f: int, ops: str) -> float:
+    """RMSNorm of width n: eager keeps its fp32 input, the rstd and the unweighted output;
+    the compiled kernel its input and the rstd."""
+    return (2 * n * f + f) if _eager(ops) else (n * a + f)
+
+
+def _kda_core(w: Widths, T: int, a: int, f: int, ops: str) -> float:
+    """What the KDA recurrence keeps, per token (its q/k/v/gate inputs included)."""
+    if ops == "torch":
+        # chunk_kda_torch: fp32 chunk tensors per padded token (Tp/T): pairwise decays over the
+        # n = C/sub sub-chunks (4nW), the within-sub-chunk decays (3 sub W), the solve's C-wide
+        # rows (3HC) and 16 more W-wide tensors; the gate/norm prep keeps 4W + 5H.
+        sub = math.gcd(w.C, 8)
+        n, Tp = w.C // sub, math.ceil(T / w.C) * w.C
+        core = (16 * w.W + 4 * n * w.W + 3 * sub * w.W + 3 * w.H * w.C + w.H) * f
+        return core * Tp / T + (4 * w.W + 5 * w.H) * f
+    # fla chunk_kda (gate, l2norm and beta in kernel): q, k, v, the gate input and beta in bf16,
+    # the cumulated fp32 log-decay, and the fp32 [C]-wide intra-chunk matrices it keeps.
+    return (4 * w.W + w.H) * a + w.W * f + 2 * w.H * min(w.C, T) * f
+
+
+def _kda(w: Widths, T: int, a: int, f: int, ops: str, mode: str) -> float:
+    """KDA sublayer (after its norm), per token."""
+    pad = math.ceil(T / w.C) * w.C / T if ops == "torch" else 1.0
+    core = _kda_core(w, T, a, f, ops)
+    if mode == "selective":
+        return core + w.W * a * pad          # the core's own saved tensors + its kept output
+    # input (shared by 6 projections), q/k/v conv input and output, the gate's low rank,
+    # beta; the output norm x sigmoid gate (o, rstd, normed, gate), o_proj input.
+    if ops == "torch":
+        return (w.D + 6 * w.W + w.K + w.H) * a + core + (w.W * pad + 3 * w.W + w.H) * f + w.W * a
+    return (w.D + 3 * w.W + w.K + w.W) * a + core + (2 * w.W) * a + w.H * f + w.W * a
+
+
+def _mla(w: Widths, T: int, a: int, f: int, ops: str, mode: str) -> float:
+    """Gated MLA sublayer (after its norm), per token."""
+    H = w.Hm
+    if ops == "torch":   # SDPA math path: q and k copies, the [T] probabilities, v
+        core = (2 * H * w.qk + H * T + H * w.v) * f
+    else:                # flash attention: q, k, v, output and the fp32 log-sum-exp
+        core = (2 * H * w.qk + 2 * H * w.v) * a + H * f
+    if mode == "selective":
+        return core + H * w.v * a
+    lora = _norm(w.ql, a, f, ops) + w.ql * a + (w.kvl + w.rope) * a + _norm(w.kvl, a, f, ops) \
+        - (w.kvl * f if _eager(ops) else w.kvl * a) + w.kvl * a
+    # q_down input; low-rank norms and up-projection inputs; the core; gate, attn, o_proj input
+    return w.D * a + lora + core + 3 * H * w.v * a
+
+
+def _glu(n: int, a: int, ops: str) -> float:
+    """SiTU-GLU of width n plus its down-projection input: eager keeps 6 tensors, compiled 2."""
+    return (7 if _eager(ops) else 3) * n * a
+
+
+def _dense(w: Widths, a: int, ops: str) -> float:
+    return w.D * a + _glu(w.F, a, ops)
+
+
+def _moe(w: Widths, a: int, f: int, ops: str) -> float:
+    """LatentMoE (after its norm), per token: router (scores, top-k ids and weights), the
+    permuted latent rows and the experts' GLU for k rows per token, the combine, the latent
+    norm and up input, and the shared expert."""
+    router = w.E * f + w.k * 8 + (1 + w.k) * f
+    routed = w.k * w.L * a + w.k * 8 * 2 + _glu(w.Fe, a, ops) * w.k + w.k * f + w.k * w.L * a
+    return w.D * a + router + routed + _norm(w.L, a, f, ops) + w.L * a + _glu(w.Fs, a, ops)
+
+
+def _mix(S: int, w: Widths, a: int, f: int, ops: str) -> float:
+    """One AttnRes depth mix over S sources: torch stacks them in fp32 and keeps the stack, its
+    normalised copy and the weights; fla's kernel keeps the newest source (the partial sum;
+    the blocks are stored once) and the fp32 weights."""
+    if ops == "torch":
+        return 2 * S * w.D * f + 2 * S * f
+    return w.D * a + S * f
+
+
+def layer_bytes_per_token(cfg: RunConfig, index: int, mode: str, ops: str, T: int, a: int) -> float:
+    """Activation bytes layer ``index`` keeps per token under recompute ``mode``.
+
+    a: bytes of an activation (4 in fp32, 2 under bf16 autocast); T: sequence length (the torch
+    forms keep [T]-wide attention rows and pad KDA to whole chunks). Under ``full`` a layer keeps
+    its input only: the hidden state or, with AttnRes, the block's partial sum (a layer that
+    opens a block has none) plus the block it closes; the blocks it reads were counted where
+    they were made."""
+    w, f = Widths.of(cfg), 4
+    m = cfg.model
+    kind = expand_layer_pattern(m.layer_pattern, m.num_layers)[index]
+    attnres = m.attnres.enabled
+    bs = m.attnres.block_size
+    inputs = w.D * a if not attnres else w.D * a * ((index % bs != 0) + ((index + 1) % bs == 0))
+    if mode == "full":
+        return inputs
+    mixer = (_kda if kind == "K" else _mla)(w, T, a, f, ops, mode)
+    if mode == "selective":
+        return inputs + mixer
+    moe = index >= m.dense_layers
+    ffn = _moe(w, a, f, ops) if moe else _dense(w, a, ops)
+    out = 2 * _norm(w.D, a, f, ops) + mixer + ffn
+    if attnres:
+        blocks = 1 + index // bs
+        partial = index % bs != 0
+        out += _mix(blocks + partial, w, a, f, ops) + _mix(blocks + 1, w, a, f, ops)
+    return out
+
+
+def head_bytes_per_token(cfg: RunConfig, mode: str, ops: str, a: int) -> float:
+    """Embedding ids, the final depth mix (own region under recompute), norm, head input,
+    fp32 log-softmax over the vocabulary and the targets."""
+    w, f = Widths.of(cfg), 4
+    m = cfg.model
+    out = 8 + _norm(w.D, a, f, ops) + w.D * a + w.V * f + 8
+    if m.attnres.enabled and mode == "none":
+        S = 1 + m.num_layers // m.attnres.block_size + (m.num_layers % m.attnres.block_size != 0)
+        out += _mix(S, w, a, f, ops)
+    return out
+
+
+def _schedule_peak(pp: int, vpp: int, m: int, rank: int, chunk_bytes: dict[int, float]) -> tuple[float, int]:
+    """(peak activation bytes, peak in-flight microbatches) of ``rank`` over its 1F1B schedule."""
+    from pipeline.schedule import build_schedule
+
+    live, peak, peak_mbs, held = 0.0, 0.0, 0, {}
+    for op in build_schedule(pp, vpp, m, rank):
+        sign = 1 if op.kind == "F" else -1
+        live += sign * chunk_bytes[op.chunk]
+        held[op.microbatch] = held.get(op.microbatch, 0) + sign
+        peak = max(peak, live)
+        peak_mbs = max(peak_mbs, sum(1 for v in held.values() if v > 0))
+    return peak, peak_mbs
+
+
+@dataclass
+class RankPlan:
+    """Bytes of one pipeline rank (every DP/TP/EP rank of a stage holds the same)."""
+
+    pp_rank: int
+    layers: list[int]
+    params: float
+    grads: float
+    optimizer: float
+    optimizer_zero1: float
+    activations: dict[str, float] = field(default_factory=dict)   # per microbatch, per mode
+    peak_activations: dict[str, float] = field(default_factory=dict)  # schedule peak, per mode
+    in_flight: int = 1
+    attnres_cache: float = 0.0
+    moe_buffers: float = 0.0
+
+    def total(self, mode: str, zero1: bool) -> float:
+        return (self.params + self.grads + (self.optimizer_zero1 if zero1 else self.optimizer)
+                + self.peak_activations[mode] + self.attnres_cache + self.moe_buffers)
+
+
+def _param_split(cfg: RunConfig) -> tuple[dict[int, dict[str, int]], dict[str, int]]:
+    """Meta-device counts: per layer {dense_muon, dense_adamw, expert} and the embedding/head."""
+    import torch
+
+    from k3train.model.model import build_model
+    from k3train.trainer.optimizer import k3_param_rules
+    from optim import build_param_table
+
+    with torch.device("meta"):
+        model = build_model(cfg)
+    rules = k3_param_rules(model, per_head=False)
+    table = build_param_table(model.named_parameters(), rules)
+    per_layer: dict[int, dict[str, int]] = {}
+    outer = {"muon": 0, "adamw": 0}
+    for e in table:
+        opt = e.optimizer if cfg.optim.name == "muon" else "adamw"
+        n = e.param.numel()
+        if e.name.startswith("layers."):
+            i = int(e.name.split(".")[1])
+            d = per_layer.setdefault(i, {"muon": 0, "adamw": 0, "expert": 0, "expert_opt": opt})
+            if ".ffn.experts." in e.name:
+                d["expert"] += n
+                d["expert_opt"] = opt
+            else:
+                d[opt] += n
+        else:
+            outer[opt] += n
+    return per_layer, outer
+
+
+def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: int = 1) -> list[RankPlan]:
+    """Memory of each pipeline rank of ``cfg.parallel`` (tp, pp, vpp, ep) with ``dp`` data-parallel
+    replicas per stage (ep divides dp). ops: ``fused`` (CUDA kernels, compiled norms and SiTU-GLU),
+    ``fused-eager`` (the same with ``kernels.compile=false``) or ``torch``; act_bytes: 2
+    under bf16 autocast, 4 in fp32. Activations are per ``train.micro_batch_size x seq_len``."""
+    from pipeline import PipelineLayout
+
+    if ops not in OPS:
+        raise ValueError(f"ops must be one of {', '.join(OPS)}, got {ops!r}")
+    p = cfg.parallel
+    if dp % p.ep:
+        raise ValueError(f"parallel.ep={p.ep} must divide the data-parallel size {dp} (EP runs inside DP)")
+    tokens, T = cfg.train.micro_batch_size * cfg.train.seq_len, cfg.train.seq_len
+    per_layer, outer = _param_split(cfg)
+    layout = PipelineLayout(cfg.model.num_layers, p.pp, p.vpp)
+    C = layout.num_chunks
+    opt_bytes = {"adamw": 8, "muon": 4}
+    edp = dp // p.ep
+    plans = []
+    w = Widths.of(cfg)
+    for r in range(p.pp):
+        chunks = layout.chunks_of_rank(r)
+        layers = [i for c in chunks for i in layout.layer_range(c)]
+        dense = {"muon": 0.0, "adamw": 0.0}
+        expert, expert_opt = 0.0, 0.0
+        for i in layers:
+            d = per_layer[i]
+            dense["muon"] += d["muon"] / p.tp
+            dense["adamw"] += d["adamw"] / p.tp
+            expert += d["expert"] / p.ep
+            expert_opt += d["expert"] / p.ep * opt_bytes[d["expert_opt"]]
+        if 0 in chunks:
+            dense = {k: v + outer[k] for k, v in dense.items()} if C == 1 else {k: v + outer[k] / 2 for k, v in dense.items()}
+        if C - 1 in chunks and C > 1:
+            dense = {k: v + outer[k] / 2 for k, v in dense.items()}  # the head (as big as the embedding)
+        n_dense = dense["muon"] + dense["adamw"]
+        opt = dense["muon"] * 4 + dense["adamw"] * 8 + expert_opt
+        plan = RankPlan(pp_rank=r, layers=layers, params=4 * (n_dense + expert), grads=4 * (n_dense + expert),
+                        optimizer=opt, optimizer_zero1=(dense["muon"] * 4 + dense["adamw"] * 8) / dp + expert_opt / edp)
+        for mode in MODES:
+            per_chunk = {}
+            for c in chunks:
+                b = sum(layer_bytes_per_token(cfg, i, mode, ops, T, act_bytes) for i in layout.layer_range(c))
+                if c == C - 1:
+                    b += head_bytes_per_token(cfg, mode, ops, act_bytes)
+                per_chunk[c] = b * tokens
+            plan.activations[mode] = sum(per_chunk.values())
+            if C == 1:
+                plan.peak_activations[mode], plan.in_flight = per_chunk[0], 1
+            else:
+                plan.peak_activations[mode], plan.in_flight = _schedule_peak(
+                    p.pp, p.vpp, cfg.train.microbatches, r, per_chunk)
+            if mode != "none":
+                # In backward one layer's region is recomputed: its whole activations are live.
+                one = max(layer_bytes_per_token(cfg, i, "none", ops, T, act_bytes) for i in layers)
+                plan.peak_activations[mode] += one * tokens
+        if cfg.model.attnres.enabled and C > 1:
+            # Blocks a later local chunk reads: every block made before the rank's last chunk.
+            last = max(chunks)
+            first_layer = layout.layer_range(last).start
+            blocks = 1 + first_layer // cfg.model.attnres.block_size
+            plan.attnres_cache = blocks * tokens * w.D * act_bytes * plan.in_flight
+        if any(i >= cfg.model.dense_layers for i in layers):
+            cf = cfg.moe.capacity_factor
+            rows = tokens * w.k * (cf if cf else 1.0)
+            # permuted input, expert output, and under EP the all-to-all send and receive copies
+            plan.moe_buffers = rows * w.L * act_bytes * (2 + (2 if p.ep > 1 else 0))
+        plans.append(plan)
+    return plans
+
+
+def format_plan(cfg: RunConfig, plans: list[RankPlan], *, dp: int, ops: str) -> str:
+    """The planner's table: one row per pipeline rank, the largest first."""
+    p = cfg.parallel
+    g = lambda b: f"{b / GiB:9.2f}"  # noqa: E731
+    lines = [f"per-rank memory (GiB), tp={p.tp} pp={p.pp} vpp={p.vpp} ep={p.ep} dp={dp}, "
+             f"microbatch {cfg.train.micro_batch_size} x {cfg.train.seq_len} tokens, "
+             f"{cfg.train.microbatches} microbatches, kernels={ops}:",
+             f"{'pp rank':>8}{'layers':>8}{'params':>9}{'grads':>9}{'optim':>9}{'optim z1':>9}"
+             + "".join(f"{'act ' + m:>14}" for m in MODES) + f"{'in-flight':>10}{'AR cache':>9}{'MoE buf':>9}"]
+    order = sorted(plans, key=lambda q: -q.total("none", False))
+    shown = order[:4] if len(plans) > 4 else plans
+    for q in shown:
+        lines.append(f"{q.pp_rank:>8}{len(q.layers):>8}{g(q.params)}{g(q.grads)}{g(q.optimizer)}"
+                     f"{g(q.optimizer_zero1)}" + "".join(f"{q.peak_activations[m] / GiB:14.2f}" for m in MODES)
+                     + f"{q.in_flight:>10}{g(q.attnres_cache)}{g(q.moe_buffers)}")
+    if len(plans) > len(shown):
+        lines.append(f"  ({len(plans) - len(shown)} lighter pp ranks not shown)")
+    top = {(m, z): max(q.total(m, z) for q in plans) / GiB for m in MODES for z in (False, True)}
+    lines.append("heaviest rank's total (params + grads + optimizer + peak activations + cache + MoE buffers):")
+    lines.append("  " + ", ".join(f"{m}: {top[(m, False)]:.1f} GiB ({top[(m, True)]:.1f} with ZeRO-1)" for m in MODES))
+    lines.append("  activations are the schedule's peak over in-flight microbatches (1F1B warmup depth); "
+                 "fp32 weights, gradients and optimizer state; see docs/memory.md")
+    return "\n".join(lines)
+
+
+def memory_report(cfg: RunConfig, dp: int = 1) -> str:
+    """``model-info``'s memory section for ``cfg.parallel`` with ``dp`` replicas per stage: the
+    CUDA kernels at bf16 (fp32 under precision.recipe=fp32), or the torch forms in fp32 when
+    ``train.device=cpu``."""
+    from k3train.errors import UsageError
+
+    if dp < 1 or dp % cfg.parallel.ep:
+        raise UsageError(f"--dp must be a positive multiple of parallel.ep={cfg.parallel.ep} "
+                         f"(expert parallelism runs inside data parallelism), got {dp}")
+    cpu = cfg.train.device == "cpu"
+    ops = "torch" if cpu else "fused-eager" if cfg.kernels.compile is False else "fused"
+    act = 4 if cpu or cfg.precision.recipe == "fp32" else 2
+    try:
+        plans = plan_memory(cfg, ops=ops, act_bytes=act, dp=dp)
+    except ValueError as exc:   # a layout the pipeline cannot run (layers, microbatches)
+        raise UsageError(f"memory plan: {exc}") from None
+    return format_plan(cfg, plans, dp=dp, ops=ops)

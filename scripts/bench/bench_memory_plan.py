@@ -1,0 +1,92 @@
+"""The memory planner (k3train/model/memory_plan.py) against measured peak memory on one GPU.
+
+For k3_mini under each ``train.recompute`` mode: a few training steps on one GPU (eager, no CUDA
+graph: the graph's pool would hide what the step itself allocates), ``torch.cuda.max_memory_allocated``
+over steps 2-3 (step 1 allocates the optimizer state), against the planner's total for the same
+layout (parameters + gradients + optimizer state + peak activations + MoE buffers). Target:
+measured / predicted within 15%. Prints a table and writes JSON to ``--json``.
+
+    python scripts/bench/bench_memory_plan.py --json OUT.json [--config configs/k3_mini.yaml] [key=value ...]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from common import save_json  # noqa: E402
+
+# Eager (kernels.compile=false) and one autotune candidate keep the first step short; the
+# planner is told the same (ops=fused-eager).
+DEFAULTS = ["train.device=cuda", "train.cuda_graph=false", "kernels.compile=false",
+            "kernels.autotune=fixed", "train.compile_ahead=true"]
+
+
+def measure(config: str, overrides: list[str], mode: str, steps: int) -> dict:
+    from k3train import kernels
+    from k3train.config import load_config
+    from k3train.distributed import init_distributed
+    from k3train.model.memory_plan import GiB, plan_memory
+    from k3train.trainer.state import TrainState
+
+    cfg = load_config(config, [*DEFAULTS, *overrides, f"train.recompute={mode}"])
+    kernels.apply(cfg.kernels, pipeline_gpu=False)
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    state = TrainState(cfg, init_distributed(device="cuda"), device)
+    state.compile_kernels()
+    t = cfg.train
+    batch = torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size * t.microbatches, t.seq_len + 1))
+    t0 = time.perf_counter()
+    state.train_step(batch)                       # step 1: optimizer state appears
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(device)
+    losses = [state.train_step(batch)["loss"] for _ in range(steps - 1)]
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated(device)
+    ops = "fused-eager" if cfg.kernels.compile is False else "fused"
+    plan = plan_memory(cfg, ops=ops, act_bytes=2)[0]
+    row = {"mode": mode, "measured_gib": peak / GiB, "predicted_gib": plan.total(mode, False) / GiB,
+           "params_gib": plan.params / GiB, "grads_gib": plan.grads / GiB, "optimizer_gib": plan.optimizer / GiB,
+           "activations_gib": plan.peak_activations[mode] / GiB, "moe_buffers_gib": plan.moe_buffers / GiB,
+           "losses": losses, "seconds": time.perf_counter() - t0}
+    row["ratio"] = row["measured_gib"] / row["predicted_gib"]
+    del state
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/k3_mini.yaml")
+    ap.add_argument("--json")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--modes", default="none,selective,full")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_memory_plan needs a CUDA GPU", file=sys.stderr)
+        return 2
+    rows = []
+    for mode in args.modes.split(","):
+        rows.append(measure(args.config, args.overrides, mode, args.steps))
+        r = rows[-1]
+        print(f"{mode}: measured {r['measured_gib']:.2f} GiB, predicted {r['predicted_gib']:.2f} GiB "
+              f"({r['seconds']:.0f} s)", flush=True)
+    print(f"\n{'recompute':<11}{'measured':>10}{'predicted':>11}{'ratio':>7}{'params':>8}{'grads':>7}"
+          f"{'optim':>7}{'act':>7}  (GiB; target ratio 0.85-1.15)")
+    for r in rows:
+        print(f"{r['mode']:<11}{r['measured_gib']:>10.2f}{r['predicted_gib']:>11.2f}{r['ratio']:>7.2f}"
+              f"{r['params_gib']:>8.2f}{r['grads_gib']:>7.2f}{r['optimizer_gib']:>7.2f}{r['activations_gib']:>7.2f}")
+    save_json(args.json, {"config": args.config, "overrides": args.overrides,
+                          "gpu": torch.cuda.get_device_name(), "rows": rows})
+    return 0 if all(0.85 <= r["ratio"] <= 1.15 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
