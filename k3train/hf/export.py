@@ -27,7 +27,6 @@ import torch
 from safetensors.torch import save_file
 
 from k3train.config import RunConfig
-from k3train.data.tokenizer import get_tokenizer
 from k3train.errors import UsageError
 from k3train.hf.names import to_hf
 from k3train.model.layout import expand_layer_pattern
@@ -170,13 +169,34 @@ def export_hf(state: dict, cfg: RunConfig, out_dir: str | os.PathLike, *, shard_
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1, sort_keys=True))
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
-    tokenizer = get_tokenizer(cfg.data.tokenizer)
-    tok = {"tokenizer_class": type(tokenizer).__name__, "k3train_tokenizer": tokenizer.name,
-           "vocab_size": tokenizer.vocab_size, "eos_token_id": tokenizer.eod_id,
-           "note": "UTF-8 bytes are token ids 0..255 and 256 ends a document; no vocabulary file"}
-    (tmp / "tokenizer_config.json").write_text(json.dumps(tok, indent=1))
+    _write_tokenizer(cfg, tmp)
     _replace_dir(tmp, out)
     return out
+
+
+def _write_tokenizer(cfg: RunConfig, out: Path) -> None:
+    """``tokenizer_config.json``, plus a copy of the tokenizer's own files when it has any (the
+    run's tokenizer: ``data.tokenizer``, else the one its dataset's meta file records)."""
+    from k3train.data.tokenizer import ByteTokenizer
+    from k3train.errors import DataError
+    from k3train.trainer.data import run_tokenizer
+
+    try:
+        tokenizer = run_tokenizer(cfg)
+    except DataError as exc:  # the dataset is not on this machine: say so rather than guess
+        raise DataError(f"export --format hf needs the run's tokenizer: {exc}") from None
+    tok = {"tokenizer_class": type(tokenizer).__name__, "k3train_tokenizer": tokenizer.name,
+           "k3train_tokenizer_kind": tokenizer.kind, "k3train_tokenizer_hash": tokenizer.files_hash,
+           "vocab_size": tokenizer.vocab_size, "eos_token_id": tokenizer.eod_id}
+    if isinstance(tokenizer, ByteTokenizer):
+        tok["note"] = "UTF-8 bytes are token ids 0..255 and 256 ends a document; no vocabulary file"
+    else:
+        src = Path(tokenizer.spec)
+        files = sorted(p for p in src.iterdir() if p.is_file()) if src.is_dir() else [src]
+        for f in files:
+            shutil.copy2(f, out / f.name)
+        tok["tokenizer_file"] = files[0].name if not src.is_dir() else "tokenizer.json"
+    (out / "tokenizer_config.json").write_text(json.dumps(tok, indent=1))
 
 
 def export_hf_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,

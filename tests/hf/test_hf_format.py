@@ -197,3 +197,22 @@ def test_hf_only_options_are_refused_for_other_formats(tmp_path, capsys):
     assert main(["export", "--checkpoint", str(tmp_path), "--format", "hf", "--out", str(tmp_path / "o"),
                  "--shard-size", "5 parsecs"]) == 2
     assert "--shard-size '5 parsecs' is not a size" in capsys.readouterr().err
+
+
+def test_export_copies_the_runs_tokenizer_files(tmp_path, world1):
+    """A run with a trained BPE (data.tokenizer=DIR) exports that tokenizer.json byte for byte,
+    and tokenizer_config.json names its kind, hash, vocabulary size and EOD id."""
+    import json
+
+    from k3train.data.tokenizer import load_tokenizer
+    from k3train.data.train_tokenizer import train_bpe
+
+    tok_dir = tmp_path / "tok"
+    train_bpe(["the cat sat on the mat. " * 20, "a dog ran; the dog sat."] * 5, 300, tok_dir)
+    tok = load_tokenizer(str(tok_dir))
+    cfg, _, out = _export(tmp_path, world1, cfg_extra=[f"data.tokenizer={tok_dir}", f"model.vocab_size={tok.vocab_size}"])
+    assert (out / "tokenizer.json").read_bytes() == (tok_dir / "tokenizer.json").read_bytes()
+    meta = json.loads((out / "tokenizer_config.json").read_text())
+    assert (meta["k3train_tokenizer_kind"], meta["k3train_tokenizer_hash"], meta["vocab_size"], meta["eos_token_id"]) \
+        == ("hf", tok.files_hash, tok.vocab_size, tok.eod_id)
+    assert load_tokenizer(str(out / "tokenizer.json")).files_hash == tok.files_hash
