@@ -41,8 +41,8 @@ def main() -> None:
 
     from k3train.config import load_config
     from k3train.flops import flops_per_token
-    from k3train.pipeline_predict import (H200_LINK, chunk_costs, flop_scaled_layer_costs, layout_messages,
-                                          variant_config)
+    from k3train.pipeline_predict import (H200_LINK, chunk_costs, flop_scaled_layer_costs, format_table,
+                                          layout_messages, predict_table, variant_config)
     from pipeline.timing_model import predict_step
 
     mini = load_config(str(ROOT / "configs/k3_mini.yaml"),
@@ -83,11 +83,12 @@ def main() -> None:
     for variant in MEASURED_MS:
         for V in (1, 2, 4):
             base, fit = predict(variant, V), predict(variant, V, fitted[variant], h)
+            p2p_fixed = predict(variant, V, fitted[variant], 0.0)      # eager compute, no per-message cost
             meas = MEASURED_MS[variant][V]
             rows.append({"variant": variant, "V": V, "measured_ms": meas, "model_ms": base.step_s * 1e3,
                          "model_error": base.step_s * 1e3 / meas - 1, "bubble": base.bubble,
                          "fitted_ms": fit.step_s * 1e3, "fitted_error": fit.step_s * 1e3 / meas - 1,
-                         "fitted_bubble": fit.bubble,
+                         "fitted_bubble": fit.bubble, "p2p_fixed_ms": p2p_fixed.step_s * 1e3,
                          "in_sample": (variant, V) in (("standard", 1), ("standard", 2), ("attnres_cached", 1)),
                          "messages_rank0": sum(1 for op, _, _ in base.spans[0]
                                                if (op.kind == "F" and op.chunk > 0)
@@ -96,19 +97,34 @@ def main() -> None:
     print(f"fitted: compute x {k:.2f} (standard), x {k_attn:.2f} (AttnRes; = +{k_attn / k - 1:.1%} over "
           f"standard's), host cost per received message {h * 1e3:.2f} ms\n")
     print(f"{'variant':<16}{'V':>3}{'msgs':>5}{'measured':>10}{'vs std':>8}{'model':>8}{'err':>8}{'vs std':>8}"
-          f"{'fitted':>9}{'err':>8}{'vs std':>8}")
+          f"{'fitted':>9}{'err':>8}{'vs std':>8}{'no msg cost':>12}{'vs std':>8}")
     for r in rows:
         s = std[r["V"]]
         r["measured_vs_standard"] = r["measured_ms"] / s["measured_ms"] - 1
         r["model_vs_standard"] = r["model_ms"] / s["model_ms"] - 1
         r["fitted_vs_standard"] = r["fitted_ms"] / s["fitted_ms"] - 1
+        r["p2p_fixed_vs_standard"] = r["p2p_fixed_ms"] / s["p2p_fixed_ms"] - 1
         mark = "*" if r["in_sample"] else " "
         print(f"{r['variant']:<16}{r['V']:>3}{r['messages_rank0']:>5}{r['measured_ms']:>10.1f}"
               f"{r['measured_vs_standard']:>+8.1%}{r['model_ms']:>8.1f}"
               f"{r['model_error']:>+8.1%}{r['model_vs_standard']:>+8.1%}{r['fitted_ms']:>8.1f}{mark}"
-              f"{r['fitted_error']:>+8.1%}{r['fitted_vs_standard']:>+8.1%}")
-    print("(* fitted rows; the others are predictions)")
+              f"{r['fitted_error']:>+8.1%}{r['fitted_vs_standard']:>+8.1%}{r['p2p_fixed_ms']:>12.1f}"
+              f"{r['p2p_fixed_vs_standard']:>+8.1%}")
+    print("(* fitted rows; the others are predictions. model: FLOP-scaled one-GPU compute + link, i.e. "
+          "after both fixes; no msg cost: the eager factor kept, the per-message cost removed)")
     report = {"compute_factor_standard": k, "compute_factor_attnres": k_attn, "recv_cost_s": h, "rows": rows}
+
+    # K3's real shapes at the one-GPU (graphed) rates, free of the two effects above: PREDICTED.
+    k3 = load_config(str(ROOT / "configs/k3_full.yaml"))
+    k3_costs = {v: flop_scaled_layer_costs(variant_config(k3, v), rate["standard" if v == "standard" else "attnres"])
+                for v in ("standard", "attnres_cached", "attnres_naive")}
+    report["k3_table"] = predict_table(k3, k3_costs, H200_LINK, grid=((16,), (1, 2, 4), (16, 32, 64)))
+    print()
+    print(format_table(report["k3_table"], f"PREDICTED, configs/k3_full.yaml (hidden {k3.model.hidden_size}, "
+                                           f"{k3.model.num_layers} layers, AttnRes blocks of {k3.model.attnres.block_size}, "
+                                           f"seq {k3.train.seq_len}, micro-batch {k3.train.micro_batch_size}) at the "
+                                           "one-GPU rates, P=16",
+                       unit="s"))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
 

@@ -6,7 +6,10 @@ For each P: (1) per-chunk forward/backward times of the P*V chunks, measured on 
 (the engine at P = 1, V = P*V); (2) the same, measured in P concurrent copies, so that each copy
 sees the CPU contention the P pipeline ranks will (on a 2-core machine, 4 ranks share 2 cores);
 (3) the real engine at P ranks under torchrun/gloo, step time = median of the timed steps (the
-engine's train_step only, no optimizer). It prints measured, both predictions and their errors.
+engine's train_step only, no optimizer), whose own compute spans give a third set of op times
+(the run's exact contention: it checks the schedule replay apart from how the op times were
+taken). It prints measured, the three predictions and their errors, and the load average (the
+machine may be shared: other processes' load changes every op time).
 Every process runs one torch thread, as torchrun's workers do.
 """
 from __future__ import annotations
@@ -23,8 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # k3_tiny's shape (8 layers KKKM, hidden 256, MoE, AttnRes blocks of 2) with fewer tokens per
-# microbatch, so that a step with m=8 takes about a second on one core.
-OVERRIDES = ["train.micro_batch_size=2", "train.seq_len=128", "logging.wandb.mode=disabled",
+# microbatch, so that a step with m=8 takes a few seconds on a shared core.
+OVERRIDES = ["train.micro_batch_size=2", "train.seq_len=64", "logging.wandb.mode=disabled",
              "logging.progress_bar=false", "train.device=cpu"]
 
 
@@ -54,12 +57,14 @@ def engine_worker(args) -> None:
     torch.set_num_threads(1)
     from k3train.distributed import init_distributed, parallel_context
     from k3train.trainer.parts import build_parts
+    from pipeline import CommRecorder
 
     P = int(os.environ["WORLD_SIZE"])
     cfg = _cfg(args, P, args.vpp)
     info = init_distributed(1, P, args.vpp, 1, "cpu")
     torch.manual_seed(0)
-    _chunks, engine = build_parts(cfg, torch.device("cpu"), parallel_context(info))
+    recorder = CommRecorder()
+    _chunks, engine = build_parts(cfg, torch.device("cpu"), parallel_context(info), recorder)
     B, T, m = cfg.train.micro_batch_size, cfg.train.seq_len, cfg.train.microbatches
     gen = torch.Generator().manual_seed(0)        # the same tokens on every rank
     times = []
@@ -74,8 +79,17 @@ def engine_worker(args) -> None:
             times.append(time.perf_counter() - t0)
         for ch in _chunks.values():
             ch.zero_grad(set_to_none=True)
+    # The op times of the run itself (the compute spans of the timed steps, all ranks): the
+    # model's inputs under exactly the run's contention.
+    spans = [s for s in recorder.compute if s.step >= 2]
+    recorder.gather()
     if info.rank == 0:
-        Path(args.out).write_text(json.dumps({"step_s": times}))
+        spans = [s for s in recorder.compute if s.step >= 2]
+        C = P * args.vpp
+        med = {k: [statistics.median(s.end - s.start for s in spans if s.kind == k and s.chunk == c)
+                   for c in range(C)] for k in "FB"}
+        Path(args.out).write_text(json.dumps({"step_s": times, "fwd_s": med["F"], "bwd_s": med["B"],
+                                              "bubble": recorder.bubble_fraction()["measured"]}))
     torch.distributed.destroy_process_group()
 
 
@@ -102,7 +116,7 @@ def _run_engine(args, P: int, tmp: Path) -> list[float]:
            "--microbatches", str(args.microbatches), "--out", str(out)]
     if subprocess.run(cmd, env=_env(), stdout=subprocess.DEVNULL).returncode != 0:
         raise SystemExit(f"engine run at P={P} failed")
-    return json.loads(out.read_text())["step_s"]
+    return json.loads(out.read_text())
 
 
 def _mean_costs(runs: list[dict]):
@@ -144,16 +158,22 @@ def main() -> None:
             t0 = time.perf_counter()
             alone = _mean_costs(_measure(args, C, 1, tmp))
             contended = _mean_costs(_measure(args, C, P, tmp))
-            measured = _run_engine(args, P, tmp)
+            run = _run_engine(args, P, tmp)
+            measured = run["step_s"]
+            in_run = _mean_costs([run])
             msgs = layout_messages(_cfg(args, P, args.vpp), P, args.vpp)
             pred_alone = predict_step(P, args.vpp, args.microbatches, alone, msgs, link)
             pred_cont = predict_step(P, args.vpp, args.microbatches, contended, msgs, link)
+            pred_run = predict_step(P, args.vpp, args.microbatches, in_run, msgs, link)
             meas = statistics.median(measured)
             row = {"P": P, "V": args.vpp, "m": args.microbatches, "cores": os.cpu_count(),
-                   "measured_s": meas, "measured_all_s": measured,
+                   "load_avg_1min": os.getloadavg()[0],
+                   "measured_s": meas, "measured_all_s": measured, "measured_bubble": run["bubble"],
                    "predicted_alone_s": pred_alone.step_s, "predicted_contended_s": pred_cont.step_s,
+                   "predicted_in_run_s": pred_run.step_s,
                    "error_alone": pred_alone.step_s / meas - 1, "error_contended": pred_cont.step_s / meas - 1,
-                   "bubble_predicted": pred_cont.bubble,
+                   "error_in_run": pred_run.step_s / meas - 1,
+                   "bubble_predicted": pred_cont.bubble, "bubble_predicted_in_run": pred_run.bubble,
                    "chunk_fwd_ms_alone": [x * 1e3 for x in alone.fwd_s],
                    "chunk_bwd_ms_alone": [x * 1e3 for x in alone.bwd_s],
                    "chunk_fwd_ms_contended": [x * 1e3 for x in contended.fwd_s],
@@ -162,10 +182,11 @@ def main() -> None:
             print(json.dumps({k: v for k, v in row.items() if not k.startswith("chunk")}), flush=True)
             print(f"  (P={P} took {time.perf_counter() - t0:.0f} s)", flush=True)
     print(f"\n{'P':>3}{'V':>3}{'m':>4}{'measured s':>12}{'pred (alone)':>14}{'error':>8}"
-          f"{'pred (contended)':>18}{'error':>8}")
+          f"{'pred (P copies)':>17}{'error':>8}{'pred (run ops)':>16}{'error':>8}{'load':>6}")
     for r in rows:
         print(f"{r['P']:>3}{r['V']:>3}{r['m']:>4}{r['measured_s']:>12.3f}{r['predicted_alone_s']:>14.3f}"
-              f"{r['error_alone']:>+8.1%}{r['predicted_contended_s']:>18.3f}{r['error_contended']:>+8.1%}")
+              f"{r['error_alone']:>+8.1%}{r['predicted_contended_s']:>17.3f}{r['error_contended']:>+8.1%}"
+              f"{r['predicted_in_run_s']:>16.3f}{r['error_in_run']:>+8.1%}{r['load_avg_1min']:>6.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
