@@ -54,7 +54,10 @@ def measure_chunk_times(cfg: RunConfig, num_chunks: int, steps: int = 3, warmup:
     from k3train.trainer.state import autocast_for
     from pipeline import CommRecorder, PipelineEngine, PipelineLayout
 
+    from k3train import kernels
+
     device_name = pick_device(cfg.train.device)
+    kernels.apply(cfg, pipeline_gpu=device_name == "cuda")   # the kernels a pipeline run would use
     init_distributed(1, 1, 1, 1, device_name)      # megatron's (size-1) groups, as a P=1 run has
     device = torch.device("cuda", torch.cuda.current_device()) if device_name == "cuda" else torch.device("cpu")
     layout = PipelineLayout(cfg.model.num_layers, 1, num_chunks)
