@@ -73,3 +73,19 @@ def test_bad_costs_json(tmp_path):
     path.write_text(json.dumps({"standard": {"fwd_s": [1.0], "bwd_s": [1.0]}}))
     with pytest.raises(UsageError, match="needs fwd_s and bwd_s of 8 layers"):
         run_predict(cfg, tmp_path / "out.json", costs_path=str(path))
+
+
+def test_cli_predict_with_costs_and_link(tmp_path):
+    from k3train.cli import main
+
+    cfg = load_config("configs/k3_tiny.yaml", TINY)
+    costs = {v: flop_scaled_layer_costs(variant_config(cfg, v), 1e-9) for v in VARIANTS}
+    (tmp_path / "costs.json").write_text(json.dumps({"layer_costs": costs}))
+    out = tmp_path / "pred.json"
+    assert main(["profile-pipeline", "--predict", "--config", "configs/k3_tiny.yaml", "--json", str(out),
+                 "--costs", str(tmp_path / "costs.json"), "--k3-config", "", "--link-latency-us", "5",
+                 "--link-gbps", "2", *TINY]) == 0
+    report = json.loads(out.read_text())
+    assert report["link"] == pytest.approx({"latency_s": 5e-6, "bandwidth_Bps": 2e9}) and "k3_table" not in report
+    slow = predict_table(cfg, costs, LinkCost(latency_s=report["link"]["latency_s"], bandwidth_Bps=2e9))
+    assert report["table"] == json.loads(json.dumps(slow))
