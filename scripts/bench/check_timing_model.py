@@ -191,7 +191,7 @@ def main() -> None:
                    "chunk_bwd_ms_in_run": [x * 1e3 for x in in_run.bwd_s]}
             row["_in_run"], row["_msgs"] = in_run, msgs
             rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if not k.startswith("chunk")}), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if not k.startswith(("chunk", "_"))}), flush=True)
             print(f"  (P={P} took {time.perf_counter() - t0:.0f} s)", flush=True)
     print(f"\n{'P':>3}{'V':>3}{'m':>4}{'measured s':>12}{'pred (alone)':>14}{'error':>8}"
           f"{'pred (P copies)':>17}{'error':>8}{'pred (run ops)':>16}{'error':>8}{'load':>6}")
