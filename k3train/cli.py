@@ -78,6 +78,16 @@ def _cmd_profile_pipeline(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     prepare_cuda_env(cfg)
+    if args.predict:
+        from k3train.pipeline_predict import H200_LINK, run_predict
+        from pipeline.timing_model import LinkCost
+
+        link = LinkCost(latency_s=(args.link_latency_us * 1e-6 if args.link_latency_us is not None
+                                   else H200_LINK.latency_s),
+                        bandwidth_Bps=args.link_gbps * 1e9 if args.link_gbps else H200_LINK.bandwidth_Bps)
+        run_predict(cfg, args.json, costs_path=args.costs, k3_config=args.k3_config or None, link=link,
+                    steps=args.steps)
+        return 0
     from k3train.profile_pipeline import profile_pipeline
 
     profile_pipeline(cfg, args.json, steps=args.steps)
@@ -146,6 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--json", required=True, help="report path; the trace and Gantt PNG go beside it")
     p.add_argument("--steps", type=int, default=3, help="steps per transport (the last one is reported)")
+    p.add_argument("--predict", action="store_true",
+                   help="one process: measure per-layer times, print the timing model's table for "
+                        "P in 2,4,8,16, V in 1,2,4, m in 8,16,32 and K3's shapes (docs/pipeline_timing_model.md)")
+    p.add_argument("--costs", help="with --predict: per-layer times from this json (a report's layer_costs)")
+    p.add_argument("--k3-config", default="configs/k3_full.yaml",
+                   help="with --predict: the K3 shapes scaled by FLOPs ('' to skip)")
+    p.add_argument("--link-latency-us", type=float, help="with --predict: p2p latency (default 32, 2x H200)")
+    p.add_argument("--link-gbps", type=float, help="with --predict: p2p bandwidth GB/s (default 315, 2x H200)")
     p.set_defaults(fn=_cmd_profile_pipeline)
 
     p = sub.add_parser("sweep", help="run an ablation file's variants one after another; tabulate and plot")

@@ -1,0 +1,239 @@
+"""``k3train profile-pipeline --predict``: per-layer compute times measured on one process (or
+read from a json), replayed through ``pipeline.timing_model`` for many (P, V, m), plus K3's real
+shapes with the times scaled by FLOPs.
+
+    python -m k3train profile-pipeline --predict --config configs/k3_tiny.yaml --json OUT.json
+
+How the per-op costs are measured: the engine runs on one process with one layer per chunk
+(P = 1, V = L, ``CommRecorder`` spans), so chunk c's forward and backward time is layer c's
+(chunk 0 includes the embedding, the last chunk the head). A layout's chunk costs are the sums
+over its layers. Layer costs are measured per variant (standard residual, AttnRes + cache,
+AttnRes naive: the same chunk compute, so the naive variant only differs in its messages).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from k3train.config import RunConfig
+from k3train.errors import UsageError
+from k3train.flops import _attnres_sources, _kda_params, _mla_params, _moe_params, flops_breakdown
+from k3train.model.layout import expand_layer_pattern
+from k3train.model.model import K3Chunk, produced_blocks
+from pipeline.layout import split_layers
+from pipeline.timing_model import LinkCost, OpCosts, hop_messages, predict_step
+from pipeline.transport import build_plan
+
+VARIANTS = {"standard": (False, "cached"), "attnres_cached": (True, "cached"), "attnres_naive": (True, "naive")}
+GRID_P, GRID_V, GRID_M = (2, 4, 8, 16), (1, 2, 4), (8, 16, 32)
+# 2x H200 (NV18) p2p from docs/BENCHMARKS.md's sources: 197 GB/s at 16 MiB, 304 at 256 MiB, i.e.
+# t = 32 us + bytes / 315 GB/s through both points.
+H200_LINK = LinkCost(latency_s=32e-6, bandwidth_Bps=315e9)
+
+
+def variant_config(cfg: RunConfig, variant: str) -> RunConfig:
+    enabled, transport = VARIANTS[variant]
+    model = cfg.model.model_copy(update={"attnres": cfg.model.attnres.model_copy(update={"enabled": enabled})})
+    return cfg.model_copy(update={"model": model,
+                                  "pipeline": cfg.pipeline.model_copy(update={"attnres_transport": transport})})
+
+
+# ---- measuring ------------------------------------------------------------------------------
+def measure_chunk_times(cfg: RunConfig, num_chunks: int, steps: int = 3, warmup: int = 1,
+                        seed: int = 0) -> tuple[list[float], list[float]]:
+    """Median forward and backward time of each of ``num_chunks`` chunks (seconds, one
+    microbatch of ``train.micro_batch_size x train.seq_len`` tokens), timed by the engine's
+    ``CommRecorder`` on this one process (P = 1, V = num_chunks: the hops are local hand-overs).
+    ``train.microbatches`` microbatches per step; ``warmup`` untimed steps first."""
+    from k3train.distributed import init_distributed
+    from k3train.trainer.loop import pick_device
+    from k3train.trainer.state import autocast_for
+    from pipeline import CommRecorder, PipelineEngine, PipelineLayout
+
+    from k3train import kernels
+
+    device_name = pick_device(cfg.train.device)
+    kernels.apply(cfg, pipeline_gpu=device_name == "cuda")   # the kernels a pipeline run would use
+    init_distributed(1, 1, 1, 1, device_name)      # megatron's (size-1) groups, as a P=1 run has
+    device = torch.device("cuda", torch.cuda.current_device()) if device_name == "cuda" else torch.device("cpu")
+    layout = PipelineLayout(cfg.model.num_layers, 1, num_chunks)
+    ranges = [(r.start, r.stop) for r in map(layout.layer_range, range(num_chunks))]
+    torch.manual_seed(seed)
+    chunks = {c: K3Chunk(cfg, *ranges[c], first=c == 0, last=c == num_chunks - 1).to(device)
+              for c in range(num_chunks)}
+    recorder = CommRecorder()
+    engine = PipelineEngine(local_chunks=chunks, num_chunks=num_chunks,
+                            produced_blocks=produced_blocks(cfg, ranges),
+                            transport=cfg.pipeline.attnres_transport, recorder=recorder)
+    B, T, m = cfg.train.micro_batch_size, cfg.train.seq_len, cfg.train.microbatches
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(warmup + steps):
+        tokens = torch.randint(0, cfg.model.vocab_size, (m, B, T + 1), generator=gen).to(device)
+        with autocast_for(cfg, device):
+            engine.train_step([(t[:, :-1], t[:, 1:]) for t in tokens])
+        for ch in chunks.values():
+            ch.zero_grad(set_to_none=True)
+    spans = [s for s in recorder.compute if s.step >= warmup]
+    med = {k: [statistics.median(s.end - s.start for s in spans if s.kind == k and s.chunk == c)
+               for c in range(num_chunks)] for k in "FB"}
+    return med["F"], med["B"]
+
+
+def measure_layer_costs(cfg: RunConfig, steps: int = 3, progress=print) -> dict:
+    """Per-layer forward/backward seconds per variant: ``{variant: {"fwd_s": [L], "bwd_s": [L]}}``
+    (naive shares the cached variant's compute)."""
+    out = {}
+    for variant in ("standard", "attnres_cached"):
+        t0 = time.perf_counter()
+        f, b = measure_chunk_times(variant_config(cfg, variant), cfg.model.num_layers, steps)
+        out[variant] = {"fwd_s": f, "bwd_s": b}
+        progress(f"measured {variant}: {cfg.model.num_layers} layers, forward {sum(f) * 1e3:.1f} ms + backward "
+                 f"{sum(b) * 1e3:.1f} ms per microbatch ({time.perf_counter() - t0:.0f} s)")
+    out["attnres_naive"] = out["attnres_cached"]
+    return out
+
+
+# ---- FLOPs per layer ------------------------------------------------------------------------
+def layer_flops(cfg: RunConfig) -> tuple[list[float], float]:
+    """Training FLOPs per token of each layer (the terms of ``k3train.flops``), and of the head
+    (which also takes the final AttnRes depth attention)."""
+    m = cfg.model
+    kinds = expand_layer_pattern(m.layer_pattern, m.num_layers)
+    br = flops_breakdown(cfg)
+    n_k, n_m = kinds.count("K"), kinds.count("M")
+    mixer = {"K": 6.0 * _kda_params(cfg) + (br["kda_recurrence"] / n_k if n_k else 0.0),
+             "M": 6.0 * _mla_params(cfg) + (br["mla_attention"] / n_m if n_m else 0.0)}
+    sources = _attnres_sources(m.num_layers, m.attnres.block_size) if m.attnres.enabled else None
+    per_layer = []
+    for i, kind in enumerate(kinds):
+        ffn = 6.0 * (3 * m.hidden_size * m.ffn.intermediate_size if i < m.dense_layers else _moe_params(cfg))
+        depth = 12.0 * m.hidden_size * (sources[2 * i] + sources[2 * i + 1]) if sources else 0.0
+        per_layer.append(mixer[kind] + ffn + depth)
+    head = 6.0 * m.hidden_size * m.vocab_size + (12.0 * m.hidden_size * sources[-1] if sources else 0.0)
+    return per_layer, head
+
+
+def flop_scaled_layer_costs(cfg: RunConfig, seconds_per_flop: float) -> dict:
+    """Per-layer costs of ``cfg`` at a measured rate; backward = 2 x forward (FLOP counts)."""
+    tokens = cfg.train.seq_len * cfg.train.micro_batch_size
+    per_layer, head = layer_flops(cfg)
+    per_layer[-1] += head
+    total = [x * tokens * seconds_per_flop for x in per_layer]
+    return {"fwd_s": [t / 3 for t in total], "bwd_s": [2 * t / 3 for t in total]}
+
+
+def seconds_per_flop(cfg: RunConfig, layer_costs: dict) -> float:
+    tokens = cfg.train.seq_len * cfg.train.micro_batch_size
+    per_layer, head = layer_flops(cfg)
+    return (sum(layer_costs["fwd_s"]) + sum(layer_costs["bwd_s"])) / ((sum(per_layer) + head) * tokens)
+
+
+# ---- prediction -----------------------------------------------------------------------------
+def chunk_costs(layer_costs: dict, num_layers: int, num_chunks: int, **overheads) -> OpCosts:
+    counts = split_layers(num_layers, num_chunks)
+    f, b, start = [], [], 0
+    for n in counts:
+        f.append(sum(layer_costs["fwd_s"][start:start + n]))
+        b.append(sum(layer_costs["bwd_s"][start:start + n]))
+        start += n
+    return OpCosts(tuple(f), tuple(b), **overheads)
+
+
+def layout_messages(cfg: RunConfig, P: int, V: int, wire_bytes: int = 4):
+    """Per-hop messages of one microbatch: hidden and blocks are [B, T, D] at ``wire_bytes``."""
+    counts = split_layers(cfg.model.num_layers, P * V)
+    starts = [sum(counts[:c]) for c in range(P * V)]
+    ranges = [(s, s + n) for s, n in zip(starts, counts)]
+    plan = build_plan(produced_blocks(cfg, ranges), P, cfg.pipeline.attnres_transport)
+    d = cfg.train.micro_batch_size * cfg.train.seq_len * cfg.model.hidden_size * wire_bytes
+    return hop_messages(plan, d, d)
+
+
+def predict_variant(cfg: RunConfig, variant: str, layer_costs: dict, P: int, V: int, m: int,
+                    link: LinkCost, overlap_sends: bool = True, **overheads):
+    vcfg = variant_config(cfg, variant)
+    costs = chunk_costs(layer_costs, cfg.model.num_layers, P * V, **overheads)
+    return predict_step(P, V, m, costs, layout_messages(vcfg, P, V), link, overlap_sends)
+
+
+def predict_table(cfg: RunConfig, costs: dict, link: LinkCost, grid=(GRID_P, GRID_V, GRID_M),
+                  overlap_sends: bool = True) -> list[dict]:
+    """One row per (P, V, m) the layout allows: step ms per variant, bubble, AttnRes overhead."""
+    from pipeline.schedule import check_microbatches
+
+    rows = []
+    for P in grid[0]:
+        for V in grid[1]:
+            for m in grid[2]:
+                if P * V > cfg.model.num_layers:
+                    continue
+                try:
+                    check_microbatches(P, V, m)
+                except ValueError:
+                    continue
+                row = {"P": P, "V": V, "m": m}
+                for variant in VARIANTS:
+                    pred = predict_variant(cfg, variant, costs[variant], P, V, m, link, overlap_sends)
+                    row[f"{variant}_ms"] = pred.step_s * 1e3
+                    if variant == "standard":
+                        row["bubble"] = pred.bubble
+                row["attnres_cached_overhead"] = row["attnres_cached_ms"] / row["standard_ms"] - 1
+                row["attnres_naive_overhead"] = row["attnres_naive_ms"] / row["standard_ms"] - 1
+                rows.append(row)
+    return rows
+
+
+def format_table(rows: list[dict], title: str, unit: str = "ms") -> str:
+    scale = 1e-3 if unit == "s" else 1.0
+    lines = [title, f"{'P':>3}{'V':>3}{'m':>4}{'standard ' + unit:>13}{'cached ' + unit:>11}{'naive ' + unit:>10}"
+                    f"{'cached vs std':>15}{'naive vs std':>14}{'bubble':>8}"]
+    for r in rows:
+        lines.append(f"{r['P']:>3}{r['V']:>3}{r['m']:>4}{r['standard_ms'] * scale:>13.1f}"
+                     f"{r['attnres_cached_ms'] * scale:>11.1f}{r['attnres_naive_ms'] * scale:>10.1f}"
+                     f"{r['attnres_cached_overhead']:>+15.1%}{r['attnres_naive_overhead']:>+14.1%}{r['bubble']:>8.3f}")
+    return "\n".join(lines)
+
+
+def run_predict(cfg: RunConfig, json_path: str | Path, costs_path: str | None = None,
+                k3_config: str | None = "configs/k3_full.yaml", link: LinkCost = H200_LINK,
+                steps: int = 3) -> dict:
+    """Measure (or load) per-layer costs of ``cfg``, print and write the prediction tables."""
+    if costs_path:
+        costs = json.loads(Path(costs_path).read_text())
+        costs = costs.get("layer_costs", costs)     # a whole --predict report works too
+        bad = [v for v in VARIANTS if v not in costs or len(costs[v].get("fwd_s", ())) != cfg.model.num_layers]
+        if bad:
+            raise UsageError(f"{costs_path}: needs fwd_s and bwd_s of {cfg.model.num_layers} layers for "
+                              f"each of {list(VARIANTS)}; missing or wrong length: {bad}")
+        print(f"per-layer costs from {costs_path}")
+    else:
+        costs = measure_layer_costs(cfg, steps)
+    report = {"link": {"latency_s": link.latency_s, "bandwidth_Bps": link.bandwidth_Bps},
+              "layer_costs": costs, "measured_config": {"num_layers": cfg.model.num_layers,
+                                                         "hidden_size": cfg.model.hidden_size,
+                                                         "seq_len": cfg.train.seq_len,
+                                                         "micro_batch_size": cfg.train.micro_batch_size}}
+    report["table"] = predict_table(cfg, costs, link)
+    print(format_table(report["table"], f"predicted from measured per-layer costs "
+                                        f"(link {link.latency_s * 1e6:.0f} us + bytes / {link.bandwidth_Bps / 1e9:.0f} GB/s)"))
+    if k3_config:
+        from k3train.config import load_config
+
+        k3 = load_config(k3_config)
+        rates = {v: seconds_per_flop(variant_config(cfg, v), costs[v]) for v in VARIANTS}
+        k3_costs = {v: flop_scaled_layer_costs(variant_config(k3, v), rates[v]) for v in VARIANTS}
+        report["k3_rate_flops"] = {v: 1 / r for v, r in rates.items()}
+        report["k3_table"] = predict_table(k3, k3_costs, link, grid=((16,), (1, 2, 4), (16, 32, 64)))
+        print()
+        print(format_table(report["k3_table"], f"PREDICTED for {k3_config} (hidden {k3.model.hidden_size}, "
+                                               f"{k3.model.num_layers} layers, AttnRes blocks of "
+                                               f"{k3.model.attnres.block_size}), compute scaled by FLOPs at "
+                                               f"{1 / rates['standard'] / 1e12:.3g} TFLOP/s measured here", unit="s"))
+    Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(json_path).write_text(json.dumps(report, indent=1))
+    print(f"wrote {json_path}")
+    return report

@@ -1,0 +1,91 @@
+"""profile-pipeline --predict's inputs: per-layer FLOPs, chunk costs, messages, the json path."""
+import json
+
+import pytest
+
+from k3train.config import load_config
+from k3train.errors import UsageError
+from k3train.flops import flops_per_token
+from k3train.model.model import produced_blocks
+from k3train.pipeline_predict import (VARIANTS, chunk_costs, flop_scaled_layer_costs, layer_flops,
+                                      layout_messages, predict_table, run_predict, seconds_per_flop,
+                                      variant_config)
+from pipeline import build_plan, predicted_bytes
+from pipeline.timing_model import LinkCost
+
+TINY = ["train.seq_len=32", "train.micro_batch_size=2", "logging.wandb.mode=disabled"]
+
+
+@pytest.mark.parametrize("config", ["configs/k3_tiny.yaml", "configs/k3_mini.yaml", "configs/k3_full.yaml"])
+@pytest.mark.parametrize("attnres", [True, False])
+def test_layer_flops_sum_to_the_model(config, attnres):
+    cfg = load_config(config, [f"model.attnres.enabled={str(attnres).lower()}"])
+    per_layer, head = layer_flops(cfg)
+    assert len(per_layer) == cfg.model.num_layers
+    assert sum(per_layer) + head == pytest.approx(flops_per_token(cfg), rel=1e-12)
+
+
+def test_flop_scaling_and_chunk_sums():
+    cfg = load_config("configs/k3_tiny.yaml", TINY)
+    costs = flop_scaled_layer_costs(cfg, 1e-9)
+    assert seconds_per_flop(cfg, costs) == pytest.approx(1e-9)
+    for f, b in zip(costs["fwd_s"], costs["bwd_s"]):
+        assert b == pytest.approx(2 * f)
+    oc = chunk_costs(costs, 8, 3)                              # 3 + 3 + 2 layers
+    assert oc.fwd_s[0] == pytest.approx(sum(costs["fwd_s"][:3]))
+    assert oc.bwd_s[2] == pytest.approx(sum(costs["bwd_s"][6:]))
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_messages_are_the_engines_prediction(variant):
+    cfg = variant_config(load_config("configs/k3_tiny.yaml", TINY), variant)
+    msgs = layout_messages(cfg, 2, 2)
+    d = 2 * 32 * cfg.model.hidden_size * 4
+    ranges = [(0, 2), (2, 4), (4, 6), (6, 8)]
+    plan = build_plan(produced_blocks(cfg, ranges), 2, VARIANTS[variant][1])
+    assert sum(m.nbytes for m in msgs) == predicted_bytes(plan, d, d, 1)["total_fwd"]
+
+
+def test_predict_from_json(tmp_path, capsys):
+    cfg = load_config("configs/k3_tiny.yaml", TINY)
+    std = flop_scaled_layer_costs(variant_config(cfg, "standard"), 1e-9)
+    att = flop_scaled_layer_costs(variant_config(cfg, "attnres_cached"), 1e-9)
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"standard": std, "attnres_cached": att, "attnres_naive": att}))
+    report = run_predict(cfg, tmp_path / "out.json", costs_path=str(path), k3_config="configs/k3_full.yaml")
+    rows = {(r["P"], r["V"], r["m"]): r for r in report["table"]}
+    # 8 layers: P*V <= 8 only; P=4 V=2 needs m a multiple of 4 (8, 16, 32 all are).
+    assert (2, 4, 8) in rows and (4, 2, 8) in rows and (4, 4, 8) not in rows and (16, 1, 8) not in rows
+    # Same compute in both AttnRes variants: naive differs only by its larger messages.
+    for r in rows.values():
+        assert r["attnres_naive_ms"] >= r["attnres_cached_ms"] - 1e-9
+    assert all(r["P"] == 16 for r in report["k3_table"])
+    assert "PREDICTED" in capsys.readouterr().out
+    # The rows equal a direct call (the json only carried the costs).
+    again = predict_table(cfg, {"standard": std, "attnres_cached": att, "attnres_naive": att},
+                          LinkCost(latency_s=32e-6, bandwidth_Bps=315e9))
+    assert again == report["table"]
+
+
+def test_bad_costs_json(tmp_path):
+    cfg = load_config("configs/k3_tiny.yaml", TINY)
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"standard": {"fwd_s": [1.0], "bwd_s": [1.0]}}))
+    with pytest.raises(UsageError, match="needs fwd_s and bwd_s of 8 layers"):
+        run_predict(cfg, tmp_path / "out.json", costs_path=str(path))
+
+
+def test_cli_predict_with_costs_and_link(tmp_path):
+    from k3train.cli import main
+
+    cfg = load_config("configs/k3_tiny.yaml", TINY)
+    costs = {v: flop_scaled_layer_costs(variant_config(cfg, v), 1e-9) for v in VARIANTS}
+    (tmp_path / "costs.json").write_text(json.dumps({"layer_costs": costs}))
+    out = tmp_path / "pred.json"
+    assert main(["profile-pipeline", "--predict", "--config", "configs/k3_tiny.yaml", "--json", str(out),
+                 "--costs", str(tmp_path / "costs.json"), "--k3-config", "", "--link-latency-us", "5",
+                 "--link-gbps", "2", *TINY]) == 0
+    report = json.loads(out.read_text())
+    assert report["link"] == pytest.approx({"latency_s": 5e-6, "bandwidth_Bps": 2e9}) and "k3_table" not in report
+    slow = predict_table(cfg, costs, LinkCost(latency_s=report["link"]["latency_s"], bandwidth_Bps=2e9))
+    assert report["table"] == json.loads(json.dumps(slow))
