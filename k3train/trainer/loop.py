@@ -101,10 +101,10 @@ def _resume(state: TrainState, data, path: Path, layout: dict, run_dir: Path, ma
     manifest = verify_checkpoint(path, state.info.world_size, layout)
     try:
         if "tensors" in manifest:
-            step, data_state, notes = load_rank_state(state, path, manifest, layout, parallel_coords())
+            step, data_state, source, notes = load_rank_state(state, path, manifest, layout, parallel_coords())
         else:
             _, saved = load_checkpoint(path, layout=layout, coords=parallel_coords())
-            step, data_state, notes = state.load_state_dict(saved), saved["data"], []
+            step, data_state, source, notes = state.load_state_dict(saved), saved["data"], None, []
         data.train.load_state_dict(data_state)
     except (RuntimeError, KeyError, ValueError) as exc:  # shapes or keys of another model
         raise load_error(path, exc, run_dir) from None
@@ -115,7 +115,33 @@ def _resume(state: TrainState, data, path: Path, layout: dict, run_dir: Path, ma
         print(f"[k3train] resumed from {path} (step {step}){moved}")
         for note in notes:
             print(f"[k3train] note: {note}")
+        if source is not None and source != data_source(state.cfg):
+            print(f"[k3train] WARNING: {path} was trained on {source}; this run reads {data_source(state.cfg)}. "
+                  f"The optimizer, schedule and data position continue from step {step}; to start them "
+                  f"fresh on the new data, use train.init_from={path} in a new run directory")
     return step
+
+
+def data_source(cfg: RunConfig) -> str:
+    """What the run trains on, as recorded in its checkpoints."""
+    return f"data.source={cfg.data.source} (tokenizer {cfg.data.tokenizer})"
+
+
+def _init_from(state: TrainState, spec: str, main: bool) -> None:
+    """Start from the weights of checkpoint ``spec`` (any layout); nothing else is taken."""
+    from k3train.quant.export import resolve_checkpoint
+    from k3train.trainer.state_io import load_weights
+
+    spec_path = Path(spec)
+    path = resolve_checkpoint(spec_path / "checkpoints" if (spec_path / "checkpoints" / "latest").is_file() else spec_path)
+    manifest = verify_checkpoint(path, state.info.world_size, None)
+    if "tensors" not in manifest:
+        raise UsageError(f"train.init_from={spec}: {path} is a checkpoint of the older per-rank format; "
+                         f"resume it with its own layout once (it is then saved by global name) and use that")
+    load_weights(state.model, path, manifest, state.info.tp, state.parallel.tp_rank)
+    if main:
+        print(f"[k3train] fine-tuning: weights from {path} (step {manifest['step']}, layout "
+              f"{_layout_text(manifest['layout'])}); fresh optimizer, lr schedule and data position")
 
 
 def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, stop_at: int | None = None,
@@ -155,6 +181,10 @@ def _train(cfg: RunConfig, run_dir: str | Path, resume: bool, stop_at: int | Non
     start_step = 0
     if resume_from is not None:
         start_step = _resume(state, data, resume_from, layout, run_dir, main)
+        if cfg.train.init_from and main:
+            print(f"[k3train] train.init_from={cfg.train.init_from} ignored: resuming this run's own checkpoint")
+    elif cfg.train.init_from:
+        _init_from(state, cfg.train.init_from, main)
     if main:  # only now: a refused resume must leave the config its checkpoints were saved with
         save_config(cfg, run_dir / "config.yaml")
         kernels.write_resolved(run_dir, dev)
@@ -218,7 +248,7 @@ def _train(cfg: RunConfig, run_dir: str | Path, resume: bool, stop_at: int | Non
                         f"step {step}: the parameters hold inf or NaN values, so step {step} was not saved "
                         f"(it could not resume); lower optim.lr or inspect the data. "
                         f"{last_checkpoint_note(ckpt_dir, interval)}")
-                content, index = rank_state(state, step, data.train.state_dict())
+                content, index = rank_state(state, step, data.train.state_dict(), data_source(cfg))
                 save_checkpoint(ckpt_dir, step, content, layout=layout, keep_last=cfg.checkpoint.keep_last,
                                 coords=parallel_coords(), index=index)
             if signalled:

@@ -34,8 +34,9 @@ def _expert_names(state) -> set[str]:
     return {names[id(p)] for layer in state.moe_layers for p in layer.experts.parameters()}
 
 
-def rank_state(state, step: int, data_state: dict) -> tuple[dict, dict]:
+def rank_state(state, step: int, data_state: dict, data_source: str = "") -> tuple[dict, dict]:
     """(this rank's file content, its index {global name: piece json with "optim" keys}).
+    data_source names the training data (a resume on other data warns naming both).
     Collective (ZeRO-1 gathers its optimizer shards): every rank calls it."""
     ctx = state.parallel
     pieces = local_pieces(state.model, state.info.tp, ctx.tp_rank)
@@ -56,7 +57,7 @@ def rank_state(state, step: int, data_state: dict) -> tuple[dict, dict]:
                "moe_loads": state.moe_stats.state_dict() if state.moe_stats is not None else None,
                "rng": torch.get_rng_state(),
                "cuda_rng": torch.cuda.get_rng_state() if state.device.type == "cuda" else None,
-               "data": data_state}
+               "data": data_state, "data_source": data_source}
     return content, index
 
 
@@ -75,8 +76,10 @@ def _source_file(manifest: dict, coords: dict, keys: tuple[str, ...]) -> str | N
     return None
 
 
-def load_rank_state(state, path: Path, manifest: dict, layout: dict, coords: dict) -> tuple[int, dict, list[str]]:
-    """Fill ``state`` (a TrainState) from ``path``; returns (step, data state, notes for the log).
+def load_rank_state(state, path: Path, manifest: dict, layout: dict,
+                    coords: dict) -> tuple[int, dict, str | None, list[str]]:
+    """Fill ``state`` (a TrainState) from ``path``; returns (step, data state, the data source
+    it was trained on (None if unrecorded), notes for the log).
 
     Weights and optimizer come from the pieces, whatever layout wrote them. The RNG state comes
     from the same rank when the layout is unchanged, else from rank 0. The data position counts
@@ -113,4 +116,36 @@ def load_rank_state(state, path: Path, manifest: dict, layout: dict, coords: dic
             notes.append("the expert-load statistics restart (the pipeline split changed)")
     if "data" not in own:
         raise CheckpointError(f"checkpoint {path} has no data position in its rank files")
-    return int(manifest["step"]), own["data"], notes
+    return int(manifest["step"]), own["data"], own.get("data_source"), notes
+
+
+def consolidated_state(path: Path, optimizer: bool = True) -> dict:
+    """The whole model of checkpoint ``path`` (any layout) as one process holds it:
+    ``{"step", "model": {global name: tensor}, "optim": {global name: {key: tensor}}}``
+    (``optim`` empty with ``optimizer=False``). Verifies every checksum first.
+
+    A checkpoint of the older per-rank format is read only when one process wrote it."""
+    from k3train.trainer.checkpoint import verify_checkpoint
+
+    path = Path(path)
+    manifest = verify_checkpoint(path, 1, None) if "tensors" in _peek(path) else None
+    if manifest is None:
+        manifest = verify_checkpoint(path, 1)  # raises naming the world size it was written by
+        state = torch.load(path / "rank_00000.pt", map_location="cpu", weights_only=False)
+        model = {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
+        return {"step": manifest["step"], "model": model, "optim": {}}
+    reader = PieceReader(path, manifest["tensors"])
+    model = {g: reader.full(g) for g in manifest["tensors"]}
+    optim = ({g: {k: reader.full(g, "optim", k) for k in e.get("optim", [])}
+              for g, e in manifest["tensors"].items() if e.get("optim")} if optimizer else {})
+    return {"step": manifest["step"], "model": model, "optim": optim}
+
+
+def _peek(path: Path) -> dict:
+    """The manifest's JSON without checks (``verify_checkpoint`` does those)."""
+    import json
+
+    try:
+        return json.loads((path / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return {}
