@@ -164,7 +164,8 @@ def _final_recall_accuracy(cfg: RunConfig, run_dir: Path) -> float | None:
     from k3train.data.mqar import mqar_val_batches, recall_accuracy
     from k3train.distributed import init_distributed
     from k3train.model.model import build_model
-    from k3train.trainer.checkpoint import latest_checkpoint, load_checkpoint
+    from k3train.trainer.checkpoint import latest_checkpoint
+    from k3train.trainer.state_io import consolidated_state
 
     p = cfg.parallel
     if (p.tp, p.pp, p.ep) != (1, 1, 1):
@@ -174,8 +175,7 @@ def _final_recall_accuracy(cfg: RunConfig, run_dir: Path) -> float | None:
         return None
     init_distributed(p.tp, p.pp, p.vpp, p.ep)
     model = build_model(cfg)
-    _, state = load_checkpoint(ckpt)
-    model.load_state_dict(state["model"])
+    model.load_state_dict(consolidated_state(ckpt, optimizer=False)["model"], strict=False)  # not megatron's _extra_state
     t = cfg.train
     return recall_accuracy(model, mqar_val_batches(cfg.data.mqar, t.seq_len, t.micro_batch_size, t.eval_batches),
                            cfg.data.mqar, device=torch.device("cpu"))

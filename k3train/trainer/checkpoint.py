@@ -1,8 +1,10 @@
 """Atomic, verified checkpoints.
 
 Layout of a run directory's ``checkpoints/``:
-    step_00000100/rank_00000.pt ...   one file per rank (its model shard, optimizer, data and RNG state)
-    step_00000100/manifest.json       step, world layout, sha256 and size of every rank file
+    step_00000100/rank_00000.pt ...   one file per rank (its pieces of the model and optimizer,
+                                      its data and RNG state; ``k3train.trainer.state_io``)
+    step_00000100/manifest.json       step, world layout, sha256 and size of every rank file, and
+                                      the index of every tensor's pieces by global name
     latest                            text file naming the newest complete step directory
 
 A save writes into ``.tmp-step_...``, fsyncs, renames the directory into place, and only then

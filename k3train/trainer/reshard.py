@@ -145,6 +145,7 @@ class PieceReader:
         """This rank's slice (``piece``, ``length`` along its dim) of global tensor ``name``."""
         full = self.full(name, section, key)
         if tuple(full.shape) != piece.global_shape:
-            raise CheckpointError(f"checkpoint {self.path} holds {name} with shape {list(full.shape)}, this "
-                                  f"model has {list(piece.global_shape)}: it was saved from another model")
+            # torch's own wording: the trainer turns it into its one-line "does not fit" refusal.
+            raise ValueError(f"size mismatch for {name}: the checkpoint holds {list(full.shape)}, "
+                             f"this model has {list(piece.global_shape)}")
         return full if piece.dim is None else full.narrow(piece.dim, piece.offset, length)

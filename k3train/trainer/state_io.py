@@ -64,9 +64,13 @@ def rank_state(state, step: int, data_state: dict, data_source: str = "") -> tup
 def load_weights(model, path: Path, manifest: dict, tp: int, tp_rank: int) -> None:
     """Copy every tensor of ``model`` (this rank's part, any layout) from checkpoint ``path``."""
     reader = PieceReader(path, manifest["tensors"])
-    with torch.no_grad():
-        for g, (t, piece) in local_pieces(model, tp, tp_rank).items():
-            t.copy_(reader.local(g, piece, _length(t, piece)))
+    try:
+        with torch.no_grad():
+            for g, (t, piece) in local_pieces(model, tp, tp_rank).items():
+                t.copy_(reader.local(g, piece, _length(t, piece)))
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint {path} does not fit this model ({exc}); use the config it was "
+                              f"trained with (config.yaml of its run directory)") from None
 
 
 def _source_file(manifest: dict, coords: dict, keys: tuple[str, ...]) -> str | None:
