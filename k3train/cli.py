@@ -184,6 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="overrides, e.g. parallel.tp=2")
     p.set_defaults(fn=_cmd_eval)
 
+    from k3train.infer.cli_args import add_parser as add_generate
+
+    add_generate(sub)
+
     p = sub.add_parser("env", help="k3train's version and commit, dependency versions against the tested "
                                    "ranges, CUDA/Triton, and the kernel backend of each op family")
     p.add_argument("--config", help="show the kernel backends this run config picks (default: the defaults)")
