@@ -129,7 +129,8 @@ class CachedMLA(nn.Module):
 class CachedModel(nn.Module):
     """The one-process model (a ``K3Chunk`` holding every layer) with cached mixers.
 
-    forward: tokens ``[B, T]`` continuing the cached ones -> logits ``[B, T, vocab]``."""
+    The mixers are swapped in place (no weight copies): from then on ``model`` itself runs the
+    cached forward. forward: tokens ``[B, T]`` continuing the cached ones -> logits ``[B, T, vocab]``."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
