@@ -85,3 +85,27 @@ def _export_matches(tmp_path, model):
     for name, t in model.items():
         if name not in meta["quantized"]:  # stored in bf16; the quantised ones are test_quant_recipes'
             assert torch.equal(loaded[name], t.to(torch.bfloat16)), name
+
+
+def _eval_rank(rank, world_size, ckpt, overrides, out):
+    from k3train.evaluate import evaluate_checkpoint
+
+    result = evaluate_checkpoint(ckpt, overrides=overrides, batches=4, progress=False)
+    if rank == 0:
+        out.write_text(json.dumps(result))
+
+
+@pytest.mark.slow
+def test_eval_under_tensor_and_data_parallel_equals_one_process(tmp_path):
+    """A one-process checkpoint evaluated by two gloo ranks at TP=2, and at DP=2, gives the
+    one-process loss (fp32)."""
+    from k3train.evaluate import evaluate_checkpoint
+
+    _launch(1, tmp_path / "run", [], stop_at=2)
+    ckpt = tmp_path / "run" / "checkpoints"
+    want = evaluate_checkpoint(ckpt, batches=4, progress=False)
+    for overrides in (["parallel.tp=2"], []):
+        out = tmp_path / f"eval-{len(overrides)}.json"
+        run_multiprocess(_eval_rank, 2, ckpt, overrides, out)
+        got = json.loads(out.read_text())
+        assert got["batches"] == 4 and got["loss"] == pytest.approx(want["loss"], rel=1e-5), overrides
