@@ -72,6 +72,16 @@ def _cmd_export(args) -> int:
     return 0
 
 
+def _cmd_eval(args) -> int:
+    from k3train.evaluate import evaluate_checkpoint, format_result
+
+    result = evaluate_checkpoint(args.checkpoint, config=args.config, overrides=args.overrides,
+                                 data=args.data, batches=args.batches)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(format_result(result))
+    return 0
+
+
 def _cmd_profile_pipeline(args) -> int:
     from k3train.config import load_config
     from k3train.cuda_env import prepare_cuda_env
@@ -190,6 +200,21 @@ def build_parser() -> argparse.ArgumentParser:
     hf_commands.add_export_args(p)
     p.set_defaults(fn=_cmd_export)
     hf_commands.add_import_parser(sub)
+
+    p = sub.add_parser("eval", help="a checkpoint's loss, perplexity and bits per byte on a dataset's "
+                                    "validation split (any layout; parallel.*=... overrides, torchrun)")
+    p.add_argument("--checkpoint", required=True,
+                   help="a step_XXXXXXXX directory, or a run's checkpoints/ directory (uses 'latest')")
+    p.add_argument("--data", help="data.source to evaluate on (default: the run's)")
+    p.add_argument("--batches", type=int, default=0,
+                   help="validation batches of train.micro_batch_size windows (default 0: the whole split)")
+    p.add_argument("--config", help="run config (default: config.yaml of the checkpoint's run directory)")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="overrides, e.g. parallel.tp=2")
+    p.set_defaults(fn=_cmd_eval)
+
+    from k3train.infer.cli_args import add_parser as add_generate
+
+    add_generate(sub)
 
     p = sub.add_parser("env", help="k3train's version and commit, dependency versions against the tested "
                                    "ranges, CUDA/Triton, and the kernel backend of each op family")

@@ -207,7 +207,8 @@ def _final_recall_accuracy(cfg: RunConfig, run_dir: Path) -> float | None:
     from k3train.data.mqar import mqar_val_batches, recall_accuracy
     from k3train.distributed import init_distributed
     from k3train.model.model import build_model
-    from k3train.trainer.checkpoint import latest_checkpoint, load_checkpoint
+    from k3train.trainer.checkpoint import latest_checkpoint
+    from k3train.trainer.state_io import consolidated_state
 
     p = cfg.parallel
     if (p.tp, p.pp, p.ep) != (1, 1, 1):
@@ -221,8 +222,10 @@ def _final_recall_accuracy(cfg: RunConfig, run_dir: Path) -> float | None:
     # on the run's device: on CPU the naive KDA recurrence makes this minutes for a dozen variants
     device = torch.device(pick_device(cfg.train.device))
     model = build_model(cfg)
-    _, state = load_checkpoint(ckpt)
-    model.load_state_dict(state["model"])
+    missing, unexpected = model.load_state_dict(consolidated_state(ckpt, optimizer=False)["model"], strict=False)
+    bad = [k for k in [*missing, *unexpected] if not k.endswith("_extra_state")]  # megatron's, never saved
+    if bad:
+        raise RunDirError(f"{ckpt} does not hold this variant's model (e.g. {bad[:3]}); rerun it with another --out")
     model.to(device)
     t = cfg.train
     return recall_accuracy(model, mqar_val_batches(cfg.data.mqar, t.seq_len, t.micro_batch_size, t.eval_batches),

@@ -236,6 +236,11 @@ class TrainConfig(_Strict):
     FFN. Default none: on one H200, k3_mini (eager) peaked at 40.5 GiB with none and 14.3/14.1 GiB
     with selective/full, at 23%/27% fewer tokens/s (docs/BENCHMARKS.md#activation-recompute-k3_mini-one-h200);
     turn it on when activations do not fit, not by default."""
+    init_from: Union[str, None] = None
+    """Fine-tuning: a checkpoint (a step directory, or a checkpoints/ or run directory) whose
+    weights start this run, whatever parallel layout wrote it. Weights only: the optimizer,
+    the lr schedule and the data position start fresh (docs/checkpoints.md). Ignored when
+    --resume finds a checkpoint of this run (that one already holds the fine-tuned weights)."""
 
 
 class OptimConfig(_Strict):

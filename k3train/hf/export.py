@@ -201,8 +201,8 @@ def _write_tokenizer(cfg: RunConfig, out: Path) -> None:
 
 def export_hf_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
                          config: str | os.PathLike | None = None, **kwargs) -> Path:
-    """``export_hf`` from a one-process k3train checkpoint (step dir or checkpoints/ dir)."""
-    from k3train.quant.export import read_single_process_checkpoint
+    """``export_hf`` from a k3train checkpoint of any layout (step dir or checkpoints/ dir)."""
+    from k3train.quant.export import read_checkpoint_weights
 
-    state, cfg, _, _ = read_single_process_checkpoint(checkpoint, config)
+    state, cfg, _, _ = read_checkpoint_weights(checkpoint, config)
     return export_hf(state, cfg, out_dir, **kwargs)

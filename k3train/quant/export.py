@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from k3train.errors import CheckpointError, UsageError
 from k3train.config import RunConfig, load_config
-from k3train.config.schema import PrecisionConfig
+from k3train.config.schema import ParallelConfig, PrecisionConfig
 from k3train.quant.mx import dequantize_mx, pack_fp4, quantize_mx, unpack_fp4
 
 FORMAT, ELEM, BLOCK = "mxfp4-packed", "e2m1", 32
@@ -75,7 +75,8 @@ def quantized_params(cfg: RunConfig) -> dict[str, int]:
         raise UsageError(f"mxfp4-packed export needs a checkpoint trained with precision.recipe=mxfp4_qat "
                          f"(or bf16/fp32, quantised after training); this one used {cfg.precision.recipe}")
     precision = PrecisionConfig(recipe="mxfp4_qat", scope=cfg.precision.scope)
-    cfg = cfg.model_copy(update={"precision": precision,
+    # The one-process model: export works on the consolidated tensors whatever layout trained them.
+    cfg = cfg.model_copy(update={"precision": precision, "parallel": ParallelConfig(),
                                  "train": cfg.train.model_copy(update={"device": "cpu"})})
     with _model_parallel_groups(), torch.device("meta"):
         model = build_model(cfg)
@@ -91,31 +92,26 @@ def quantized_params(cfg: RunConfig) -> dict[str, int]:
     return out
 
 
-def read_single_process_checkpoint(checkpoint: str | os.PathLike, config: str | os.PathLike | None = None,
-                                   ) -> tuple[dict, RunConfig, Path, dict]:
-    """(model state dict, run config, step dir, manifest) of a verified world-size-1 checkpoint;
-    the config defaults to the run directory's config.yaml."""
-    from k3train.trainer.checkpoint import verify_checkpoint
+def read_checkpoint_weights(checkpoint: str | os.PathLike, config: str | os.PathLike | None = None,
+                            ) -> tuple[dict, RunConfig, Path, Path]:
+    """(the one-process model's state dict, run config, step dir, config path) of a checkpoint of
+    any parallel layout (its pieces assembled by global name); the config defaults to the run
+    directory's config.yaml."""
+    from k3train.trainer.state_io import consolidated_state
 
     step_dir = resolve_checkpoint(checkpoint)
-    world = json.loads((step_dir / "manifest.json").read_text())["world_size"]
-    if world != 1:
-        raise UsageError(f"{step_dir} was written by {world} ranks; export supports world-size-1 "
-                         f"checkpoints only (merge the shards first)")
-    manifest = verify_checkpoint(step_dir, 1)
+    whole = consolidated_state(step_dir, optimizer=False)
     cfg_path = Path(config) if config is not None else step_dir.parent.parent / "config.yaml"
     if not cfg_path.is_file():
         raise CheckpointError(f"no run config at {cfg_path}; pass --config")
-    cfg = load_config(cfg_path)
-    state = torch.load(step_dir / "rank_00000.pt", map_location="cpu", weights_only=False)["model"]
-    return state, cfg, step_dir, manifest
+    return whole["model"], load_config(cfg_path), step_dir, cfg_path
 
 
 def export_mxfp4(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
                  config: str | os.PathLike | None = None) -> Path:
-    """Write ``out_dir`` (atomically: temp dir + rename) from a world-size-1 checkpoint."""
-    state, cfg, step_dir, manifest = read_single_process_checkpoint(checkpoint, config)
-    cfg_path = Path(config) if config is not None else step_dir.parent.parent / "config.yaml"
+    """Write ``out_dir`` (atomically: temp dir + rename) from a checkpoint of any parallel
+    layout (its pieces are assembled into the one-process model's tensors)."""
+    state, cfg, step_dir, cfg_path = read_checkpoint_weights(checkpoint, config)
     axes = quantized_params(cfg)
     missing = sorted(set(axes) - set(state))
     if missing:
@@ -147,7 +143,7 @@ def export_mxfp4(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": FORMAT})
     meta = {"format": FORMAT, "element_format": ELEM, "scale_format": "e8m0", "block_size": BLOCK,
             "nibble_order": "element 2k in the low nibble of byte k", "source": str(step_dir),
-            "step": manifest["step"], "trained_recipe": cfg.precision.recipe, "quantized": entries}
+            "step": whole["step"], "trained_recipe": cfg.precision.recipe, "quantized": entries}
     (tmp / "export.json").write_text(json.dumps(meta, indent=1))
     for f in tmp.iterdir():
         with open(f, "rb") as fh:

@@ -1,8 +1,10 @@
 """Atomic, verified checkpoints.
 
 Layout of a run directory's ``checkpoints/``:
-    step_00000100/rank_00000.pt ...   one file per rank (its model shard, optimizer, data and RNG state)
-    step_00000100/manifest.json       step, world layout, sha256 and size of every rank file
+    step_00000100/rank_00000.pt ...   one file per rank (its pieces of the model and optimizer,
+                                      its data and RNG state; ``k3train.trainer.state_io``)
+    step_00000100/manifest.json       step, world layout, sha256 and size of every rank file, and
+                                      the index of every tensor's pieces by global name
     latest                            text file naming the newest complete step directory
 
 A save writes into ``.tmp-step_...``, fsyncs, renames the directory into place, and only then
@@ -90,10 +92,14 @@ def _save_failed(ckpt_dir: Path, step: int, where: Path, exc: OSError, needed: i
 
 
 def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, state: dict[str, Any], layout: dict,
-                    keep_last: int = 2, coords: dict | None = None) -> Path:
+                    keep_last: int = 2, coords: dict | None = None, index: dict | None = None) -> Path:
     """Collective: every rank passes its own ``state`` (and its parallel ``coords``, recorded
     in the manifest so a run with another data-parallel size can find its source rank);
     returns the final directory.
+
+    index: this rank's pieces by global tensor name (``k3train.trainer.state_io.rank_state``);
+    given on every rank, the manifest merges them into ``tensors`` (global name -> shape and the
+    file, dim, offset and length of each piece), which lets any layout load the checkpoint.
 
     An OSError on any rank (a full disk, most often) removes the temporary directory and
     raises CheckpointError on every rank, naming the path and the bytes needed: the ranks
@@ -144,6 +150,9 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, state: dict[str, Any
             raise CheckpointError(f"expected {len(all_coords)} rank files in {tmp}, found {len(files)}")
         manifest = {"step": step, "world_size": len(all_coords), "layout": layout, "files": files,
                     "coords": {str(r): c for r, c in enumerate(all_coords) if c is not None}}
+        if index is not None:
+            manifest.update(format=state["format"], optim_step=state["optim_step"],
+                            tensors=_merge_index(all_index))
         _write_atomic_text(tmp / "manifest.json", json.dumps(manifest, indent=1))
         _fsync_dir(tmp)
         if final.exists():  # an earlier save of the same step (e.g. after a resume) is replaced whole
@@ -156,9 +165,23 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, state: dict[str, Any
     stage(prepare)
     stage(write_rank_file)
     all_coords = _gather(coords)
+    all_index = _gather(index)
     faults.maybe_slow_save(step)
     stage(publish)
     return final
+
+
+def _merge_index(per_rank: list[dict]) -> dict:
+    """Every rank's {global name: piece} as {global name: {"shape", "optim", "pieces": [...]}}."""
+    out: dict = {}
+    for rank, index in enumerate(per_rank):
+        for name, p in sorted(index.items()):
+            entry = out.setdefault(name, {"shape": p["shape"], "optim": p.get("optim", []), "pieces": []})
+            entry["pieces"].append({"file": f"rank_{rank:05d}.pt", "dim": p["dim"], "offset": p["offset"],
+                                    "length": p["length"]})
+    for entry in out.values():
+        entry["pieces"].sort(key=lambda p: p["offset"])
+    return out
 
 
 def _prune(ckpt_dir: Path, keep_last: int, step: int) -> None:
@@ -225,7 +248,8 @@ def _check_manifest(manifest: Any, path: Path, manifest_file: Path) -> None:
 def verify_checkpoint(path: Path, world_size: int, layout: dict | None = None) -> dict:
     """Check the manifest (world size and, if given, the parallel layout) and every checksum;
     return the manifest or raise naming the bad file or the mismatch. A layout that differs in
-    the data-parallel size alone (ZeRO-1 off) is accepted: see ``load_checkpoint``."""
+    the data-parallel size alone (ZeRO-1 off) is accepted: see ``load_checkpoint``. A checkpoint
+    stored by global tensor name (its manifest has ``tensors``) is accepted under any layout."""
     manifest_file = path / "manifest.json"
     if not manifest_file.is_file():
         raise CheckpointError(f"checkpoint {path} has no manifest.json: it is incomplete")
@@ -235,7 +259,9 @@ def verify_checkpoint(path: Path, world_size: int, layout: dict | None = None) -
         raise CheckpointError(f"{manifest_file} is not valid JSON ({exc})") from None
     _check_manifest(manifest, path, manifest_file)
     saved = manifest["layout"]
-    if layout is None:
+    if "tensors" in manifest:
+        pass  # stored by global name: any layout loads it (k3train.trainer.state_io)
+    elif layout is None:
         if manifest["world_size"] != world_size:
             raise CheckpointError(f"checkpoint {path} was written by {manifest['world_size']} ranks, "
                                   f"this run has {world_size}; resume with the same parallel layout")

@@ -18,7 +18,7 @@ from k3train.cuda_env import prepare_cuda_env
 from k3train.distributed import init_distributed
 from k3train.errors import TrainingStopped, UsageError
 from k3train.trainer import faults
-from k3train.trainer.checkpoint import load_checkpoint, save_checkpoint
+from k3train.trainer.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
 from k3train.trainer.data import build_data
 from k3train.trainer.guards import last_checkpoint_note, params_finite
 from k3train.flops import flops_per_token
@@ -27,6 +27,7 @@ from k3train.trainer.report import measure_peak_flops, write_end_of_run_plots
 from k3train.trainer.run_lock import RunDirLock
 from k3train.trainer.run_dir import decided_on_rank0, load_error, plan_run_dir
 from k3train.trainer.state import TrainState
+from k3train.trainer.state_io import load_rank_state, rank_state
 from k3train.trainer.stop import stop_agreed
 from optim import apply_lr, lr_factor
 
@@ -86,6 +87,63 @@ class _SignalGuard:
             signal.signal(sig, handler)
 
 
+_LAYOUT_SHOWN = ("tp", "pp", "vpp", "ep", "dp", "zero1")
+
+
+def _layout_text(layout: dict) -> str:
+    return " ".join(f"{k} {layout.get(k)}" for k in _LAYOUT_SHOWN)
+
+
+def _resume(state: TrainState, data, path: Path, layout: dict, run_dir: Path, main: bool) -> int:
+    """Load checkpoint ``path`` into ``state`` and ``data``; returns its step. A checkpoint stored
+    by global name loads under any layout; an older one (per-rank state dicts) only under its own
+    layout or another data-parallel size."""
+    manifest = verify_checkpoint(path, state.info.world_size, layout)
+    try:
+        if "tensors" in manifest:
+            step, data_state, source, notes = load_rank_state(state, path, manifest, layout, parallel_coords())
+        else:
+            _, saved = load_checkpoint(path, layout=layout, coords=parallel_coords())
+            step, data_state, source, notes = state.load_state_dict(saved), saved["data"], None, []
+        data.train.load_state_dict(data_state)
+    except (RuntimeError, KeyError, ValueError) as exc:  # shapes or keys of another model
+        raise load_error(path, exc, run_dir) from None
+    if main:
+        saved = manifest["layout"]
+        moved = "" if all(saved.get(k) == layout.get(k) for k in _LAYOUT_SHOWN) else (
+            f"; resharded from ({_layout_text(saved)}) to ({_layout_text(layout)})")
+        print(f"[k3train] resumed from {path} (step {step}){moved}")
+        for note in notes:
+            print(f"[k3train] note: {note}")
+        if source is not None and source != data_source(state.cfg):
+            print(f"[k3train] WARNING: {path} was trained on {source}; this run reads {data_source(state.cfg)}. "
+                  f"The optimizer, schedule and data position continue from step {step}; to start them "
+                  f"fresh on the new data, use train.init_from={path} in a new run directory")
+    return step
+
+
+def data_source(cfg: RunConfig) -> str:
+    """What the run trains on, as recorded in its checkpoints."""
+    return f"data.source={cfg.data.source} (tokenizer {cfg.data.tokenizer})"
+
+
+def _init_from(state: TrainState, spec: str, main: bool) -> None:
+    """Start from the weights of checkpoint ``spec`` (any layout); nothing else is taken."""
+    from k3train.quant.export import resolve_checkpoint
+    from k3train.trainer.state_io import load_weights
+
+    spec_path = Path(spec)
+    path = resolve_checkpoint(spec_path / "checkpoints" if (spec_path / "checkpoints" / "latest").is_file() else spec_path)
+    manifest = verify_checkpoint(path, state.info.world_size, None)
+    if "tensors" not in manifest:
+        raise UsageError(f"train.init_from={spec}: {path} is a checkpoint of the older per-rank format; "
+                         f"resume it with its own layout once (it is then saved by global name) and use that")
+    load_weights(state.model, path, manifest, state.info.tp, state.parallel.tp_rank)
+    if main:
+        print(f"[k3train] fine-tuning: weights from {path} (step {manifest['step']}, layout "
+              f"{_layout_text(manifest['layout'])}); fresh optimizer, lr schedule and data position")
+
+
 def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, stop_at: int | None = None,
           overwrite: bool = False) -> dict:
     """Run training; returns a summary dict. ``stop_at`` ends the run early after that step
@@ -122,14 +180,11 @@ def _train(cfg: RunConfig, run_dir: str | Path, resume: bool, stop_at: int | Non
     ckpt_dir = run_dir / "checkpoints"
     start_step = 0
     if resume_from is not None:
-        _, saved = load_checkpoint(resume_from, layout=layout, coords=parallel_coords())
-        try:
-            start_step = state.load_state_dict(saved)
-            data.train.load_state_dict(saved["data"])
-        except (RuntimeError, KeyError, ValueError) as exc:  # shapes or keys of another model
-            raise load_error(resume_from, exc, run_dir) from None
-        if main:
-            print(f"[k3train] resumed from {resume_from} (step {start_step})")
+        start_step = _resume(state, data, resume_from, layout, run_dir, main)
+        if cfg.train.init_from and main:
+            print(f"[k3train] train.init_from={cfg.train.init_from} ignored: resuming this run's own checkpoint")
+    elif cfg.train.init_from:
+        _init_from(state, cfg.train.init_from, main)
     if main:  # only now: a refused resume must leave the config its checkpoints were saved with
         save_config(cfg, run_dir / "config.yaml")
         kernels.write_resolved(run_dir, dev)
@@ -193,8 +248,9 @@ def _train(cfg: RunConfig, run_dir: str | Path, resume: bool, stop_at: int | Non
                         f"step {step}: the parameters hold inf or NaN values, so step {step} was not saved "
                         f"(it could not resume); lower optim.lr or inspect the data. "
                         f"{last_checkpoint_note(ckpt_dir, interval)}")
-                save_checkpoint(ckpt_dir, step, {**state.state_dict(step), "data": data.train.state_dict()},
-                                layout=layout, keep_last=cfg.checkpoint.keep_last, coords=parallel_coords())
+                content, index = rank_state(state, step, data.train.state_dict(), data_source(cfg))
+                save_checkpoint(ckpt_dir, step, content, layout=layout, keep_last=cfg.checkpoint.keep_last,
+                                coords=parallel_coords(), index=index)
             if signalled:
                 summary["stopped_by_signal"] = True
                 if main:

@@ -18,6 +18,7 @@ from k3train.quant.qat import mx_qat_linear
 from k3train.quant.recipes import validate_precision
 from k3train.quant.spec import MX_SPECS, MXLinear
 from k3train.trainer.checkpoint import latest_checkpoint
+from k3train.trainer.state_io import consolidated_state
 from k3train.trainer.loop import train
 from moe import GroupedExperts
 
@@ -166,7 +167,7 @@ def test_export_round_trip(tmp_path):
     assert _export_cli(["--checkpoint", str(run_dir / "checkpoints"), "--out", str(out)]) == 0
     meta = json.loads((out / "export.json").read_text())
     assert meta["block_size"] == 32 and meta["element_format"] == "e2m1"
-    ckpt = torch.load(latest_checkpoint(run_dir / "checkpoints") / "rank_00000.pt", weights_only=False)["model"]
+    ckpt = consolidated_state(latest_checkpoint(run_dir / "checkpoints"))["model"]
     loaded = load_mxfp4_export(out)
     expert_names = {f"layers.{i}.ffn.experts.{w}" for i in MOE_LAYERS for w in ("w_gate", "w_up", "w_down")}
     assert set(meta["quantized"]) == expert_names
@@ -179,7 +180,8 @@ def test_export_round_trip(tmp_path):
         bf16 += w.numel() * 2
     # The loaded weights are exactly what the QAT forward multiplies by.
     model = build_model(_cfg("precision.recipe=mxfp4_qat"))
-    model.load_state_dict(ckpt)
+    missing = model.load_state_dict(ckpt, strict=False).missing_keys
+    assert all(k.endswith("_extra_state") for k in missing), missing  # megatron's None entries
     for i in MOE_LAYERS:
         used = model.get_submodule(f"layers.{i}.ffn.experts")._weights()
         for w, tensor in zip(("w_gate", "w_up", "w_down"), used):
@@ -188,9 +190,3 @@ def test_export_round_trip(tmp_path):
         if isinstance(value, torch.Tensor) and name not in expert_names:
             assert torch.equal(loaded[name], value.to(torch.bfloat16)), name
     assert packed < bf16 / 3
-
-    manifest = latest_checkpoint(run_dir / "checkpoints") / "manifest.json"
-    m = json.loads(manifest.read_text())
-    manifest.write_text(json.dumps({**m, "world_size": 2}))
-    with pytest.raises(ValueError, match="world-size-1"):
-        _export_cli(["--checkpoint", str(manifest.parent), "--out", str(tmp_path / "x")])

@@ -53,8 +53,9 @@ def reference(tmp_path_factory):
 
 
 def _model(run):
-    state = torch.load(latest_checkpoint(run / "checkpoints") / "rank_00000.pt", weights_only=False)
-    return {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
+    from k3train.trainer.state_io import consolidated_state
+
+    return consolidated_state(latest_checkpoint(run / "checkpoints"))["model"]
 
 
 def _assert_matches(run, reference):

@@ -9,6 +9,7 @@ from k3train.cli import main as cli_main
 from k3train.config import load_config
 from k3train.trainer.checkpoint import CheckpointError, latest_checkpoint, verify_checkpoint
 from k3train.trainer.loop import train
+from k3train.trainer.state_io import consolidated_state
 
 SMALL = ["model.hidden_size=64", "model.num_layers=4", "model.kda.num_heads=2", "model.kda.head_dim=32",
          "model.mla.num_heads=2", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=32",
@@ -56,13 +57,15 @@ def test_resume_equals_uninterrupted_bit_for_bit(tmp_path, optim_name):
     # The load tracker is checkpointed: the running MaxVio continues instead of restarting.
     running = [[r["moe/maxvio_running"] for r in _records(d)] for d in (full, split)]
     assert running[0] == running[1]
-    a = torch.load(latest_checkpoint(full / "checkpoints") / "rank_00000.pt", weights_only=False)
-    b = torch.load(latest_checkpoint(split / "checkpoints") / "rank_00000.pt", weights_only=False)
-    assert a["model"].keys() == b["model"].keys()
+    a, b = (consolidated_state(latest_checkpoint(d / "checkpoints")) for d in (full, split))
+    assert a["model"].keys() == b["model"].keys() and a["optim"].keys() == b["optim"].keys()
     for name, value in a["model"].items():
-        if isinstance(value, torch.Tensor):  # megatron layers also store a None "_extra_state"
-            assert torch.equal(value, b["model"][name]), name
-    assert a["data"] == b["data"]
+        assert torch.equal(value, b["model"][name]), name
+    for name, moments in a["optim"].items():
+        assert all(torch.equal(v, b["optim"][name][k]) for k, v in moments.items()), name
+    data = [torch.load(latest_checkpoint(d / "checkpoints") / "rank_00000.pt", weights_only=False)["data"]
+            for d in (full, split)]
+    assert data[0] == data[1]
 
 
 def test_corrupted_checkpoint_is_refused(tmp_path):
@@ -76,12 +79,15 @@ def test_corrupted_checkpoint_is_refused(tmp_path):
         train(_cfg("train.steps=4"), tmp_path, resume=True)
 
 
-def test_resume_refuses_a_different_parallel_layout(tmp_path):
+def test_resume_refuses_a_different_parallel_layout_for_an_old_format_checkpoint(tmp_path):
+    """Checkpoints stored by global name reshard (tests/distributed/test_reshard.py); the older
+    per-rank format (no tensor index in the manifest) still only resumes under its own layout."""
     from k3train.trainer.checkpoint import CheckpointError
 
     train(_cfg("train.steps=2"), tmp_path)
     manifest = latest_checkpoint(tmp_path / "checkpoints") / "manifest.json"
     data = json.loads(manifest.read_text())
+    del data["tensors"]  # the older format
     data["layout"]["pp"] = 2  # as if the run had been launched with parallel.pp=2
     manifest.write_text(json.dumps(data))
     with pytest.raises(CheckpointError, match=r"different parallel layout: pp=2 \(now 1\)"):

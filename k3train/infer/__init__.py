@@ -1,0 +1,1 @@
+"""Inference: the cached incremental forward (``cache``) and sampling (``generate``)."""

@@ -1,0 +1,155 @@
+"""A rank's training state in and out of a checkpoint, keyed by global tensor names.
+
+``rank_state`` is what one rank writes (its pieces of the model and optimizer, stored once
+across replicas; its RNG, data position and expert loads) and the piece index the manifest
+merges; ``load_rank_state`` fills a ``TrainState`` of any parallel layout from any
+checkpoint written this way (``k3train.trainer.reshard`` assembles the pieces). See
+docs/checkpoints.md.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from k3train.errors import CheckpointError
+from k3train.trainer.optim_state import load_per_param_state, per_param_state
+from k3train.trainer.reshard import PieceReader, global_names, local_pieces, writes_piece
+
+FORMAT = "k3train.global/1"
+
+
+def _length(t: torch.Tensor, piece) -> int:
+    return t.shape[piece.dim] if piece.dim is not None else 0
+
+
+def _param_names(model) -> dict[int, str]:
+    """{id(parameter): global name} for this rank's parameters."""
+    names = global_names(model)
+    return {id(p): names[n] for n, p in model.named_parameters()}
+
+
+def _expert_names(state) -> set[str]:
+    names = _param_names(state.model)
+    return {names[id(p)] for layer in state.moe_layers for p in layer.experts.parameters()}
+
+
+def rank_state(state, step: int, data_state: dict, data_source: str = "") -> tuple[dict, dict]:
+    """(this rank's file content, its index {global name: piece json with "optim" keys}).
+    data_source names the training data (a resume on other data warns naming both).
+    Collective (ZeRO-1 gathers its optimizer shards): every rank calls it."""
+    ctx = state.parallel
+    pieces = local_pieces(state.model, state.info.tp, ctx.tp_rank)
+    optim, optim_step = per_param_state(state.optimizer)
+    by_name = {g: optim[i] for i, g in _param_names(state.model).items() if i in optim}
+    experts = _expert_names(state)
+    tensors, moments, index = {}, {}, {}
+    for g, (t, piece) in pieces.items():
+        if not writes_piece(piece, g in experts, ctx):
+            continue
+        tensors[g] = t.cpu()
+        entry = piece.as_json(_length(t, piece))
+        if g in by_name:
+            moments[g] = {k: v.cpu() for k, v in by_name[g].items()}
+            entry["optim"] = sorted(moments[g])
+        index[g] = entry
+    content = {"format": FORMAT, "step": step, "tensors": tensors, "optim": moments, "optim_step": optim_step,
+               "moe_loads": state.moe_stats.state_dict() if state.moe_stats is not None else None,
+               "rng": torch.get_rng_state(),
+               "cuda_rng": torch.cuda.get_rng_state() if state.device.type == "cuda" else None,
+               "data": data_state, "data_source": data_source}
+    return content, index
+
+
+def load_weights(model, path: Path, manifest: dict, tp: int, tp_rank: int) -> None:
+    """Copy every tensor of ``model`` (this rank's part, any layout) from checkpoint ``path``."""
+    reader = PieceReader(path, manifest["tensors"])
+    try:
+        with torch.no_grad():
+            for g, (t, piece) in local_pieces(model, tp, tp_rank).items():
+                t.copy_(reader.local(g, piece, _length(t, piece)))
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint {path} does not fit this model ({exc}); use the config it was "
+                              f"trained with (config.yaml of its run directory)") from None
+
+
+def _source_file(manifest: dict, coords: dict, keys: tuple[str, ...]) -> str | None:
+    for rank, theirs in sorted(manifest.get("coords", {}).items(), key=lambda kv: int(kv[0])):
+        if all(theirs.get(k) == coords.get(k) for k in keys):
+            return f"rank_{int(rank):05d}.pt"
+    return None
+
+
+def load_rank_state(state, path: Path, manifest: dict, layout: dict,
+                    coords: dict) -> tuple[int, dict, str | None, list[str]]:
+    """Fill ``state`` (a TrainState) from ``path``; returns (step, data state, the data source
+    it was trained on (None if unrecorded), notes for the log).
+
+    Weights and optimizer come from the pieces, whatever layout wrote them. The RNG state comes
+    from the same rank when the layout is unchanged, else from rank 0. The data position counts
+    global windows, so any rank's is every rank's. Expert loads (metrics only) are kept when the
+    pipeline split is unchanged, else restarted (a note says so)."""
+    ctx = state.parallel
+    reader = PieceReader(path, manifest["tensors"])
+    pieces = local_pieces(state.model, state.info.tp, ctx.tp_rank)
+    with torch.no_grad():
+        for g, (t, piece) in pieces.items():
+            t.copy_(reader.local(g, piece, _length(t, piece)))
+    optim = {}
+    for pid, g in _param_names(state.model).items():
+        keys = manifest["tensors"].get(g, {}).get("optim", [])
+        t, piece = pieces[g]
+        if keys:
+            optim[pid] = {k: reader.local(g, piece, _length(t, piece), "optim", k) for k in keys}
+    load_per_param_state(state.optimizer, optim, int(manifest["optim_step"]))
+
+    saved_layout, notes = manifest["layout"], []
+    same = all(saved_layout.get(k) == layout.get(k) for k in ("tp", "pp", "vpp", "ep", "dp", "zero1"))
+    rank = state.info.rank
+    own = reader.file(f"rank_{rank:05d}.pt") if same else reader.file("rank_00000.pt")
+    torch.set_rng_state(own["rng"])
+    if own.get("cuda_rng") is not None and state.device.type == "cuda":
+        torch.cuda.set_rng_state(own["cuda_rng"])
+    if state.moe_stats is not None:
+        same_split = all(saved_layout.get(k) == layout.get(k) for k in ("pp", "vpp"))
+        src = _source_file(manifest, coords, ("pp",)) if same_split else None
+        loads = reader.file(src).get("moe_loads") if src else None
+        if loads is not None:
+            state.moe_stats.load_state_dict(loads)
+        elif saved_layout.get("pp") != layout.get("pp") or saved_layout.get("vpp") != layout.get("vpp"):
+            notes.append("the expert-load statistics restart (the pipeline split changed)")
+    if "data" not in own:
+        raise CheckpointError(f"checkpoint {path} has no data position in its rank files")
+    return int(manifest["step"]), own["data"], own.get("data_source"), notes
+
+
+def consolidated_state(path: Path, optimizer: bool = True) -> dict:
+    """The whole model of checkpoint ``path`` (any layout) as one process holds it:
+    ``{"step", "model": {global name: tensor}, "optim": {global name: {key: tensor}}}``
+    (``optim`` empty with ``optimizer=False``). Verifies every checksum first.
+
+    A checkpoint of the older per-rank format is read only when one process wrote it."""
+    from k3train.trainer.checkpoint import verify_checkpoint
+
+    path = Path(path)
+    manifest = verify_checkpoint(path, 1, None) if "tensors" in _peek(path) else None
+    if manifest is None:
+        manifest = verify_checkpoint(path, 1)  # raises naming the world size it was written by
+        state = torch.load(path / "rank_00000.pt", map_location="cpu", weights_only=False)
+        model = {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
+        return {"step": manifest["step"], "model": model, "optim": {}}
+    reader = PieceReader(path, manifest["tensors"])
+    model = {g: reader.full(g) for g in manifest["tensors"]}
+    optim = ({g: {k: reader.full(g, "optim", k) for k in e.get("optim", [])}
+              for g, e in manifest["tensors"].items() if e.get("optim")} if optimizer else {})
+    return {"step": manifest["step"], "model": model, "optim": optim}
+
+
+def _peek(path: Path) -> dict:
+    """The manifest's JSON without checks (``verify_checkpoint`` does those)."""
+    import json
+
+    try:
+        return json.loads((path / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return {}
