@@ -167,11 +167,21 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike,
     initialized = torch.distributed.is_initialized()
     info = init_distributed()
     try:
+        # the trainer's checkpoint format (tensors by global name), so that train.init_from and
+        # export read it like any other
+        from k3train.model.model import build_model
+        from k3train.trainer.state_io import weights_state
+
+        model = build_model(cfg)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        bad = [k for k in [*missing, *unexpected] if not k.endswith("_extra_state")]
+        if bad:
+            raise CheckpointError(f"{hf_dir} does not hold the model its config.json describes "
+                                  f"(e.g. {sorted(bad)[:3]})")
+        content, index = weights_state(model, 0, str(Path(hf_dir).resolve()))
         layout = {**info.__dict__, "zero1": cfg.optim.zero1}
         coords = {"pp": 0, "tp": 0, "ep": 0, "dp": 0}
-        step_dir = save_checkpoint(out / "checkpoints", 0, {"step": 0, "model": state, "weights_only": True,
-                                                            "source": str(Path(hf_dir).resolve())},
-                                   layout=layout, coords=coords)
+        step_dir = save_checkpoint(out / "checkpoints", 0, content, layout=layout, coords=coords, index=index)
     finally:
         if not initialized:
             shutdown_distributed()

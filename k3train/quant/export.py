@@ -143,7 +143,7 @@ def export_mxfp4(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": FORMAT})
     meta = {"format": FORMAT, "element_format": ELEM, "scale_format": "e8m0", "block_size": BLOCK,
             "nibble_order": "element 2k in the low nibble of byte k", "source": str(step_dir),
-            "step": whole["step"], "trained_recipe": cfg.precision.recipe, "quantized": entries}
+            "step": json.loads((step_dir / "manifest.json").read_text())["step"], "trained_recipe": cfg.precision.recipe, "quantized": entries}
     (tmp / "export.json").write_text(json.dumps(meta, indent=1))
     for f in tmp.iterdir():
         with open(f, "rb") as fh:

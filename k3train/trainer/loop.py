@@ -133,6 +133,9 @@ def _init_from(state: TrainState, spec: str, main: bool) -> None:
     from k3train.trainer.state_io import load_weights
 
     spec_path = Path(spec)
+    if (spec_path / "model.safetensors.index.json").is_file():
+        raise UsageError(f"train.init_from={spec} is a Hugging Face directory: run `k3train import {spec} "
+                         f"--out RUN_DIR` once, then use train.init_from=RUN_DIR")
     path = resolve_checkpoint(spec_path / "checkpoints" if (spec_path / "checkpoints" / "latest").is_file() else spec_path)
     manifest = verify_checkpoint(path, state.info.world_size, None)
     if "tensors" not in manifest:

@@ -61,6 +61,18 @@ def rank_state(state, step: int, data_state: dict, data_source: str = "") -> tup
     return content, index
 
 
+def weights_state(model, step: int = 0, source: str = "") -> tuple[dict, dict]:
+    """(file content, piece index) of a one-process ``model``'s weights alone, no optimizer or
+    data state: what ``k3train import`` writes for ``train.init_from``."""
+    tensors, index = {}, {}
+    for g, (t, piece) in local_pieces(model, 1, 0).items():
+        tensors[g] = t.detach().cpu()
+        index[g] = piece.as_json(_length(t, piece))
+    content = {"format": FORMAT, "step": step, "tensors": tensors, "optim": {}, "optim_step": None,
+               "moe_loads": None, "weights_only": True, "source": source}
+    return content, index
+
+
 def load_weights(model, path: Path, manifest: dict, tp: int, tp_rank: int) -> None:
     """Copy every tensor of ``model`` (this rank's part, any layout) from checkpoint ``path``."""
     reader = PieceReader(path, manifest["tensors"])

@@ -16,7 +16,7 @@ from k3train.errors import CheckpointError
 from k3train.hf.load import load_hf, merge_model_config
 from k3train.model.model import build_model
 from k3train.quant.mx import fake_quant_mx
-from k3train.trainer.checkpoint import load_checkpoint, save_checkpoint
+from k3train.trainer.checkpoint import save_checkpoint
 
 # 4 layers KKKM, layer 0 dense, AttnRes on, untied head; expert sizes divisible by 32 (MXFP4 blocks).
 TINY = ["model.hidden_size=64", "model.num_layers=4", "model.kda.num_heads=2", "model.kda.head_dim=32",
@@ -107,11 +107,21 @@ def test_import_writes_a_checkpoint_the_trainer_reads(tmp_path, world1):
     cfg, model, out = _export(tmp_path, world1)
     run = tmp_path / "imported"
     assert _cli("import", str(out), "--out", str(run)) == 0
-    _, saved = load_checkpoint(run / "checkpoints" / "step_00000000")
+    from k3train.trainer.checkpoint import verify_checkpoint
+    from k3train.trainer.state_io import consolidated_state, load_weights
+
+    step_dir = run / "checkpoints" / "step_00000000"
+    saved = consolidated_state(step_dir, optimizer=False)
     assert load_config(run / "config.yaml").model == cfg.model
     for name, value in model.state_dict().items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(saved["model"][name], value), name
+    # what train.init_from does: the pieces by global name into a freshly built model
+    fresh = build_model(cfg)
+    load_weights(fresh, step_dir, verify_checkpoint(step_dir, 1, None), 1, 0)
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b), name
     # ... and exporting the imported checkpoint again gives the same files' tensors.
     again = tmp_path / "hf2"
     assert _cli("export", "--checkpoint", str(run / "checkpoints"), "--format", "hf", "--out", str(again)) == 0
