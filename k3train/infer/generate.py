@@ -48,8 +48,11 @@ def load_model(checkpoint, config: str | None, overrides: list[str], device: str
 
     step_dir = resolve_checkpoint(checkpoint)
     cfg = eval_config(step_dir, config, list(overrides), None)
-    # One process holds the whole model; the dispatcher is the local one.
+    # One process holds the whole model; the dispatcher is the local one. The compiled pieces
+    # are shape-specialised (fullgraph, dynamic=False): a sequence that grows by one token per
+    # call would compile once per length and stop at Dynamo's recompile limit (seen on an H200).
     cfg = cfg.model_copy(update={"parallel": ParallelConfig(),
+                                 "kernels": cfg.kernels.model_copy(update={"compile": False}),
                                  "moe": cfg.moe.model_copy(update={"dispatcher": "local"}),
                                  "train": cfg.train.model_copy(update={"device": device})})
     manifest = verify_checkpoint(step_dir, 1, None)

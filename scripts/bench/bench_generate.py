@@ -79,7 +79,9 @@ def main() -> None:
     args = ap.parse_args()
     dev = args.device
     cfg = load_config(args.config, [*args.overrides, "parallel.tp=1", "parallel.pp=1", "parallel.ep=1",
-                                    "moe.dispatcher=local", f"train.device={dev}"])
+                                    "moe.dispatcher=local", f"train.device={dev}",
+                                    # as k3train generate runs: no per-length recompiles (infer/generate.py)
+                                    "kernels.compile=false"])
     apply_kernels(cfg)
     init_distributed()
     model = build_model(cfg).to(dev).eval()
