@@ -214,17 +214,27 @@ def check_cuda_graph() -> list[tuple[str, bool]]:
     grads = [g.clone() for g in captured[0]]
     dx, y_graph, dropped_graph = captured[1].clone(), static_y.clone(), int(captured[2])
 
-    moe.zero_grad(set_to_none=True)
-    xe = new_x.clone().requires_grad_(True)
-    with count_host_reads() as reads:
+    def eager():
+        moe.zero_grad(set_to_none=True)
+        xe = new_x.clone().requires_grad_(True)
         ye = moe(xe)
         ye.backward(static_g)
+        return ye, xe
+
+    eager()  # untimed and uncounted: a compile or recompile on this path reads the host itself
+    with count_host_reads() as reads:
+        ye, xe = eager()
     tol = dict(rtol=1e-2, atol=1e-2)
-    ok = (reads[0] == 0 and dropped_graph == int(moe.routing.last_dropped)
-          and torch.allclose(y_graph.float(), ye.float(), **tol) and torch.allclose(dx.float(), xe.grad.float(), **tol)
-          and all(torch.allclose(a.float(), p.grad.float(), **tol) for a, p in zip(grads, moe.parameters())))
-    return [(f"CUDA graph replay of a static LatentMoE fwd+bwd == eager (dropped {dropped_graph}, "
-             f"eager host reads {reads[0]})", ok)]
+    pairs = {"y": (y_graph, ye), "dx": (dx, xe.grad),
+             **{f"grad.{n}": (a, p.grad) for a, (n, p) in zip(grads, moe.named_parameters())}}
+    worst = {k: ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+             for k, (a, b) in pairs.items()}
+    bad = sorted((k for k, (a, b) in pairs.items() if not torch.allclose(a.float(), b.float(), **tol)),
+                 key=lambda k: -worst[k])
+    ok = reads[0] == 0 and dropped_graph == int(moe.routing.last_dropped) and not bad
+    why = f"; differ: {', '.join(f'{k} {worst[k]:.1e}' for k in bad[:4])}" if bad else ""
+    return [(f"CUDA graph replay of a static LatentMoE fwd+bwd == eager (dropped {dropped_graph} vs "
+             f"{int(moe.routing.last_dropped)}, eager host reads {reads[0]}{why})", ok)]
 
 
 def main() -> int:
