@@ -9,7 +9,7 @@ import yaml
 import k3train.trainer.loop as loop
 from k3train.cli import main as cli_main
 from k3train.config import ConfigError
-from k3train.sweep import load_sweep, run_sweep, variant_config
+from k3train.sweep import expand_seeds, load_sweep, run_sweep, variant_config
 from tests.k3train.test_train import SMALL
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -73,12 +73,19 @@ def test_named_variants_dry_run_and_errors(tmp_path, capsys):
         variant_config(s, s.variants[0])
 
 
-@pytest.mark.parametrize("name", ["attnres", "kda_ratio", "balancing", "optimizer", "precision", "mqar_recall"])
+SHIPPED = sorted(str(p.relative_to("configs/ablations").with_suffix("")) for p in Path("configs/ablations").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_ablation_files_resolve(name):
     sweep = load_sweep(f"configs/ablations/{name}.yaml")
     assert len(sweep.variants) >= 2
-    for v in sweep.variants:
+    for v in expand_seeds(sweep):
         variant_config(sweep, v)
+
+
+def test_the_shipped_list_holds_every_study():
+    assert {"attnres", "balancing", "gpu/attnres", "gpu/mqar", "gpu/optimizer"} <= set(SHIPPED)
 
 
 def test_rerun_with_other_settings_refuses_finished_variants(tmp_path, monkeypatch, capsys):
