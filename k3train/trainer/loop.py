@@ -134,8 +134,8 @@ def _init_from(state: TrainState, spec: str, main: bool) -> None:
 
     spec_path = Path(spec)
     if (spec_path / "model.safetensors.index.json").is_file():
-        raise UsageError(f"train.init_from={spec} is a Hugging Face directory: run `k3train import {spec} "
-                         f"--out RUN_DIR` once, then use train.init_from=RUN_DIR")
+        _init_from_hf(state, spec_path, main)
+        return
     path = resolve_checkpoint(spec_path / "checkpoints" if (spec_path / "checkpoints" / "latest").is_file() else spec_path)
     manifest = verify_checkpoint(path, state.info.world_size, None)
     if "tensors" not in manifest:
@@ -145,6 +145,26 @@ def _init_from(state: TrainState, spec: str, main: bool) -> None:
     if main:
         print(f"[k3train] fine-tuning: weights from {path} (step {manifest['step']}, layout "
               f"{_layout_text(manifest['layout'])}); fresh optimizer, lr schedule and data position")
+
+
+def _init_from_hf(state: TrainState, hf_dir: Path, main: bool) -> None:
+    """Start from the weights of a Hugging Face directory (``k3train export --format hf``): every
+    rank reads it and copies its own part. Its config.json must describe this run's model."""
+    from k3train.hf.load import load_hf, merge_model_config
+    from k3train.trainer.state_io import load_weights_from_tensors
+
+    model_cfg, tensors = load_hf(hf_dir, state.cfg)
+    theirs = merge_model_config(state.cfg, model_cfg)
+    if (theirs.model, theirs.moe) != (state.cfg.model, state.cfg.moe):
+        mine, other = state.cfg.model_dump(), theirs.model_dump()
+        diff = [f"{sec}.{k}: {other[sec][k]!r} there, {mine[sec][k]!r} here" for sec in ("model", "moe")
+                for k in mine[sec] if mine[sec][k] != other[sec][k]]
+        raise UsageError(f"train.init_from={hf_dir}: its config.json describes another model ({'; '.join(diff[:3])}); "
+                         f"`k3train import {hf_dir} --out RUN_DIR` writes its config.yaml to start from")
+    load_weights_from_tensors(state.model, tensors, state.info.tp, state.parallel.tp_rank, str(hf_dir))
+    if main:
+        print(f"[k3train] fine-tuning: weights from the Hugging Face directory {hf_dir}; fresh optimizer, "
+              f"lr schedule and data position")
 
 
 def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, stop_at: int | None = None,

@@ -85,6 +85,19 @@ def load_weights(model, path: Path, manifest: dict, tp: int, tp_rank: int) -> No
                               f"trained with (config.yaml of its run directory)") from None
 
 
+def load_weights_from_tensors(model, tensors: dict, tp: int, tp_rank: int, where: str) -> None:
+    """Copy every tensor of ``model`` (this rank's part, any layout) from ``tensors``, the whole
+    one-process model by global name (a Hugging Face import)."""
+    with torch.no_grad():
+        for g, (t, piece) in local_pieces(model, tp, tp_rank).items():
+            full = tensors.get(g)
+            if full is None or tuple(full.shape) != piece.global_shape:
+                have = "missing" if full is None else f"{list(full.shape)}"
+                raise CheckpointError(f"{where} does not fit this model: {g} is {have}, the model needs "
+                                      f"{list(piece.global_shape)}")
+            t.copy_(full if piece.dim is None else full.narrow(piece.dim, piece.offset, _length(t, piece)))
+
+
 def _source_file(manifest: dict, coords: dict, keys: tuple[str, ...]) -> str | None:
     for rank, theirs in sorted(manifest.get("coords", {}).items(), key=lambda kv: int(kv[0])):
         if all(theirs.get(k) == coords.get(k) for k in keys):

@@ -226,3 +226,24 @@ def test_export_copies_the_runs_tokenizer_files(tmp_path, world1):
     assert (meta["k3train_tokenizer_kind"], meta["k3train_tokenizer_hash"], meta["vocab_size"], meta["eos_token_id"]) \
         == ("hf", tok.files_hash, tok.vocab_size, tok.eod_id)
     assert load_tokenizer(str(out / "tokenizer.json")).files_hash == tok.files_hash
+
+
+@pytest.mark.slow
+def test_init_from_an_hf_directory_equals_init_from_its_import(tmp_path, world1):
+    """train.init_from=HF_DIR loads the same weights as importing it first: the first losses of
+    the two fine-tunes are equal (bitwise on CPU), and a model of other widths is refused in one
+    line naming the differing field."""
+    from k3train.errors import UsageError
+    from k3train.trainer.loop import train
+
+    cfg, _, out = _export(tmp_path, world1, "--dtype", "float32")
+    run = tmp_path / "imported"
+    assert _cli("import", str(out), "--out", str(run)) == 0
+    steps = ["train.steps=1", "train.log_interval=1", "train.eval_interval=100", "logging.progress_bar=false",
+             "logging.wandb.mode=disabled"]
+    a = train(_cfg(*steps, f"train.init_from={out}"), tmp_path / "a")
+    b = train(_cfg(*steps, f"train.init_from={run}"), tmp_path / "b")
+    fresh = train(_cfg(*steps), tmp_path / "c")
+    assert a["first_loss"] == b["first_loss"] != fresh["first_loss"]
+    with pytest.raises(UsageError, match=r"describes another model \(model\.hidden_size"):
+        train(_cfg(*steps, "model.hidden_size=48", f"train.init_from={out}"), tmp_path / "d")
