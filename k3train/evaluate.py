@@ -24,7 +24,10 @@ def bytes_per_token(cfg: RunConfig) -> float | None:
     """Text bytes per token of the run's tokenizer, when fixed: 1 for the byte tokenizer; None
     for a learned tokenizer (bits per byte then needs the text's byte count). The one place
     evaluation asks about the tokenizer."""
-    return 1.0 if cfg.data.tokenizer == "byte" else None
+    from k3train.trainer.data import run_tokenizer
+
+    # data.tokenizer unset means the dataset's own (byte for the built-in corpora)
+    return 1.0 if run_tokenizer(cfg).kind == "byte" else None
 
 
 def eval_config(checkpoint: Path, config: str | None, overrides: list[str], data: str | None) -> RunConfig:

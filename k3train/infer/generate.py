@@ -17,9 +17,9 @@ from k3train.errors import UsageError
 def text_codec(cfg):
     """(encode: str -> list[int], decode: list[int] -> str, vocabulary size) of the run's
     tokenizer: the one place generation asks about the tokenizer."""
-    from k3train.data import get_tokenizer
+    from k3train.trainer.data import run_tokenizer
 
-    tok = get_tokenizer(cfg.data.tokenizer)
+    tok = run_tokenizer(cfg)  # data.tokenizer, else what the dataset's meta file records, else byte
     return tok.encode, tok.decode, tok.vocab_size
 
 

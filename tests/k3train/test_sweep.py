@@ -36,7 +36,7 @@ def test_sweep_runs_tabulates_and_skips_finished_variants(tmp_path, monkeypatch)
     table = list(csv.DictReader(open(out / "results.csv")))
     assert [t["variant"] for t in table] == ["source-embedded", "source-mqar"] and "recall_acc" in table[0]
     md = (out / "results.md").read_text()
-    assert "| source-mqar | 6 |" in md and "best_val_loss" in md
+    assert "| source-mqar | 1234 | 6 | 768 |" in md and "best_val_loss" in md  # variant, seed, steps, tokens
     png = (out / "loss_curves.png").read_bytes()
     assert png[:8] == PNG and len(png) > 1000
     cfg = yaml.safe_load((out / "source-mqar" / "config.yaml").read_text())
