@@ -108,18 +108,6 @@ def _shards(tensors: dict[str, torch.Tensor], limit: int) -> list[dict[str, torc
     return shards
 
 
-def _replace_dir(tmp: Path, out: Path) -> None:
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    old = out.parent / f".old-{out.name}"
-    if out.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def export_hf(state: dict, cfg: RunConfig, out_dir: str | os.PathLike, *, shard_bytes: int = 5 * 10**9,
               dtype: str | None = None, mxfp4: bool = False, log=print) -> Path:
     """Write ``out_dir`` from our full (one-process) model state dict ``state`` and its config.
@@ -170,7 +158,9 @@ def export_hf(state: dict, cfg: RunConfig, out_dir: str | os.PathLike, *, shard_
     (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1, sort_keys=True))
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
     _write_tokenizer(cfg, tmp)
-    _replace_dir(tmp, out)
+    from k3train.quant.export import replace_dir
+
+    replace_dir(tmp, out)
     return out
 
 

@@ -143,8 +143,16 @@ def export_mxfp4(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": FORMAT})
     meta = {"format": FORMAT, "element_format": ELEM, "scale_format": "e8m0", "block_size": BLOCK,
             "nibble_order": "element 2k in the low nibble of byte k", "source": str(step_dir),
-            "step": json.loads((step_dir / "manifest.json").read_text())["step"], "trained_recipe": cfg.precision.recipe, "quantized": entries}
+            "step": json.loads((step_dir / "manifest.json").read_text())["step"],
+            "trained_recipe": cfg.precision.recipe, "quantized": entries}
     (tmp / "export.json").write_text(json.dumps(meta, indent=1))
+    replace_dir(tmp, out)
+    return out
+
+
+def replace_dir(tmp: Path, out: Path) -> None:
+    """Make the finished ``tmp`` directory ``out``: its files synced, then swapped in by renames,
+    so a reader sees the old export or the new one, never half of either."""
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
@@ -154,7 +162,6 @@ def export_mxfp4(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
         os.replace(out, old)
     os.replace(tmp, out)
     shutil.rmtree(old, ignore_errors=True)
-    return out
 
 
 def load_mxfp4_export(path: str | os.PathLike) -> dict[str, torch.Tensor]:
