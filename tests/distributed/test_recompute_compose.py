@@ -58,9 +58,14 @@ def _run(mode: str, overrides: list[str], rank: int):
     return loss, grads, [s["loss"] for s in stats], [p.detach().clone() for p in state.params]
 
 
-def _matches_none(rank, world_size, mode, overrides):
+def _matches_none(rank, world_size, modes, overrides):
+    """Each of ``modes`` against one ``none`` run of the same layout (one launch for all)."""
     ref = _run("none", overrides, rank)
-    got = _run(mode, overrides, rank)
+    for mode in modes:
+        _compare(rank, mode, _run(mode, overrides, rank), ref)
+
+
+def _compare(rank, mode, got, ref):
     torch.testing.assert_close(got[0], ref[0], **EXACT)
     assert len(got[1]) == len(ref[1]) > 0
     for i, (g, r) in enumerate(zip(got[1], ref[1])):
@@ -82,21 +87,19 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.slow   # 2-4 gloo processes, two models each
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.slow   # 2-4 gloo processes, three models each (none, then every mode)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_recompute_matches_none_at_the_same_layout(layout, mode):
+def test_recompute_matches_none_at_the_same_layout(layout):
     overrides, world = LAYOUTS[layout]
-    run_multiprocess(_matches_none, world, mode, overrides)
+    run_multiprocess(_matches_none, world, MODES, overrides)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("recipe", ["bf16", "fp32", "mxfp8", "mxfp4_qat"])
-def test_recompute_matches_none_under_each_cpu_recipe(world1, recipe, mode):
+def test_recompute_matches_none_under_each_cpu_recipe(world1, recipe):
     """One process; the MX recipes' fake quantisation is deterministic, so its recompute is too."""
     overrides = [f"precision.recipe={recipe}", "model.num_layers=4", "train.microbatches=2"]
-    _matches_none(0, 1, mode, overrides)
+    _matches_none(0, 1, MODES, overrides)
 
 
 def test_fp8_is_refused_on_cpu():
