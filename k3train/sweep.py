@@ -200,14 +200,15 @@ def _done_state(run_dir: Path, cfg: RunConfig) -> str:
 
 
 def _final_recall_accuracy(cfg: RunConfig, run_dir: Path) -> float | None:
-    """MQAR recall accuracy of the run's final checkpoint on its validation batches (one-process
-    layouts only: the single rank file then holds the whole model)."""
+    """MQAR recall accuracy of the run's final checkpoint on its validation batches, on the run's
+    device (one-process layouts only: the model is built here under the run's own layout)."""
     import torch
 
     from k3train.data.mqar import mqar_val_batches, recall_accuracy
     from k3train.distributed import init_distributed
     from k3train.model.model import build_model
     from k3train.trainer.checkpoint import latest_checkpoint
+    from k3train.trainer.loop import pick_device
     from k3train.trainer.state_io import consolidated_state
 
     p = cfg.parallel
@@ -216,8 +217,6 @@ def _final_recall_accuracy(cfg: RunConfig, run_dir: Path) -> float | None:
     ckpt = latest_checkpoint(run_dir / "checkpoints")
     if ckpt is None:
         return None
-    from k3train.trainer.loop import pick_device
-
     init_distributed(p.tp, p.pp, p.vpp, p.ep)
     # on the run's device: on CPU the naive KDA recurrence makes this minutes for a dozen variants
     device = torch.device(pick_device(cfg.train.device))
