@@ -6,19 +6,26 @@ mode adds to a step; used by the dispatcher tests and the dispatch benchmark.
 from __future__ import annotations
 
 import contextlib
+import traceback
 
 import torch
 
 
 @contextlib.contextmanager
 def count_host_reads():
-    """``with count_host_reads() as calls: ...`` then ``calls[0]`` is the number of reads."""
+    """``with count_host_reads() as calls: ...`` then ``calls[0]`` is the number of reads and
+    ``calls[1:]`` say where each was made (``file:line in function``, the innermost caller outside
+    torch), so a failing "no host read" check names the line to fix."""
     calls = [0]
     orig = torch.Tensor.tolist, torch.Tensor.item
 
     def wrap(fn):
         def inner(self, *a, **kw):
             calls[0] += 1
+            frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
+            if frames:
+                f = frames[-1]
+                calls.append(f"{f.filename}:{f.lineno} in {f.name}")
             return fn(self, *a, **kw)
         return inner
 

@@ -60,6 +60,8 @@ def main() -> int:
     ap.add_argument("--small", action="store_true", help="tiny widths (CPU dry run)")
     ap.add_argument("--autotune", default="full", choices=["full", "fixed"], help="kernels.autotune")
     ap.add_argument("--timeout", type=float, default=170.0, help="seconds before the run is killed")
+    ap.add_argument("--stacks", type=float, default=0.0, metavar="S",
+                    help="print every thread's Python stack in the run every S seconds (what a silent wait is)")
     ap.add_argument("--json")
     ap.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args = ap.parse_args()
@@ -68,7 +70,12 @@ def main() -> int:
     run_dir = tmp / "run"
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp / "triton"), TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"),
                TORCH_LOGS="recompiles", WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "k3train", "train", "--config", args.config, "--run-dir", str(run_dir),
+    launcher = [sys.executable, "-m", "k3train"]
+    if args.stacks > 0:  # faulthandler's periodic dump of all threads, in the run's own output
+        launcher = [sys.executable, "-c", "import faulthandler, runpy, sys; "
+                    f"faulthandler.dump_traceback_later({args.stacks}, repeat=True); "
+                    "sys.argv[0] = 'k3train'; runpy.run_module('k3train', run_name='__main__')"]
+    cmd = [*launcher, "train", "--config", args.config, "--run-dir", str(run_dir),
            *(SMALL if args.small else []), f"train.device={args.device}", "train.steps=3", "train.log_interval=1",
            "train.eval_interval=3", "train.eval_batches=1", "checkpoint.interval=0", "logging.progress_bar=false",
            "logging.wandb.mode=disabled", f"kernels.autotune={args.autotune}", *args.overrides]

@@ -233,6 +233,7 @@ def check_cuda_graph() -> list[tuple[str, bool]]:
                  key=lambda k: -worst[k])
     ok = reads[0] == 0 and dropped_graph == int(moe.routing.last_dropped) and not bad
     why = f"; differ: {', '.join(f'{k} {worst[k]:.1e}' for k in bad[:4])}" if bad else ""
+    why += f"; reads at {sorted(set(reads[1:]))}" if reads[0] else ""
     return [(f"CUDA graph replay of a static LatentMoE fwd+bwd == eager (dropped {dropped_graph} vs "
              f"{int(moe.routing.last_dropped)}, eager host reads {reads[0]}{why})", ok)]
 
