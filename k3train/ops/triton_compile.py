@@ -121,11 +121,20 @@ def _launches_compile_only(mode=None, names: dict | None = None):
     Autotuner, JITFunction = autotuner_mod.Autotuner, jit_mod.JITFunction
     jit_run, tuner_run = JITFunction.run, Autotuner.run
 
+    active = getattr(_triton()[2], "active_mode", None) if mode is not None else None
+
     def compile_only(self, *args, grid, warmup, **kwargs):
         before = len(mode.raw_futures) if names is not None else 0
+        # Triton's async mode is a ContextVar, set in the thread that entered it. The autograd
+        # engine runs CUDA backward in its own thread, where it is unset, so every backward
+        # kernel compiled synchronously, one candidate after another (issue 22: two minutes
+        # after the forward's compiles ended). Set it for this launch in whatever thread.
+        token = active.set(mode) if active is not None and active.get() is None else None
         try:
             return jit_run(self, *args, grid=grid, warmup=True, **kwargs)
         finally:
+            if token is not None:
+                active.reset(token)
             if names is not None:
                 for future in mode.raw_futures[before:]:
                     names[future] = kernel_label(self)

@@ -222,7 +222,9 @@ def check_cuda_graph() -> list[tuple[str, bool]]:
         return ye, xe
 
     eager()  # untimed and uncounted: a compile or recompile on this path reads the host itself
-    with count_host_reads() as reads:
+    # GPU-tensor reads only: the compiled pieces' generated code reads its CPU scalar arguments
+    # (.item() on a CPU tensor, no device sync; the capture above would have failed on a sync).
+    with count_host_reads(device_only=True) as reads:
         ye, xe = eager()
     tol = dict(rtol=1e-2, atol=1e-2)
     pairs = {"y": (y_graph, ye), "dx": (dx, xe.grad),

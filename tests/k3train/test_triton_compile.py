@@ -155,3 +155,35 @@ def test_autotuning_is_announced_once_per_kernel(capsys):
     label = triton_compile.kernel_label(tuned_kernel)
     assert label.endswith(".tuned_kernel")
     assert err.count(f"[k3train] autotuning {label} (3 configs) ...") == 1
+
+
+def test_launch_from_another_thread_compiles_in_the_pool(monkeypatch):
+    """The autograd engine runs CUDA backward in its own thread, where Triton's async-compile
+    mode (a ContextVar) is unset: the compile pass must submit those launches to its pool too,
+    not compile them one by one in that thread (issue 22), and leave the thread's state as it was."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    jit = pytest.importorskip("triton.runtime.jit")
+    async_compile = pytest.importorskip("triton.runtime._async_compile")
+    seen = []
+
+    def fake_run(self, *args, grid, warmup, **kwargs):
+        seen.append((threading.current_thread().name, warmup, async_compile.active_mode.get()))
+
+    monkeypatch.setattr(jit.JITFunction, "run", fake_run)
+    after = []
+
+    def backward_thread():
+        jit.JITFunction.run(object(), grid=(1,), warmup=False)
+        after.append(async_compile.active_mode.get())
+
+    with ThreadPoolExecutor(1) as pool:
+        mode = async_compile.AsyncCompileMode(pool)
+        with triton_compile._launches_compile_only(mode, {}), mode:
+            worker = threading.Thread(target=backward_thread, name="autograd")
+            worker.start()
+            worker.join()
+            jit.JITFunction.run(object(), grid=(1,), warmup=False)
+    assert seen == [("autograd", True, mode), ("MainThread", True, mode)]
+    assert after == [None]
