@@ -207,7 +207,8 @@ def muon_updates(
     h = heads or 1
     ortho = newton_schulz(u.view(-1, rows // h, cols), ns_steps,
                           out_scale=alpha * muon_scale(rows // h, cols))
-    return list(ortho.view(u.shape).unbind(0))
+    # reshape, not view: tall blocks come back transposed (non-contiguous) from newton_schulz
+    return list(ortho.reshape(u.shape).unbind(0))
 
 
 def apply_muon_updates(params: list[torch.Tensor], updates: list[torch.Tensor],

@@ -31,6 +31,7 @@ from k3train.distributed import init_distributed
 from k3train.infer.cache import CachedModel, cache_bytes_per_token
 from k3train.kernels import apply as apply_kernels
 from k3train.model.model import build_model
+from k3train.ops.triton_compile import compile_ahead
 
 
 def _sync(device):
@@ -90,9 +91,13 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, min(cfg.model.vocab_size, 256), (1, args.prompt_len), generator=gen).to(dev)
     # Uncached first: CachedModel swaps the model's mixers for their cached twins in place.
-    _uncached(model, prompt[:, :8], 2, dev)  # warm-up: kernels compile / autotune outside the timing
+    # Warm-ups outside the timing: every Triton kernel compiled at once first (on a fresh machine
+    # fla's kernels otherwise compile one by one, for minutes), then autotuned by a real run.
+    compile_ahead(lambda: _uncached(model, prompt[:, :8], 2, dev), label="the full forward")
+    _uncached(model, prompt[:, :8], 2, dev)
     ref, full_s = _uncached(model, prompt, args.new_tokens, dev)
     cached = CachedModel(model)
+    compile_ahead(lambda: _cached(cached, prompt[:, :8], 4, dev), label="cached decoding")
     _cached(cached, prompt[:, :8], 4, dev)
     got, prefill_s, decode_s = _cached(cached, prompt, args.new_tokens, dev)
     held = cached.cache_bytes()

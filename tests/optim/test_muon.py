@@ -80,6 +80,18 @@ def test_per_head_blocks():
         Muon([{"params": [("attn.q", w)], "heads": 3}], lr=0.1)
 
 
+def test_per_head_tall_blocks():
+    # Heads whose blocks are taller than wide (an MLA kv_b_proj [H * 256, 128]): Newton-Schulz
+    # iterates on the transpose and hands back a non-contiguous stack. This failed with "view
+    # size is not compatible" on the first GPU study that set a narrow kv_lora_rank.
+    torch.manual_seed(4)
+    g = torch.randn(4 * 24, 16)
+    kw = dict(momentum=0.0, nesterov=False, ns_steps=5)
+    per_head = muon_update(g, torch.zeros_like(g), heads=4, **kw)
+    expected = torch.cat([newton_schulz(blk) * 0.2 * math.sqrt(24) for blk in g.split(24, 0)])
+    torch.testing.assert_close(per_head, expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("shape", [(64, 64), (128, 32), (32, 256)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_update_rms_matches_adamw(shape):
     # With lr=1 and no weight decay the applied update is exactly the scaled NS output; its
