@@ -214,7 +214,15 @@ def _final_recall_accuracy(cfg: RunConfig, run_dir: Path) -> float | None:
     p = cfg.parallel
     if (p.tp, p.pp, p.ep) != (1, 1, 1):
         return None
-    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    saved = run_dir / "recall.json"  # computed once per final checkpoint: a re-tabulation (of
+    ckpt = latest_checkpoint(run_dir / "checkpoints")  # results brought back without checkpoints) reuses it
+    if saved.is_file():
+        try:
+            kept = json.loads(saved.read_text())
+            if ckpt is None or kept.get("checkpoint") == ckpt.name:
+                return kept["recall_acc"]
+        except (ValueError, KeyError, TypeError):
+            pass
     if ckpt is None:
         return None
     init_distributed(p.tp, p.pp, p.vpp, p.ep)
@@ -227,8 +235,10 @@ def _final_recall_accuracy(cfg: RunConfig, run_dir: Path) -> float | None:
         raise RunDirError(f"{ckpt} does not hold this variant's model (e.g. {bad[:3]}); rerun it with another --out")
     model.to(device)
     t = cfg.train
-    return recall_accuracy(model, mqar_val_batches(cfg.data.mqar, t.seq_len, t.micro_batch_size, t.eval_batches),
-                           cfg.data.mqar, device=device)
+    acc = recall_accuracy(model, mqar_val_batches(cfg.data.mqar, t.seq_len, t.micro_batch_size, t.eval_batches),
+                          cfg.data.mqar, device=device)
+    saved.write_text(json.dumps({"recall_acc": acc, "checkpoint": ckpt.name}) + "\n")
+    return acc
 
 
 def collect_result(name: str, cfg: RunConfig, run_dir: Path) -> tuple[dict, list[dict]]:

@@ -1,6 +1,7 @@
 """``k3train sweep``: a two-variant grid runs, tabulates and plots; a rerun skips finished
 variants; an unfinished variant resumes; the shipped ablation files resolve."""
 import csv
+import shutil
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,11 @@ def test_sweep_runs_tabulates_and_skips_finished_variants(tmp_path, monkeypatch)
     (out / "results.md").unlink()
     assert run_sweep(path, out) == rows  # same rows, recomputed from the run directories
     assert (out / "results.md").is_file()
+    # Results brought back from a GPU without their checkpoints: the recall computed once is kept.
+    shutil.rmtree(out / "source-mqar" / "checkpoints")
+    assert run_sweep(path, out) == rows
+    (out / "source-mqar" / "recall.json").unlink()
+    assert run_sweep(path, out)[1]["recall_acc"] is None  # nothing to compute it from, and no guess
 
     calls = []
     monkeypatch.setattr(loop, "train", lambda cfg, run_dir, resume=False: calls.append(resume) or {"steps": 6})
