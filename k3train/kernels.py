@@ -151,6 +151,12 @@ def autotune_mode() -> str:
     return _REGISTRY.settings().autotune
 
 
+def autotune_bench_ms() -> float:
+    """Timed window per candidate under ``full`` autotuning, ms (``kernels.autotune_bench_ms``;
+    0: Triton's default)."""
+    return _REGISTRY.settings().autotune_bench_ms
+
+
 def resolved(device: torch.device | str) -> dict:
     """Every family's backend on ``device``, the compile switch and the autotune mode, plus the
     config values and overrides they came from: what ``RUN_DIR/kernels.json`` records."""
@@ -159,6 +165,7 @@ def resolved(device: torch.device | str) -> dict:
     return {"device": torch.device(device).type,
             "families": {f: backend(f, device) for f in FAMILIES},
             "compile": compile_enabled(device), "autotune": s.autotune,
+            "autotune_bench_ms": s.autotune_bench_ms,
             "requested": s.model_dump(), "env_overrides": overrides}
 
 

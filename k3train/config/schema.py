@@ -362,6 +362,12 @@ class KernelsConfig(_Strict):
     """full: Triton's autotuners time every candidate (speed runs). fixed: one candidate per
     autotuned kernel, the one with the smallest tiles (correctness runs that should not wait for
     tuning; never for speed figures). ``K3TRAIN_AUTOTUNE`` overrides it."""
+    autotune_bench_ms: float = Field(default=25.0, ge=0.0)
+    """Under ``full``: how long each candidate is timed, in ms (its warm-up is a fifth of that),
+    where Triton's default is 100 ms after a 25 ms warm-up. Step 1 of a fresh run tunes about
+    25 kernels of 6-36 candidates each, and at the default that alone took 1-3 s per kernel;
+    25 ms still times a kernel of up to 1 ms at least 25 times and keeps the median. 0: Triton's
+    own window. A kernel that brings its own benchmark function keeps it."""
 
 
 class RunConfig(_Strict):

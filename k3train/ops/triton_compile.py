@@ -16,8 +16,9 @@ compiling before its first step.
   result is on disk (Triton's ``cache_results``, on in fla), only the chosen candidate compiles.
 * ``kernels.autotune=fixed`` (the run's config) keeps one candidate per autotuned kernel: the one with the
   smallest tiles, fewest stages and warps, which fits every shape's shared memory. For
-  correctness runs, where kernel speed does not matter. ``full`` (default) leaves autotuning
-  as fla's authors set it; use it for every speed figure.
+  correctness runs, where kernel speed does not matter. ``full`` (default) leaves the
+  candidates as fla's authors set them, each timed for ``kernels.autotune_bench_ms`` (25 ms,
+  not Triton's 125: that window was most of a fresh run's step 1); use it for every speed figure.
 
 Both are no-ops where Triton is not installed (CPU-only machines).
 """
@@ -78,11 +79,33 @@ def configure_autotune() -> str:
         if kernels.autotune_mode() == "fixed":
             return [smallest_config(configs)]
         announce_autotune(self, len(configs))
+        set_bench_window(self, kernels.autotune_bench_ms())
         return configs
 
     autotuner.prune_configs = prune_by_mode
     _state["configured"] = True
     return kernels.autotune_mode()
+
+
+def set_bench_window(tuner, ms: float) -> None:
+    """Time ``tuner``'s candidates for ``ms`` each (warm-up ``ms / 5``) instead of Triton's
+    25 + 100 ms, unless the kernel brought its own benchmark function or ``ms`` is 0.
+
+    Called right before the tuner benchmarks (from the pruning hook). The tuner reads its
+    benchmark function as ``self.do_bench`` (a cached property in Triton 3.x), so an entry in
+    the instance's dict takes its place."""
+    if ms <= 0 or getattr(tuner, "_do_bench", None) is not None:
+        return
+    current = tuner.__dict__.get("do_bench")
+    if getattr(current, "k3train_ms", None) == ms:
+        return
+    from triton import testing
+
+    def bench(kernel_call, quantiles):
+        return testing.do_bench(kernel_call, warmup=ms / 5, rep=ms, quantiles=quantiles)
+
+    bench.k3train_ms = ms
+    tuner.__dict__["do_bench"] = bench
 
 
 def kernel_label(jit_fn) -> str:

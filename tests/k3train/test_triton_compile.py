@@ -187,3 +187,38 @@ def test_launch_from_another_thread_compiles_in_the_pool(monkeypatch):
             jit.JITFunction.run(object(), grid=(1,), warmup=False)
     assert seen == [("autograd", True, mode), ("MainThread", True, mode)]
     assert after == [None]
+
+
+def test_full_autotuning_times_each_candidate_for_the_configured_window(monkeypatch):
+    """kernels.autotune_bench_ms replaces Triton's 25 + 100 ms per candidate (most of a fresh
+    run's step 1) with its window; 0 keeps Triton's benchmark, and a kernel's own is kept."""
+    triton = pytest.importorskip("triton")
+    from triton import testing
+    from k3train import kernels
+
+    configs = [triton.Config({"B": 16}), triton.Config({"B": 32})]
+
+    @triton.autotune(configs=configs, key=["n"])
+    @triton.jit
+    def windowed_kernel(x_ptr, n, B: "triton.language.constexpr"):
+        pass
+
+    own = lambda kernel_call, quantiles: 1.0  # noqa: E731
+    @triton.autotune(configs=configs, key=["n"], do_bench=own)
+    @triton.jit
+    def own_bench_kernel(x_ptr, n, B: "triton.language.constexpr"):
+        pass
+
+    calls = []
+    monkeypatch.setattr(testing, "do_bench", lambda fn, warmup, rep, quantiles: calls.append((warmup, rep, quantiles)))
+    triton_compile.configure_autotune()
+    with kernels.using(autotune="full", autotune_bench_ms=10.0):
+        windowed_kernel.prune_configs({})
+        own_bench_kernel.prune_configs({})
+    windowed_kernel.do_bench(lambda: None, quantiles=(0.5,))
+    assert calls == [(2.0, 10.0, (0.5,))]
+    assert own_bench_kernel.do_bench is own
+    windowed_kernel.__dict__.pop("do_bench")
+    with kernels.using(autotune="full", autotune_bench_ms=0.0):
+        windowed_kernel.prune_configs({})
+    assert "do_bench" not in windowed_kernel.__dict__  # Triton's own benchmark, untouched
