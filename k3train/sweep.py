@@ -352,6 +352,7 @@ def _train_in_subprocesses(path, out: Path, todo: list[Variant], extra, seeds, j
     logs.mkdir(parents=True, exist_ok=True)
     seed_args = ["--seeds", ",".join(map(str, seeds))] if seeds is not None else []
     pending, running, failed = list(todo), [], []
+    out_of_memory = 0
     while pending or running:
         while pending and len(running) < jobs:
             v = pending.pop(0)
@@ -366,10 +367,25 @@ def _train_in_subprocesses(path, out: Path, todo: list[Variant], extra, seeds, j
             item[2].close()
             if item[1].returncode != 0 or not (out / item[0].name / "DONE").is_file():
                 failed.append(item[0].name)
-                print(f"[sweep] {item[0].name}: failed (exit {item[1].returncode}); see {item[2].name}")
+                oom = _ran_out_of_memory(Path(item[2].name))
+                out_of_memory += oom
+                why = "; it ran out of GPU memory" if oom else ""
+                print(f"[sweep] {item[0].name}: failed (exit {item[1].returncode}{why}); see {item[2].name}")
     if failed:
-        raise RunDirError(f"sweep variants {failed} did not finish; their logs are in {logs}; rerun the "
+        hint = (f"; {out_of_memory} of them ran out of GPU memory with {jobs} jobs at once: rerun with a "
+                f"smaller --jobs" if out_of_memory else "")
+        raise RunDirError(f"sweep variants {failed} did not finish{hint}; their logs are in {logs}; rerun the "
                           f"sweep to resume them")
+
+
+def _ran_out_of_memory(log: Path) -> bool:
+    """Whether a variant's log ends in a device out-of-memory error (the usual failure of too
+    many ``--jobs`` on one GPU)."""
+    try:
+        tail = log.read_bytes()[-20000:].decode(errors="replace")
+    except OSError:
+        return False
+    return "OutOfMemoryError" in tail or "CUDA out of memory" in tail
 
 
 def run_sweep(path: str | Path, out: str | Path | None = None, extra: list[str] = (),

@@ -187,3 +187,26 @@ def test_jobs_train_in_subprocesses_with_the_results_of_one_process(tmp_path):
     assert [r["variant"] for r in one] == ["enabled-false"] and not (tmp_path / "one" / "enabled-true").exists()
     with pytest.raises(ConfigError, match="no such variant.*allowed"):
         run_sweep(path, tmp_path / "one", only="enabled-maybe")
+
+
+def test_jobs_that_run_out_of_gpu_memory_say_so(tmp_path, monkeypatch, capsys):
+    """Too many --jobs on one GPU fail with CUDA's out-of-memory error in each variant's log:
+    the sweep names that cause and the fix, not only "did not finish"."""
+    import subprocess
+
+    from k3train.errors import RunDirError
+
+    class OutOfMemory:  # a variant process that dies as CUDA's allocator makes it
+        def __init__(self, cmd, stdout, stderr):
+            stdout.write("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 32.00 MiB.\n")
+            stdout.flush()
+            self.returncode = 1
+
+        def poll(self):
+            return self.returncode
+
+    monkeypatch.setattr(subprocess, "Popen", OutOfMemory)
+    path = _ablation(tmp_path, overrides=[*SMALL, "train.steps=2"], grid={"model.attnres.enabled": [True, False]})
+    with pytest.raises(RunDirError, match="2 of them ran out of GPU memory with 2 jobs at once: rerun with a smaller --jobs"):
+        run_sweep(path, tmp_path / "out", jobs=2)
+    assert capsys.readouterr().out.count("it ran out of GPU memory") == 2
