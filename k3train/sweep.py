@@ -177,7 +177,9 @@ def variant_config(sweep: Sweep, variant: Variant, extra: list[str] = ()) -> Run
 
 
 # Sections that do not change what a variant trains: a rerun that only changes them reuses it.
-_KEY_IGNORES = ("logging", "checkpoint")
+# ``kernels`` picks implementations of the same math (and gains fields as kernels are added:
+# a new kernels field must not turn every finished study stale).
+_KEY_IGNORES = ("logging", "checkpoint", "kernels")
 
 
 def config_key(cfg: RunConfig) -> str:
