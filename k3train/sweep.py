@@ -216,8 +216,10 @@ def _final_recall_accuracy(cfg: RunConfig, run_dir: Path) -> float | None:
     p = cfg.parallel
     if (p.tp, p.pp, p.ep) != (1, 1, 1):
         return None
-    saved = run_dir / "recall.json"  # computed once per final checkpoint: a re-tabulation (of
-    ckpt = latest_checkpoint(run_dir / "checkpoints")  # results brought back without checkpoints) reuses it
+    # Computed once per final checkpoint and kept: a re-tabulation of results brought back
+    # without their checkpoints (from a GPU machine, say) reuses it.
+    saved = run_dir / "recall.json"
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
     if saved.is_file():
         try:
             kept = json.loads(saved.read_text())
