@@ -95,7 +95,9 @@ def generate_ids(cached, prompt: list[int], max_new_tokens: int, temperature: fl
 def run_generate(args) -> int:
     from k3train.distributed import init_distributed, shutdown_distributed
     from k3train.infer.cache import CachedModel
+    from k3train import kernels
     from k3train.kernels import apply as apply_kernels
+    from k3train.ops import triton_compile
     from k3train.trainer.loop import pick_device
 
     if args.max_new_tokens < 1:
@@ -112,7 +114,14 @@ def run_generate(args) -> int:
         prompt = encode(args.prompt)
         if not prompt:
             raise UsageError("--prompt is empty: give at least one character")
-        ids, timing = generate_ids(CachedModel(model), prompt, args.max_new_tokens, args.temperature,
+        cached = CachedModel(model)
+        if kernels.uses_triton(device):
+            # fla's kernels otherwise compile on first use, one after another (minutes on a
+            # fresh GPU machine): compile the prefill's and a decode step's at once, in a
+            # throwaway greedy pass (its outputs are garbage; generate_ids resets the cache).
+            triton_compile.compile_ahead(lambda: generate_ids(cached, prompt[:16], 2, 0.0, 1.0, 0, device, vocab),
+                                         label="generation")
+        ids, timing = generate_ids(cached, prompt, args.max_new_tokens, args.temperature,
                                    args.top_p, args.seed, device, vocab)
     finally:
         shutdown_distributed()

@@ -54,7 +54,7 @@ def test_top_p_keeps_the_smallest_prefix_reaching_the_mass():
 
 
 @pytest.mark.slow
-def test_generate_command_greedy_equals_argmax_of_full_forwards(tmp_path, capsys):
+def test_generate_command_greedy_equals_argmax_of_full_forwards(tmp_path, capsys, monkeypatch):
     """``k3train generate --temperature 0`` from a checkpoint: each new token is the argmax of a
     full (uncached) forward over everything so far."""
     from k3train.cli import main as cli_main
@@ -79,6 +79,17 @@ def test_generate_command_greedy_equals_argmax_of_full_forwards(tmp_path, capsys
         shutdown_distributed()
     want = bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")  # EOD (256) dropped
     assert text == want
+    # Where Triton kernels run, a compile-ahead pass (here with real arithmetic, as on CPU it
+    # is) goes first and must leave the generated text unchanged.
+    from k3train import kernels
+    from k3train.ops import triton_compile
+
+    passes = []
+    monkeypatch.setattr(kernels, "uses_triton", lambda device: True)
+    monkeypatch.setattr(triton_compile, "compile_ahead", lambda fn, label="": passes.append(fn()) or {})
+    assert cli_main(["generate", "--checkpoint", str(tmp_path / "checkpoints"), "--prompt", "The quick",
+                     "--max-new-tokens", "6", "--temperature", "0", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == want and len(passes) == 1 and len(passes[0][0]) == 2
     assert cli_main(["generate", "--checkpoint", str(tmp_path / "checkpoints"), "--prompt", "x",
                      "--top-p", "0"]) == 2
     assert "--top-p 0" in capsys.readouterr().err
