@@ -96,7 +96,6 @@ def run_generate(args) -> int:
     from k3train.distributed import init_distributed, shutdown_distributed
     from k3train.infer.cache import CachedModel
     from k3train import kernels
-    from k3train.kernels import apply as apply_kernels
     from k3train.ops import triton_compile
     from k3train.trainer.loop import pick_device
 
@@ -109,7 +108,7 @@ def run_generate(args) -> int:
     try:
         device = pick_device(args.device)
         model, cfg, step_dir = load_model(args.checkpoint, args.config, args.overrides, device)
-        apply_kernels(cfg)
+        kernels.apply(cfg)
         encode, decode, vocab = text_codec(cfg)
         prompt = encode(args.prompt)
         if not prompt:
