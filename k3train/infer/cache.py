@@ -30,7 +30,7 @@ from k3train.model.kda_layer import KimiDeltaAttention
 from k3train.model.mla import GatedMLA
 from k3train.ops import fla_kernel
 from k3train.ops.gated_norm import head_norm_gate_torch
-from k3train.ops.kda import kda
+from k3train.ops.kda import kda_gated_state
 from k3train.ops.kda.naive import naive_recurrent_kda
 from k3train.ops.short_conv import short_conv_silu_torch
 
@@ -73,19 +73,21 @@ class CachedKDA(nn.Module):
         v = self._conv("v", m.v_proj, m.v_conv, x)
         q = self._conv("q", m.q_proj, m.q_conv, x)
         k = self._conv("k", m.k_proj, m.k_conv, x)
-        ct = torch.promote_types(v.dtype, torch.float32)
-        q = F.normalize(q.to(ct), dim=-1).to(v.dtype)
-        k = F.normalize(k.to(ct), dim=-1).to(v.dtype)
         f = m.f_up(m.f_down(x)).view(shape)
-        g = m.lower_bound * torch.sigmoid(torch.exp(m.A_log.to(ct))[:, None] * (f.to(ct) + m.dt_bias.to(ct)))
-        beta = torch.sigmoid(m.b_proj(x).to(ct))
+        b = m.b_proj(x)
         state = self.cache.get("S")
         if state is None:
-            state = torch.zeros(B, m.num_heads, m.head_dim, m.head_dim, dtype=ct, device=x.device)
+            state = torch.zeros(B, m.num_heads, m.head_dim, m.head_dim, device=x.device,
+                                dtype=torch.promote_types(v.dtype, torch.float32))
         if T == 1:
-            o, state = _recurrent_kda(q, k, v, g, beta, state)
-        else:
-            o, state = kda(q, k, v, g, beta, initial_state=state, output_final_state=True)
+            ct = state.dtype  # fp32 at least; fp64 stays (tests)
+            q = F.normalize(q.to(ct), dim=-1).to(v.dtype)
+            k = F.normalize(k.to(ct), dim=-1).to(v.dtype)
+            g = m.lower_bound * torch.sigmoid(torch.exp(m.A_log.to(ct))[:, None] * (f.to(ct) + m.dt_bias.to(ct)))
+            o, state = _recurrent_kda(q, k, v, g, torch.sigmoid(b.to(ct)), state)
+        else:  # the training layer's own call (kda_gated), continued from the state
+            o, state = kda_gated_state(q, k, v, f, b, m.A_log, m.dt_bias, m.lower_bound,
+                                       initial_state=state, output_final_state=True)
         self.cache["S"] = state
         o = head_norm_gate_torch(o, m.o_norm_weight, m.g_proj(x).view(shape), m.eps)
         return m.o_proj(o.reshape(B, T, -1).to(x.dtype))

@@ -11,7 +11,7 @@ import torch
 
 from k3train.ops.attnres import attnres_backend, depth_mix, depth_mix_torch
 from k3train.ops.gated_norm import head_norm_gate
-from k3train.ops.kda import kda_backend, kda_gated, naive_recurrent_kda
+from k3train.ops.kda import kda_backend, kda_gated, kda_gated_state, naive_recurrent_kda
 from k3train.ops.short_conv import short_conv_silu
 
 F64 = dict(dtype=torch.float64)
@@ -42,6 +42,29 @@ def test_kda_gated_matches_oracle_with_gate_written_out():
                                  1 / (1 + torch.exp(-beta_logits)))
     torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
     assert (g > -5).all() and (g < 0).all()
+
+
+def test_kda_gated_state_continues_a_split_sequence():
+    """The cache's prefill call: two halves, the second from the first's state, equal the whole
+    sequence in one call, and the final state equals the oracle's."""
+    gen = torch.Generator().manual_seed(4)
+    B, T, H, K = 2, 11, 2, 4
+    q, k, v, f = (torch.randn(B, T, H, K, generator=gen, **F64) for _ in range(4))
+    b = torch.randn(B, T, H, generator=gen, **F64)
+    A_log, dt_bias = torch.randn(H, generator=gen, **F64), torch.randn(H, K, generator=gen, **F64)
+    whole, h_whole = kda_gated_state(q, k, v, f, b, A_log, dt_bias, -5.0, output_final_state=True)
+    torch.testing.assert_close(whole, kda_gated(q, k, v, f, b, A_log, dt_bias, -5.0), rtol=0, atol=0)
+    s = 5
+    o1, h1 = kda_gated_state(q[:, :s], k[:, :s], v[:, :s], f[:, :s], b[:, :s], A_log, dt_bias, -5.0,
+                             output_final_state=True)
+    o2, h2 = kda_gated_state(q[:, s:], k[:, s:], v[:, s:], f[:, s:], b[:, s:], A_log, dt_bias, -5.0,
+                             initial_state=h1, output_final_state=True)
+    torch.testing.assert_close(torch.cat([o1, o2], 1), whole, rtol=1e-10, atol=1e-10)
+    g = -5.0 * torch.sigmoid(torch.exp(A_log)[:, None] * (f + dt_bias))
+    _, h_ref = naive_recurrent_kda(q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True), v, g,
+                                   torch.sigmoid(b), output_final_state=True)
+    torch.testing.assert_close(h2, h_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(h_whole, h_ref, rtol=1e-10, atol=1e-10)
 
 
 def test_head_norm_gate_matches_per_head_loop():

@@ -14,7 +14,7 @@ from k3train.ops import fla_kernel
 from k3train.ops.kda.chunk import chunk_kda_torch
 from k3train.ops.kda.naive import naive_recurrent_kda
 
-__all__ = ["chunk_kda_torch", "kda", "kda_backend", "kda_gated", "naive_recurrent_kda"]
+__all__ = ["chunk_kda_torch", "kda", "kda_backend", "kda_gated", "kda_gated_state", "naive_recurrent_kda"]
 
 
 def _fla_chunk_kda(device):
@@ -111,20 +111,44 @@ def kda_gated(
     bounded gate lets it take its safe-gate path (``safe_gate=True``, 16-row tensor-core tiles),
     which is what fla's own layer does; elsewhere they run in torch (fp32 at least) first.
     """
+    return kda_gated_state(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound)[0]
+
+
+def kda_gated_state(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    f: torch.Tensor,
+    beta_logits: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lower_bound: float,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``kda_gated`` continuing from ``initial_state`` ``[B, H, K, V]`` (fp32), for the inference
+    cache's prefill: ``(o [B, T, H, V] in v.dtype, final_state [B, H, K, V] fp32 or None)``.
+
+    The cache prefills through the training layer's own call (same gate, same normalisation,
+    same kernel), so a prefill reproduces the full forward's KDA outputs instead of differing from
+    them by another kernel's rounding (fla's dots run in tf32 even on fp32 inputs: both of fla's
+    chunked paths were measured at about 1e-3 from an fp64 recurrence on an H200,
+    ``scripts/gpu_check_kda_cache.py``)."""
     fla_chunk_kda = _fla_chunk_kda(q.device)
     if fla_chunk_kda is not None:
         dt = v.dtype
-        o, _ = fla_chunk_kda(
+        return fla_chunk_kda(
             q.to(dt), k.to(dt), v, f, beta_logits.to(dt),
             A_log=A_log.float(), dt_bias=dt_bias.reshape(-1).float(),
+            initial_state=None if initial_state is None else initial_state.float(),
+            output_final_state=output_final_state,
             use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
             safe_gate=True, lower_bound=lower_bound,
         )
-        return o
     ct = torch.promote_types(v.dtype, torch.float32)  # fp32 at least; fp64 stays fp64 (tests)
     q = torch.nn.functional.normalize(q.to(ct), dim=-1).to(v.dtype)
     k = torch.nn.functional.normalize(k.to(ct), dim=-1).to(v.dtype)
     a = torch.exp(A_log.to(ct))[:, None]
     g = lower_bound * torch.sigmoid(a * (f.to(ct) + dt_bias.to(ct)))
-    o, _ = kda(q, k, v, g, torch.sigmoid(beta_logits.to(ct)))
-    return o
+    return kda(q, k, v, g, torch.sigmoid(beta_logits.to(ct)), initial_state=initial_state,
+               output_final_state=output_final_state)
