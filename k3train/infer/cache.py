@@ -6,8 +6,9 @@ everything fed since the last ``reset()``. What each layer keeps, per sequence:
 
 * KDA: the recurrent state ``S [B, H, K, V]`` (fp32 at least) and the last ``conv_size - 1``
   inputs of each of the q / k / v short convolutions ``[B, W-1, H*K]``. A prefill of T > 1
-  tokens runs the chunked KDA (fla's on CUDA) from the state; one token runs the recurrence
-  (fla's ``fused_recurrent_kda`` on CUDA, the naive one elsewhere).
+  tokens runs the training layer's own chunked call (``kda_gated_state``: fla's safe-gate
+  kernel on CUDA) from the state; one token runs the recurrence (fla's ``fused_recurrent_kda``
+  on CUDA, the naive one elsewhere).
 * gated MLA: the normalised latent ``c [B, S, kv_lora_rank]`` and the shared rope key
   ``k_r [B, S, rope]``; per-head keys and values are never formed. Decode is absorbed
   (MQA-mode): ``q_nope W_uk`` turns each head's query into the latent space, all heads score
