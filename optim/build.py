@@ -42,6 +42,14 @@ class CombinedOptimizer:
             opt.step()
         return loss
 
+    def warm_kernels(self) -> None:
+        """Each inner optimizer's ``warm_kernels`` where it has one (Muon): the next step's
+        Triton kernels launched on scratch tensors, for compile-ahead. Changes nothing."""
+        for opt in self.optimizers:
+            warm = getattr(opt, "warm_kernels", None)
+            if warm is not None:
+                warm()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=set_to_none)

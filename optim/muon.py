@@ -30,6 +30,7 @@ from typing import Any, Iterable
 import torch
 
 __all__ = ["NS_COEFFICIENTS", "apply_muon_updates", "largest_first", "newton_schulz", "muon_scale",
+           "scratch_muon_updates",
            "muon_update", "muon_updates", "Muon"]
 
 # Quintic p(x) = a x + b x^3 + c x^5 applied to the singular values. The large slope a at 0
@@ -211,6 +212,19 @@ def muon_updates(
     return list(ortho.reshape(u.shape).unbind(0))
 
 
+def scratch_muon_updates(grads: list[torch.Tensor], bufs: list[torch.Tensor], **kwargs) -> None:
+    """``muon_updates(grads, bufs, **kwargs)`` on zero tensors shaped like these (same shapes,
+    dtypes, devices and layouts), its result dropped: the arguments are only templates.
+
+    Why: compile-ahead (``k3train/ops/triton_compile.py``) runs this inside its compile-only
+    pass, so the optimizer's Triton kernels compile in parallel with the model's before step 1.
+    Otherwise they compile in step 1, one at a time: every distinct ``(M, N, K)`` of the
+    Newton-Schulz GEMM is its own autotune key and ``K`` a compile-time constant, so each new
+    matrix shape compiles and times every candidate again."""
+    muon_updates([torch.zeros_like(g) for g in grads],
+                 [torch.zeros_like(b, memory_format=torch.preserve_format) for b in bufs], **kwargs)
+
+
 def apply_muon_updates(params: list[torch.Tensor], updates: list[torch.Tensor],
                        decay: float) -> None:
     """``p = decay * p + u`` for each parameter and its update, in one pass each.
@@ -304,6 +318,16 @@ class Muon(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
 
+    def _update_batches(self, group: dict[str, Any]) -> list[tuple[int | None, list[torch.Tensor]]]:
+        """``(heads, params)`` per Newton-Schulz call of ``step`` for ``group``: parameters with a
+        gradient, batched by shape, head split, dtype and device, largest first."""
+        same: dict[tuple, list[torch.Tensor]] = {}
+        for p, _name, heads in self._per_param(group):
+            if p.grad is not None:
+                same.setdefault((tuple(p.shape), heads, p.dtype, p.grad.dtype, p.device), []).append(p)
+        return [(heads, ps) for (_shape, heads, *_), params in largest_first(same, torch.Tensor.numel)
+                for ps in _batches(params, params[0].numel())]
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -312,19 +336,24 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             lr, wd = group["lr"], group["weight_decay"]
-            # Matrices of one shape, head split, dtype and device update together.
-            same: dict[tuple, list[torch.Tensor]] = {}
-            for p, _name, heads in self._per_param(group):
-                if p.grad is None:
-                    continue
-                if "momentum_buffer" not in self.state[p]:
-                    self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                same.setdefault((tuple(p.shape), heads, p.dtype, p.grad.dtype, p.device), []).append(p)
-            for (_shape, heads, *_), params in largest_first(same, torch.Tensor.numel):
-                for ps in _batches(params, params[0].numel()):
-                    updates = muon_updates(
-                        [p.grad for p in ps], [self.state[p]["momentum_buffer"] for p in ps],
-                        momentum=group["momentum"], nesterov=group["nesterov"], heads=heads,
-                        ns_steps=group["ns_steps"], alpha=-lr)
-                    apply_muon_updates(ps, updates, 1.0 - lr * wd)
+            for heads, ps in self._update_batches(group):
+                for p in ps:
+                    if "momentum_buffer" not in self.state[p]:
+                        self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                updates = muon_updates(
+                    [p.grad for p in ps], [self.state[p]["momentum_buffer"] for p in ps],
+                    momentum=group["momentum"], nesterov=group["nesterov"], heads=heads,
+                    ns_steps=group["ns_steps"], alpha=-lr)
+                apply_muon_updates(ps, updates, 1.0 - lr * wd)
         return loss
+
+    @torch.no_grad()
+    def warm_kernels(self) -> None:
+        """Launch the kernels of the next ``step()`` (momentum pass, Newton-Schulz GEMMs) on
+        scratch tensors of every shape and batch it will use; no parameter, gradient or state
+        changes. See ``scratch_muon_updates``."""
+        for group in self.param_groups:
+            for heads, ps in self._update_batches(group):
+                scratch_muon_updates([p.grad for p in ps], ps, momentum=group["momentum"],
+                                     nesterov=group["nesterov"], heads=heads, ns_steps=group["ns_steps"],
+                                     alpha=-group["lr"])

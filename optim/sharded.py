@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.optim.adamw import adamw as torch_adamw
 
 from .grads import GradGroups, clip_grads_, global_grad_norm, group_size, sum_of_squares
-from .muon import _batches, _check_matrix, apply_muon_updates, largest_first, muon_updates
+from .muon import _batches, _check_matrix, apply_muon_updates, largest_first, muon_updates, scratch_muon_updates
 from .param_groups import plan_param_groups
 from .param_table import ParamEntry
 
@@ -244,6 +244,28 @@ class ShardedOptimizer:
         return norm
 
     # ---- update ----------------------------------------------------------------------------
+    @staticmethod
+    def _muon_batches(d: "_Domain") -> list[tuple[int, int | None, list]]:
+        """``(group index, heads, entries)`` per Newton-Schulz call over the matrices this rank
+        owns in domain ``d``: batched by group, shape, head split and dtypes as in Muon.step."""
+        same: dict[tuple, list] = {}
+        for e, gi in d.owned_muon():
+            p = e.param
+            same.setdefault((gi, tuple(p.shape), e.heads, p.dtype, p.grad.dtype), []).append(e)
+        return [(gi, heads, es) for (gi, _shape, heads, *_), entries in largest_first(same, lambda e: e.param.numel())
+                for es in _batches(entries, entries[0].param.numel())]
+
+    @torch.no_grad()
+    def warm_kernels(self) -> None:
+        """Launch the Muon kernels of the next ``step()`` on scratch tensors of every shape and
+        batch this rank will orthogonalise; nothing of the optimizer or model changes (see
+        ``optim.muon.scratch_muon_updates``). AdamW shards run torch kernels only."""
+        for d in self.domains:
+            for gi, heads, es in self._muon_batches(d):
+                scratch_muon_updates([e.param.grad for e in es], [d.momentum[e.name] for e in es],
+                                     momentum=self.muon_momentum, nesterov=True, heads=heads,
+                                     ns_steps=self.ns_steps, alpha=-self.param_groups[gi]["lr"])
+
     @torch.no_grad()
     def step(self, max_grad_norm: float | None = None) -> torch.Tensor:
         """Reduce, (clip,) update the owned parts, share them. Returns the global grad norm
@@ -254,19 +276,13 @@ class ShardedOptimizer:
         for d in self.domains:
             for b in d.buckets:
                 self._adamw_shard(b, beta1, beta2)
-            # The matrices this rank owns, batched by shape and head split as in Muon.step.
-            same: dict[tuple, list] = {}
-            for e, gi in d.owned_muon():
-                p = e.param
-                same.setdefault((gi, tuple(p.shape), e.heads, p.dtype, p.grad.dtype), []).append(e)
-            for (gi, _shape, heads, *_), entries in largest_first(same, lambda e: e.param.numel()):
+            for gi, heads, es in self._muon_batches(d):
                 lr, wd = self.param_groups[gi]["lr"], self.param_groups[gi]["weight_decay"]
-                for es in _batches(entries, entries[0].param.numel()):
-                    ps = [e.param for e in es]
-                    updates = muon_updates([p.grad for p in ps], [d.momentum[e.name] for e in es],
-                                           momentum=self.muon_momentum, nesterov=True, heads=heads,
-                                           ns_steps=self.ns_steps, alpha=-lr)
-                    apply_muon_updates(ps, updates, 1.0 - lr * wd)
+                ps = [e.param for e in es]
+                updates = muon_updates([p.grad for p in ps], [d.momentum[e.name] for e in es],
+                                       momentum=self.muon_momentum, nesterov=True, heads=heads,
+                                       ns_steps=self.ns_steps, alpha=-lr)
+                apply_muon_updates(ps, updates, 1.0 - lr * wd)
         self._share_params()
         for d in self.domains:
             for b in d.buckets:

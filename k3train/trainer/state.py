@@ -154,7 +154,8 @@ class TrainState:
         """Compile the step's Triton kernels (fla's, on CUDA) all at once, before step 1.
 
         Runs one throwaway forward/backward with every Triton launch turned into a parallel
-        compile (``k3train.ops.triton_compile``) on a batch of the step's shape, then drops its
+        compile (``k3train.ops.triton_compile``) on a batch of the step's shape, and the
+        optimizer's kernels on scratch tensors of its shapes (``warm_kernels``), then drops the
         gradients and routing: weights, optimizer and balancer state are untouched. Without it
         the kernels and their autotune candidates compile one at a time inside step 1. Every
         rank must call it (pipeline and expert-parallel hops run as in a real step). Returns
@@ -163,7 +164,16 @@ class TrainState:
             return None
         cfg = self.cfg.train
         batch = torch.zeros(cfg.micro_batch_size * cfg.microbatches, cfg.seq_len + 1, dtype=torch.long)
-        stats = compile_ahead(lambda: self._forward_backward(batch), label="the training step")
+        def step_kernels():
+            loss = self._forward_backward(batch)
+            # The optimizer's kernels too (Muon's Newton-Schulz GEMM, one compile and autotune
+            # per matrix shape): left out, they compiled one by one in step 1 (issue 22).
+            warm = getattr(self.optimizer, "warm_kernels", None)
+            if warm is not None:
+                warm()
+            return loss
+
+        stats = compile_ahead(step_kernels, label="the training step")
         self.optimizer.zero_grad(set_to_none=True)
         for layer in self.moe_layers:
             layer.routing.clear()
