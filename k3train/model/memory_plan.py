@@ -80,9 +80,13 @@ def _kda_core(w: Widths, T: int, a: int, f: int, ops: str) -> float:
         n, Tp = w.C // sub, math.ceil(T / w.C) * w.C
         core = (16 * w.W + 4 * n * w.W + 3 * sub * w.W + 3 * w.H * w.C + w.H) * f
         return core * Tp / T + (4 * w.W + 5 * w.H) * f
-    # fla chunk_kda (gate, l2norm and beta in kernel): q, k, v, the gate input and beta in bf16,
-    # the cumulated fp32 log-decay, and the fp32 [C]-wide intra-chunk matrices it keeps.
-    return (4 * w.W + w.H) * a + w.W * f + 2 * w.H * min(w.C, T) * f
+    # fla chunk_kda with gate, l2norm and beta in the kernel (fla 0.6.0, ChunkKDAFunction's
+    # save_for_backward): the normalised q and k, v and the raw gate input in the activation
+    # dtype, the beta logits, the fp32 sigmoid beta and the two fp32 rstd of the norms, and the
+    # C-wide intra-chunk matrices Aqk and Akk in k's dtype (chunk_kda_fwd_intra allocates them
+    # so). The cumulated log-decay is not kept: with the gate in the kernel it is recomputed in
+    # backward (chunk_kda_fwd drops it).
+    return (4 * w.W + w.H + 2 * w.H * w.C) * a + 3 * w.H * f
 
 
 def _kda(w: Widths, T: int, a: int, f: int, ops: str, mode: str) -> float:
