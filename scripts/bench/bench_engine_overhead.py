@@ -15,7 +15,12 @@ their parameters from the same seeded streams) and the same m = 8 microbatches:
 
 Timed: forward and backward of the m microbatches (gradients set to None before each step, no
 optimizer: it is the same for both). The runners of one residual variant step in turns, so
-drift hits them alike. Prints step times, engine/plain per V, and the AttnRes cost
+drift hits them alike; each round starts at the next runner, so that none always steps first,
+and Python's garbage collector is held off while a step is timed. Each
+runner's ratio to the plain step is taken round by round (the two steps of one turn) and
+summarised by its median and interquartile range over the rounds. A second plain runner,
+``plain (A/A)``, takes its turn like the others: its ratio to the first is the noise floor of
+the run, what an engine ratio must be read against. Prints step times, engine/plain per V, and the AttnRes cost
 (attnres/standard) under the engine next to the plain step's. ``--profile`` prints the top
 host-side costs of one engine step at the largest V: the engine's own Python functions by self
 time (cProfile) and the aten operators whose call count differs from the plain step.
@@ -29,6 +34,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import collections
+import gc
 import json
 import pstats
 import statistics
@@ -89,6 +95,7 @@ def build_runners(cfg_for, vpps, device, parallel):
         return total
 
     runners = [Runner("plain", model, plain)]
+    control = Runner("plain (A/A)", model, plain)  # the same step again: the run's noise floor
     for v in vpps:
         chunks, engine = build_pipeline_parts(cfg_for(v), device, parallel)
 
@@ -97,20 +104,38 @@ def build_runners(cfg_for, vpps, device, parallel):
                 return engine.train_step(mbs)
 
         runners.append(Runner(f"engine V={v}", chunks, run))
-    return runners
+    return runners + [control]
 
 
 def time_runners(runners, steps, device):
     for i in range(steps + 2):       # two untimed steps: shapes agreed, kernels compiled/tuned
-        for r in runners:
+        # Each round starts at the next runner: a fixed order gave the first runner of every
+        # round a slower step (on CPU the A/A control ran at 0.955 of the plain step before it).
+        k = i % len(runners)
+        for r in runners[k:] + runners[:k]:
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            r.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            gc.collect()
+            gc.disable()             # a collection inside one runner's step would charge it alone
+            try:
+                t0 = time.perf_counter()
+                r.step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+            finally:
+                gc.enable()
             if i >= 2:
-                r.times.append(time.perf_counter() - t0)
+                r.times.append(dt)
+
+
+def paired_ratio(times, base):
+    """Round-by-round ratios ``times[i] / base[i]``: their median and quartiles ``(q1, median, q3)``."""
+    ratios = sorted(t / b for t, b in zip(times, base))
+    if len(ratios) < 2:
+        return ratios[0], ratios[0], ratios[0]
+    q1, q2, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return q1, q2, q3
 
 
 def profile_host(runner, plain, rows=15):
@@ -188,8 +213,10 @@ def main() -> None:
         plain = runners[0]
         for r in runners:
             ms = statistics.median(r.times) * 1e3
+            q1, q2, q3 = paired_ratio(r.times, plain.times)
             results.append({"variant": variant, "runner": r.name, "step_ms": ms, "min_ms": min(r.times) * 1e3,
                             "times_ms": [t * 1e3 for t in r.times],
+                            "paired_ratio": q2, "paired_ratio_q1": q1, "paired_ratio_q3": q3,
                             "loss_rel_diff": abs(r.loss.item() / plain.loss.item() - 1)})
             print(json.dumps(results[-1]), flush=True)
         if args.profile:
@@ -203,13 +230,16 @@ def main() -> None:
     # neighbours' load, the fastest step is the closest to the code's own cost.
     print(f"\nshape={args.shape} device={args.device} m=8, forward+backward per step "
           f"(median and min of {args.steps}); loss diff: |engine/plain - 1| of the step's loss")
-    print(f"{'variant':<16}{'runner':<12}{'median ms':>10}{'engine/plain':>14}{'min ms':>10}"
-          f"{'engine/plain':>14}{'loss diff':>11}")
+    print(f"{'variant':<16}{'runner':<13}{'median ms':>10}{'engine/plain':>14}{'min ms':>10}"
+          f"{'engine/plain':>14}{'paired ratio [q1, q3]':>25}{'loss diff':>11}")
     for r in results:
         r["engine_over_plain"] = r["step_ms"] / ms[(r["variant"], "plain")]
         r["engine_over_plain_min"] = r["min_ms"] / fastest[(r["variant"], "plain")]
-        print(f"{r['variant']:<16}{r['runner']:<12}{r['step_ms']:>10.2f}{r['engine_over_plain']:>14.3f}"
-              f"{r['min_ms']:>10.2f}{r['engine_over_plain_min']:>14.3f}{r['loss_rel_diff']:>11.1e}")
+        pair = f"{r['paired_ratio']:.3f} [{r['paired_ratio_q1']:.3f}, {r['paired_ratio_q3']:.3f}]"
+        print(f"{r['variant']:<16}{r['runner']:<13}{r['step_ms']:>10.2f}{r['engine_over_plain']:>14.3f}"
+              f"{r['min_ms']:>10.2f}{r['engine_over_plain_min']:>14.3f}{pair:>25}{r['loss_rel_diff']:>11.1e}")
+    print("paired ratio: median over rounds of (runner's step / the plain step of the same round), with "
+          "its quartiles; plain (A/A) is the plain step run again, the noise floor")
     summary = {}
     if len(variants) == 2:
         print("\nAttnRes cost (attnres_cached / standard), same runner:")
