@@ -55,7 +55,7 @@ def _cmd_sweep(args) -> int:
     from k3train.sweep import run_sweep
 
     run_sweep(args.ablation, args.out, args.overrides, dry_run=args.dry_run, seeds=args.seeds,
-              only=args.only, jobs=args.jobs)
+              only=args.only, jobs=args.jobs, collect=args.collect)
     return 0
 
 
@@ -186,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", metavar="NAME,...", help="train and tabulate only these variants (as --dry-run lists them)")
     p.add_argument("--jobs", type=int, default=1,
                    help="variants trained at once, each in its own process (default 1: one after another)")
+    p.add_argument("--collect", action="store_true",
+                   help="train nothing: tabulate the variants finished in --out and name the others")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value",
                    help="overrides applied to every variant, after the file's own")
     p.set_defaults(fn=_cmd_sweep)

@@ -22,7 +22,9 @@ Variants run one after another in this process (``k3train.trainer.loop.train``),
 resolved config (``config_key``); a rerun skips it when the key matches and refuses when it
 does not (the variant was made with other settings: another ``--out`` keeps both). One with a
 checkpoint but no ``DONE`` (an interrupted sweep) resumes from it. ``--only NAME,...`` trains
-and tabulates just those variants; ``--jobs N`` trains N variants at once, each in a
+and tabulates just those variants; ``--collect`` trains nothing and tabulates the finished ones
+(run directories brought back from other machines, even without their checkpoints), naming the
+rest; ``--jobs N`` trains N variants at once, each in a
 ``k3train sweep --only NAME`` subprocess (small models share one GPU well), then tabulates. Results go to ``OUT/results.md``,
 ``OUT/results.csv`` and ``OUT/loss_curves.png``.
 """
@@ -299,9 +301,10 @@ def _fmt(value) -> str:
 
 
 def write_results(rows: list[dict], out: Path, title: str,
-                  variants: list[Variant] | None = None) -> tuple[Path, Path]:
+                  variants: list[Variant] | None = None, missing: list[str] = ()) -> tuple[Path, Path]:
     """``out/results.csv`` (full precision, empty cells for n/a) and ``out/results.md``; with
-    seeded ``variants`` also ``out/results_seeds.csv`` and a table over seeds in results.md."""
+    seeded ``variants`` also ``out/results_seeds.csv`` and a table over seeds in results.md.
+    ``missing``: variants of the sweep without a row, named under the tables."""
     cols = [c for c in COLUMNS if c in ("variant", "steps") or any(r.get(c) is not None for r in rows)]
     csv_path, md_path = out / "results.csv", out / "results.md"
     with open(csv_path, "w", newline="") as f:
@@ -314,6 +317,8 @@ def write_results(rows: list[dict], out: Path, title: str,
                   "logged value (MoE runs); recall_acc: MQAR validation recall of the final checkpoint.", ""]
     if variants and any(v.seed is not None for v in variants):
         lines += _seed_lines(seed_table(rows, variants), out)
+    if missing:
+        lines += [f"Not finished, so not in these tables ({len(missing)}): {', '.join(missing)}.", ""]
     md_path.write_text("\n".join(lines))
     return md_path, csv_path
 
@@ -394,10 +399,12 @@ def _ran_out_of_memory(log: Path) -> bool:
 
 def run_sweep(path: str | Path, out: str | Path | None = None, extra: list[str] = (),
               dry_run: bool = False, seeds: list[int] | str | None = None,
-              only: list[str] | str | None = None, jobs: int = 1) -> list[dict]:
+              only: list[str] | str | None = None, jobs: int = 1, collect: bool = False) -> list[dict]:
     """Run (or, with ``dry_run``, only resolve and list) every variant (once per seed when the
     file or ``seeds`` gives seeds; only those named in ``only``; ``jobs`` > 1 trains that many at
-    once in subprocesses); returns the result rows."""
+    once in subprocesses); returns the result rows. ``collect``: train nothing, tabulate the
+    variants already finished in ``out`` (results brought back from other machines or runs)
+    and name the ones that are not."""
     from k3train.trainer import loop  # attribute lookup at call time keeps ``loop.train`` patchable
 
     if jobs < 1:
@@ -418,6 +425,14 @@ def run_sweep(path: str | Path, out: str | Path | None = None, extra: list[str] 
                           f"this sweep resolves to (their DONE key differs); pass another --out, or "
                           f"delete those variant directories to train them again")
     todo = [v for v, _ in configs if not (out / v.name / "DONE").is_file()]
+    if collect:
+        if todo:
+            print(f"[sweep] --collect: {len(todo)} of {len(configs)} variants not finished in {out}, "
+                  f"left out of the tables: {', '.join(v.name for v in todo)}")
+        configs = [(v, cfg) for v, cfg in configs if v not in todo]
+        if not configs:
+            raise RunDirError(f"--collect: no finished variant of {Path(path).name} in {out}")
+        todo = []
     if jobs > 1 and len(todo) > 1:
         _train_in_subprocesses(path, out, todo, list(extra), seeds, jobs)
     rows, curves = [], {}
@@ -441,7 +456,8 @@ def run_sweep(path: str | Path, out: str | Path | None = None, extra: list[str] 
         curves[v.name] = records
     if rows:
         out.mkdir(parents=True, exist_ok=True)
-        md, _ = write_results(rows, out, sweep.name, [v for v, _ in configs][:len(rows)])
+        md, _ = write_results(rows, out, sweep.name, [v for v, _ in configs][:len(rows)],
+                              missing=[v.name for v in runs if v.name not in {r["variant"] for r in rows}])
         plot_loss_curves(curves, out / "loss_curves.png")
         print(f"[sweep] results: {md}, {out / 'results.csv'}, {out / 'loss_curves.png'}")
     return rows

@@ -211,3 +211,36 @@ def test_jobs_that_run_out_of_gpu_memory_say_so(tmp_path, monkeypatch, capsys):
     with pytest.raises(RunDirError, match="2 of them ran out of GPU memory with 2 jobs at once: rerun with a smaller --jobs"):
         run_sweep(path, tmp_path / "out", jobs=2)
     assert capsys.readouterr().out.count("it ran out of GPU memory") == 2
+
+
+def test_collect_tabulates_finished_variants_and_names_the_rest(tmp_path, monkeypatch, capsys):
+    """--collect trains nothing: the finished seeds are tabulated (the table over seeds over the
+    seeds that are there), the unfinished ones are named in results.md and on the console."""
+    import json
+
+    def fake_train(cfg, run_dir, resume=False):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        rec = {"step": 2, "loss": 1.0 + cfg.train.seed, "val_loss": 2.0 + cfg.train.seed}
+        (run_dir / "metrics.jsonl").write_text(json.dumps(rec) + "\n")
+        return {"steps": 2}
+
+    monkeypatch.setattr(loop, "train", fake_train)
+    path = _ablation(tmp_path, overrides=["train.steps=2"], grid={"optim.name": ["adamw", "muon"]}, seeds=[1, 2])
+    out = tmp_path / "out"
+    run_sweep(path, out, only="name-adamw_seed-1,name-adamw_seed-2,name-muon_seed-2")  # one run left undone
+
+    def must_not_train(*args, **kwargs):
+        raise AssertionError("--collect trained a variant")
+
+    monkeypatch.setattr(loop, "train", must_not_train)
+    assert cli_main(["sweep", str(path), "--out", str(out), "--collect"]) == 0
+    assert "1 of 4 variants not finished" in capsys.readouterr().out
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    assert [r["variant"] for r in rows] == ["name-adamw_seed-1", "name-adamw_seed-2", "name-muon_seed-2"]
+    seeds = {r["variant"]: r for r in csv.DictReader(open(out / "results_seeds.csv"))}
+    assert int(seeds["name-adamw"]["n"]) == 2 and float(seeds["name-adamw"]["final_val_loss_mean"]) == 3.5
+    assert int(seeds["name-muon"]["n"]) == 1 and float(seeds["name-muon"]["final_val_loss_mean"]) == 4.0
+    md = (out / "results.md").read_text()
+    assert "Not finished, so not in these tables (1): name-muon_seed-1." in md
+    with pytest.raises(Exception, match="no finished variant"):
+        run_sweep(path, tmp_path / "empty", collect=True)
