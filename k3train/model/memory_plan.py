@@ -303,9 +303,14 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
                 plan.peak_activations[mode], plan.in_flight = _schedule_peak(
                     p.pp, p.vpp, cfg.train.microbatches, r, per_chunk)
             if mode != "none":
-                # In backward one layer's region is recomputed: its whole activations are live.
-                one = max(layer_bytes_per_token(cfg, i, "none", ops, T, act_bytes) for i in layers)
-                plan.peak_activations[mode] += one * tokens
+                # In backward one layer's region is recomputed: its whole activations are live,
+                # except under selective the cores' saved tensors and kept outputs, which are
+                # stored already (counted above) and not made again by the recompute.
+                def live(i):
+                    stored = (layer_bytes_per_token(cfg, i, "selective", ops, T, act_bytes)
+                              - layer_bytes_per_token(cfg, i, "full", ops, T, act_bytes)) if mode == "selective" else 0.0
+                    return layer_bytes_per_token(cfg, i, "none", ops, T, act_bytes) - stored
+                plan.peak_activations[mode] += max(live(i) for i in layers) * tokens
         if cfg.model.attnres.enabled and C > 1:
             # Blocks a later local chunk reads: every block made before the rank's last chunk.
             last = max(chunks)
