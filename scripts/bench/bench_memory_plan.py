@@ -4,7 +4,10 @@ For k3_mini under each ``train.recompute`` mode: a few training steps on one GPU
 graph: the graph's pool would hide what the step itself allocates), ``torch.cuda.max_memory_allocated``
 over steps 2-3 (step 1 allocates the optimizer state), against the planner's total for the same
 layout (parameters + gradients + optimizer state + peak activations + MoE buffers). Target:
-measured / predicted within 15%. Prints a table and writes JSON to ``--json``.
+measured / predicted within 15%. Beside it, what the forward keeps: the memory allocated when
+the first microbatch's backward reaches the head, over the step's start, against the planner's
+stored activations of one microbatch (what tells a wrong per-op count from a peak set
+elsewhere). Prints a table and writes JSON to ``--json``.
 
     python scripts/bench/bench_memory_plan.py --json OUT.json [--config configs/k3_mini.yaml] [key=value ...]
 """
@@ -45,7 +48,14 @@ def measure(config: str, overrides: list[str], mode: str, steps: int) -> dict:
     state.train_step(batch)                       # step 1: optimizer state appears
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats(device)
+    # What the forward keeps: memory allocated when backward reaches the head, over what was
+    # allocated before the step (weights, optimizer state; gradients are None between steps).
+    # The planner's stored activations of one microbatch are the figure to compare with.
+    base, at_backward = torch.cuda.memory_allocated(device), []
+    hook = state.model.head.register_full_backward_pre_hook(
+        lambda mod, grad: at_backward.append(torch.cuda.memory_allocated(device)) and None)
     losses = [state.train_step(batch)["loss"] for _ in range(steps - 1)]
+    hook.remove()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated(device)
     ops = "fused-eager" if cfg.kernels.compile is False else "fused"
@@ -53,6 +63,8 @@ def measure(config: str, overrides: list[str], mode: str, steps: int) -> dict:
     row = {"mode": mode, "measured_gib": peak / GiB, "predicted_gib": plan.total(mode, False) / GiB,
            "params_gib": plan.params / GiB, "grads_gib": plan.grads / GiB, "optimizer_gib": plan.optimizer / GiB,
            "activations_gib": plan.peak_activations[mode] / GiB, "moe_buffers_gib": plan.moe_buffers / GiB,
+           "stored_at_backward_gib": (at_backward[0] - base) / GiB if at_backward else None,
+           "predicted_stored_gib": plan.activations[mode] / GiB,
            "losses": losses, "seconds": time.perf_counter() - t0}
     row["ratio"] = row["measured_gib"] / row["predicted_gib"]
     del state
@@ -79,10 +91,14 @@ def main() -> int:
         print(f"{mode}: measured {r['measured_gib']:.2f} GiB, predicted {r['predicted_gib']:.2f} GiB "
               f"({r['seconds']:.0f} s)", flush=True)
     print(f"\n{'recompute':<11}{'measured':>10}{'predicted':>11}{'ratio':>7}{'params':>8}{'grads':>7}"
-          f"{'optim':>7}{'act':>7}  (GiB; target ratio 0.85-1.15)")
+          f"{'optim':>7}{'act':>7}{'stored':>9}{'predicted':>11}  (GiB; target ratio 0.85-1.15)")
     for r in rows:
+        stored = r["stored_at_backward_gib"]
         print(f"{r['mode']:<11}{r['measured_gib']:>10.2f}{r['predicted_gib']:>11.2f}{r['ratio']:>7.2f}"
-              f"{r['params_gib']:>8.2f}{r['grads_gib']:>7.2f}{r['optimizer_gib']:>7.2f}{r['activations_gib']:>7.2f}")
+              f"{r['params_gib']:>8.2f}{r['grads_gib']:>7.2f}{r['optimizer_gib']:>7.2f}{r['activations_gib']:>7.2f}"
+              f"{stored if stored is not None else float('nan'):>9.2f}{r['predicted_stored_gib']:>11.2f}")
+    print("stored: allocated when the first microbatch's backward reaches the head, over the step's "
+          "start (one microbatch's kept activations, logits included), against the planner's")
     save_json(args.json, {"config": args.config, "overrides": args.overrides,
                           "gpu": torch.cuda.get_device_name(), "rows": rows})
     return 0 if all(0.85 <= r["ratio"] <= 1.15 for r in rows) else 1
