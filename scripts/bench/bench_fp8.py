@@ -4,6 +4,7 @@
     python scripts/bench/bench_fp8.py --preset slice --recipes bf16 fp8 --steps 10 --warmup 3 \
         --out runs/bench_fp8_slice                                          # K3 widths, one H200
     python scripts/bench/bench_fp8.py --device cpu --small --out /tmp/b     # CPU smoke (no fp8)
+    ... --profile 25                  # then one step of each recipe profiled: its 25 costliest kernels
 
 Each recipe builds the same model from the same seed (``TrainState``, exactly what ``k3train
 train`` runs: bf16 autocast on CUDA, the recipe applied at build time with its default
@@ -61,6 +62,23 @@ SMALL = ["model.hidden_size=64", "model.num_layers=4", "model.kda.num_heads=2", 
          "moe.expert_ffn_size=32", "moe.shared_ffn_size=64", "train.seq_len=32", "train.micro_batch_size=4"]
 
 
+def profile_step(state, batch, device: torch.device, rows: int) -> list[dict]:
+    """One more training step under torch.profiler: the ``rows`` kernels (CUDA) or operators (CPU)
+    with the most self time, as ``{"name", "ms", "calls"}`` (the step's total first)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        state.train_step(batch)
+    dev = device.type == "cuda"
+    events = [e for e in prof.key_averages() if (e.self_device_time_total if dev else e.self_cpu_time_total) > 0]
+    key = (lambda e: e.self_device_time_total) if dev else (lambda e: e.self_cpu_time_total)
+    events.sort(key=key, reverse=True)
+    total = sum(key(e) for e in events) / 1e3
+    return [{"name": "total self time", "ms": total, "calls": None}] + [
+        {"name": e.key, "ms": key(e) / 1e3, "calls": e.count} for e in events[:rows]]
+
+
 def run_recipe(recipe: str, args, device: torch.device) -> dict:
     preset = {"small": SMALL, "wide": WIDE, "slice": SLICE}["small" if args.small else args.preset]
     overrides = [*preset, f"train.device={device.type}", f"train.steps={args.steps}",
@@ -89,6 +107,8 @@ def run_recipe(recipe: str, args, device: torch.device) -> dict:
     result = {"quantized": state.model.quantized, "losses": losses, "step_s": times,
               "median_step_s": statistics.median(timed),
               "tokens_per_step": cfg.train.micro_batch_size * cfg.train.microbatches * cfg.train.seq_len}
+    if args.profile:
+        result["profile"] = profile_step(state, next(data.train), device, args.profile)
     del state
     if device.type == "cuda":
         result["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -108,6 +128,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the median")
     p.add_argument("--recipes", nargs="+", default=["bf16", "fp8", "mxfp4_qat"])
     p.add_argument("--scope", nargs="+", help="precision.scope patterns for every recipe (default: each recipe's)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after the timed steps, profile one more step of each recipe and print its N "
+                        "kernels with the most device time (CPU: operators by self time)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args = p.parse_args(argv)
@@ -134,6 +157,12 @@ def main(argv=None) -> int:
         ratio = f"{base / r['median_step_s']:.2f}x" if base else "n/a"  # > 1: faster than bf16
         print(f"{name:<10} {ms:>9.1f} {ratio:>17} {r['tokens_per_step'] / r['median_step_s']:>10.0f} "
               f"{r['losses'][-1]:>10.4f}  {len(r['quantized'])}")
+    for name, r in results.items():
+        for i, row in enumerate(r.get("profile", [])):
+            if i == 0:
+                print(f"\n{name}: one step profiled, {row['ms']:.1f} ms of {'device' if device.type == 'cuda' else 'CPU'} self time")
+                continue
+            print(f"  {row['ms']:>9.2f} ms {row['calls']:>6}x  {row['name'][:110]}")
     from k3train.plots import plot_loss_curves
 
     curves = {name: [{"step": i + 1, "loss": v} for i, v in enumerate(r["losses"])]
