@@ -89,3 +89,31 @@ def test_cli_predict_with_costs_and_link(tmp_path):
     assert report["link"] == pytest.approx({"latency_s": 5e-6, "bandwidth_Bps": 2e9}) and "k3_table" not in report
     slow = predict_table(cfg, costs, LinkCost(latency_s=report["link"]["latency_s"], bandwidth_Bps=2e9))
     assert report["table"] == json.loads(json.dumps(slow))
+
+
+def test_chunk_timing_compiles_ahead_without_recording_the_pass(monkeypatch):
+    """On a Triton device the chunk timing compiles its kernels in a throwaway engine step first
+    (run here for real on CPU, as the pass does minus the launches): the recorder sees only the
+    warm-up and timed steps, every chunk's forward and backward once per microbatch."""
+    import pipeline
+    from k3train import kernels
+    from k3train.ops import triton_compile
+    from k3train.pipeline_predict import measure_chunk_times
+
+    ran, recorders = [], []
+
+    class Recorder(pipeline.CommRecorder):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            recorders.append(self)
+
+    monkeypatch.setattr(pipeline, "CommRecorder", Recorder)
+    monkeypatch.setattr(kernels, "uses_triton", lambda device: True)
+    monkeypatch.setattr(triton_compile, "compile_ahead", lambda fn, label="": ran.append(fn()) or {"kernels": 0})
+    cfg = load_config("configs/k3_tiny.yaml", [*TINY, "train.microbatches=2", "train.device=cpu"])
+    fwd, bwd = measure_chunk_times(cfg, 2, steps=1, warmup=1)
+    assert len(ran) == 1 and len(fwd) == len(bwd) == 2 and min(fwd + bwd) > 0
+    (rec,) = recorders
+    for kind in "FB":
+        spans = [s for s in rec.compute if s.kind == kind]
+        assert sorted((s.step, s.chunk) for s in spans) == sorted((st, c) for st in (0, 1) for c in (0, 1) for _ in range(2))
