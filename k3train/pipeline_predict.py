@@ -66,10 +66,15 @@ def measure_chunk_times(cfg: RunConfig, num_chunks: int, steps: int = 3, warmup:
     chunks = {c: K3Chunk(cfg, *ranges[c], first=c == 0, last=c == num_chunks - 1).to(device)
               for c in range(num_chunks)}
     recorder = CommRecorder()
-    engine = PipelineEngine(local_chunks=chunks, num_chunks=num_chunks,
-                            produced_blocks=produced_blocks(cfg, ranges),
+    blocks = produced_blocks(cfg, ranges)
+    engine = PipelineEngine(local_chunks=chunks, num_chunks=num_chunks, produced_blocks=blocks,
                             transport=cfg.pipeline.attnres_transport, recorder=recorder)
     B, T, m = cfg.train.micro_batch_size, cfg.train.seq_len, cfg.train.microbatches
+
+    def step(eng, tokens):  # tokens [m, B, T + 1]: one (inputs, targets) pair per microbatch
+        with autocast_for(cfg, device):
+            eng.train_step([(t[:, :-1], t[:, 1:]) for t in tokens])
+
     if kernels.uses_triton(device):
         # Every Triton kernel and autotune candidate compiled at once first (k3train.ops.
         # triton_compile), as the trainer does before step 1: under full autotuning they would
@@ -77,22 +82,15 @@ def measure_chunk_times(cfg: RunConfig, num_chunks: int, steps: int = 3, warmup:
         # without the recorder, so that the throwaway pass leaves no spans.
         from k3train.ops.triton_compile import compile_ahead
 
-        probe = PipelineEngine(local_chunks=chunks, num_chunks=num_chunks,
-                               produced_blocks=produced_blocks(cfg, ranges), transport=cfg.pipeline.attnres_transport)
+        probe = PipelineEngine(local_chunks=chunks, num_chunks=num_chunks, produced_blocks=blocks,
+                               transport=cfg.pipeline.attnres_transport)
         zeros = torch.zeros(m, B, T + 1, dtype=torch.long, device=device)
-
-        def probe_step():
-            with autocast_for(cfg, device):
-                return probe.train_step([(t[:, :-1], t[:, 1:]) for t in zeros])
-
-        compile_ahead(probe_step, label=f"{num_chunks} chunks")
+        compile_ahead(lambda: step(probe, zeros), label=f"{num_chunks} chunks")
         for ch in chunks.values():
             ch.zero_grad(set_to_none=True)
     gen = torch.Generator().manual_seed(seed)
     for _ in range(warmup + steps):
-        tokens = torch.randint(0, cfg.model.vocab_size, (m, B, T + 1), generator=gen).to(device)
-        with autocast_for(cfg, device):
-            engine.train_step([(t[:, :-1], t[:, 1:]) for t in tokens])
+        step(engine, torch.randint(0, cfg.model.vocab_size, (m, B, T + 1), generator=gen).to(device))
         for ch in chunks.values():
             ch.zero_grad(set_to_none=True)
     spans = [s for s in recorder.compute if s.step >= warmup]

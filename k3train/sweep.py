@@ -456,8 +456,9 @@ def run_sweep(path: str | Path, out: str | Path | None = None, extra: list[str] 
         curves[v.name] = records
     if rows:
         out.mkdir(parents=True, exist_ok=True)
+        tabulated = {r["variant"] for r in rows}
         md, _ = write_results(rows, out, sweep.name, [v for v, _ in configs][:len(rows)],
-                              missing=[v.name for v in runs if v.name not in {r["variant"] for r in rows}])
+                              missing=[v.name for v in runs if v.name not in tabulated])
         plot_loss_curves(curves, out / "loss_curves.png")
         print(f"[sweep] results: {md}, {out / 'results.csv'}, {out / 'loss_curves.png'}")
     return rows

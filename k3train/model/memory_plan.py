@@ -173,6 +173,16 @@ def layer_bytes_per_token(cfg: RunConfig, index: int, mode: str, ops: str, T: in
     return out
 
 
+def _recomputed_bytes_per_token(cfg: RunConfig, index: int, mode: str, ops: str, T: int, a: int) -> float:
+    """Bytes per token live while layer ``index``'s region is recomputed in backward: its whole
+    activations, less, under ``selective``, the cores' saved tensors and kept outputs, which are
+    stored from the forward (counted in the mode's stored bytes) and not made again."""
+    live = layer_bytes_per_token(cfg, index, "none", ops, T, a)
+    if mode == "selective":
+        live -= layer_bytes_per_token(cfg, index, "selective", ops, T, a) - layer_bytes_per_token(cfg, index, "full", ops, T, a)
+    return live
+
+
 def head_bytes_per_token(cfg: RunConfig, mode: str, ops: str, a: int) -> float:
     """Embedding ids, the final depth mix (own region under recompute), norm, head input,
     fp32 log-softmax over the vocabulary and the targets."""
@@ -303,14 +313,8 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
                 plan.peak_activations[mode], plan.in_flight = _schedule_peak(
                     p.pp, p.vpp, cfg.train.microbatches, r, per_chunk)
             if mode != "none":
-                # In backward one layer's region is recomputed: its whole activations are live,
-                # except under selective the cores' saved tensors and kept outputs, which are
-                # stored already (counted above) and not made again by the recompute.
-                def live(i):
-                    stored = (layer_bytes_per_token(cfg, i, "selective", ops, T, act_bytes)
-                              - layer_bytes_per_token(cfg, i, "full", ops, T, act_bytes)) if mode == "selective" else 0.0
-                    return layer_bytes_per_token(cfg, i, "none", ops, T, act_bytes) - stored
-                plan.peak_activations[mode] += max(live(i) for i in layers) * tokens
+                live = max(_recomputed_bytes_per_token(cfg, i, mode, ops, T, act_bytes) for i in layers)
+                plan.peak_activations[mode] += live * tokens
         if cfg.model.attnres.enabled and C > 1:
             # Blocks a later local chunk reads: every block made before the rank's last chunk.
             last = max(chunks)
