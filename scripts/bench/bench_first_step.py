@@ -61,7 +61,8 @@ def main() -> int:
     ap.add_argument("--autotune", default="full", choices=["full", "fixed"], help="kernels.autotune")
     ap.add_argument("--timeout", type=float, default=170.0, help="seconds before the run is killed")
     ap.add_argument("--stacks", type=float, default=0.0, metavar="S",
-                    help="print every thread's Python stack in the run every S seconds (what a silent wait is)")
+                    help="print every thread's Python stack in the run every S seconds (what a silent wait is; "
+                         "scripts/bench/stack_sampler.py)")
     ap.add_argument("--json")
     ap.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args = ap.parse_args()
@@ -71,10 +72,8 @@ def main() -> int:
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp / "triton"), TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"),
                TORCH_LOGS="recompiles", WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
     launcher = [sys.executable, "-m", "k3train"]
-    if args.stacks > 0:  # faulthandler's periodic dump of all threads, in the run's own output
-        launcher = [sys.executable, "-c", "import faulthandler, runpy, sys; "
-                    f"faulthandler.dump_traceback_later({args.stacks}, repeat=True); "
-                    "sys.argv[0] = 'k3train'; runpy.run_module('k3train', run_name='__main__')"]
+    if args.stacks > 0:  # every thread's stack under the GIL (faulthandler's C dump crashed the run)
+        launcher = [sys.executable, str(ROOT / "scripts/bench/stack_sampler.py"), str(args.stacks), "-m", "k3train"]
     cmd = [*launcher, "train", "--config", args.config, "--run-dir", str(run_dir),
            *(SMALL if args.small else []), f"train.device={args.device}", "train.steps=3", "train.log_interval=1",
            "train.eval_interval=3", "train.eval_batches=1", "checkpoint.interval=0", "logging.progress_bar=false",
@@ -99,7 +98,8 @@ def main() -> int:
         time.sleep(0.2)
     for step in first_steps(run_dir / "metrics.jsonl"):
         seen.setdefault(step, time.perf_counter() - t0)
-    if proc.poll() is None:  # our own child (its own session): stop it, no checkpoint needed
+    killed = proc.poll() is None
+    if killed:  # our own child (its own session): stop it, no checkpoint needed
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     reader.join(timeout=5)
@@ -112,13 +112,17 @@ def main() -> int:
               "compile_ahead": ({"kernels": int(compiled[0][1][1]), "seconds": float(compiled[0][1][2])}
                                 if compiled else None),
               "recompile_lines": recompiles[:50], "recompile_limit_hit": any(LIMIT.search(r) for r in recompiles),
-              "exit_code": proc.returncode, "reached_step_1": 1 in seen}
+              "exit_code": proc.returncode, "reached_step_1": 1 in seen,
+              "died_of_signal": (signal.Signals(-proc.returncode).name
+                                 if proc.returncode < 0 and not killed else None)}
     print("\nfirst step on fresh caches:", args.config, f"(kernels.autotune={args.autotune})")
     ca, ca_end = result["compile_ahead"], result["compile_ahead_end_s"]
     print("  compile-ahead:        " + ("-" if ca is None else f"{ca['kernels']} kernels, ends at {ca_end:.1f} s"))
     for step in (1, 2, 3):
         t = seen.get(step)
         print(f"  step {step} logged at:     {'not reached within %.0f s' % args.timeout if t is None else f'{t:.1f} s'}")
+    if result["died_of_signal"]:
+        print(f"  the run died of signal {result['died_of_signal']} before step 3 (not killed by this script)")
     print(f"  recompile log lines:  {len(recompiles)}; recompile limit hit: {result['recompile_limit_hit']}")
     for text in recompiles[:10]:
         print(f"    {text[:200]}")
