@@ -96,7 +96,7 @@ def _cmd_profile_pipeline(args) -> int:
                                    else H200_LINK.latency_s),
                         bandwidth_Bps=args.link_gbps * 1e9 if args.link_gbps else H200_LINK.bandwidth_Bps)
         run_predict(cfg, args.json, costs_path=args.costs, k3_config=args.k3_config or None, link=link,
-                    steps=args.steps)
+                    steps=args.steps, layers_per_chunk=args.layers_per_chunk)
         return 0
     from k3train.profile_pipeline import profile_pipeline
 
@@ -174,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --predict: the K3 shapes scaled by FLOPs ('' to skip)")
     p.add_argument("--link-latency-us", type=float, help="with --predict: p2p latency (default 32, 2x H200)")
     p.add_argument("--link-gbps", type=float, help="with --predict: p2p bandwidth GB/s (default 315, 2x H200)")
+    p.add_argument("--layers-per-chunk", type=int, default=1,
+                   help="with --predict: time chunks of this many layers and split each by FLOPs (default 1)")
     p.set_defaults(fn=_cmd_profile_pipeline)
 
     p = sub.add_parser("sweep", help="run an ablation file's variants one after another; tabulate and plot")

@@ -99,17 +99,52 @@ def measure_chunk_times(cfg: RunConfig, num_chunks: int, steps: int = 3, warmup:
     return med["F"], med["B"]
 
 
-def measure_layer_costs(cfg: RunConfig, steps: int = 3, progress=print) -> dict:
+def measure_layer_costs(cfg: RunConfig, steps: int = 3, progress=print, layers_per_chunk: int = 1) -> dict:
     """Per-layer forward/backward seconds per variant: ``{variant: {"fwd_s": [L], "bwd_s": [L]}}``
-    (naive shares the cached variant's compute)."""
+    (naive shares the cached variant's compute).
+
+    layers_per_chunk: the engine times chunks of this many layers (``num_layers / k`` chunks at
+    P = 1); each chunk's time is split over its layers in proportion to their FLOPs
+    (:func:`split_by_flops`). 1 times every layer on its own. On an H200 the one-layer chunks'
+    spans put AttnRes at +78% over the standard residual where the whole step puts it at a few
+    percent (docs/BENCHMARKS.md#pipeline-timing-model): chunks of several layers, as a pipeline
+    runs them, are the measurement that tells the two apart."""
+    L = cfg.model.num_layers
+    if layers_per_chunk < 1 or L % layers_per_chunk:
+        raise UsageError(f"layers per chunk must divide model.num_layers={L}, got {layers_per_chunk}")
+    num_chunks = L // layers_per_chunk
     out = {}
     for variant in ("standard", "attnres_cached"):
+        vcfg = variant_config(cfg, variant)
         t0 = time.perf_counter()
-        f, b = measure_chunk_times(variant_config(cfg, variant), cfg.model.num_layers, steps)
-        out[variant] = {"fwd_s": f, "bwd_s": b}
-        progress(f"measured {variant}: {cfg.model.num_layers} layers, forward {sum(f) * 1e3:.1f} ms + backward "
-                 f"{sum(b) * 1e3:.1f} ms per microbatch ({time.perf_counter() - t0:.0f} s)")
+        f, b = measure_chunk_times(vcfg, num_chunks, steps)
+        out[variant] = split_by_flops(vcfg, {"fwd_s": f, "bwd_s": b})
+        progress(f"measured {variant}: {L} layers in {num_chunks} chunks, forward {sum(f) * 1e3:.1f} ms + "
+                 f"backward {sum(b) * 1e3:.1f} ms per microbatch ({time.perf_counter() - t0:.0f} s)")
     out["attnres_naive"] = out["attnres_cached"]
+    return out
+
+
+def split_by_flops(cfg: RunConfig, chunk_times: dict) -> dict:
+    """Per-layer ``{"fwd_s": [L], "bwd_s": [L]}`` from C chunks' times (C divides L, chunks as
+    ``PipelineLayout(L, 1, C)`` splits them): each chunk's time shared by its layers in
+    proportion to their training FLOPs, the head's counted in the last layer (as
+    :func:`flop_scaled_layer_costs` does). With C = L it returns the chunk times unchanged."""
+    from pipeline import PipelineLayout
+
+    L = cfg.model.num_layers
+    C = len(chunk_times["fwd_s"])
+    per_layer, head = layer_flops(cfg)
+    per_layer[-1] += head
+    layout = PipelineLayout(L, 1, C)
+    out = {"fwd_s": [0.0] * L, "bwd_s": [0.0] * L}
+    for c in range(C):
+        layers = list(layout.layer_range(c))
+        total = sum(per_layer[i] for i in layers)
+        for i in layers:
+            share = per_layer[i] / total if total else 1.0 / len(layers)
+            for key in out:
+                out[key][i] = chunk_times[key][c] * share
     return out
 
 
@@ -216,8 +251,11 @@ def format_table(rows: list[dict], title: str, unit: str = "ms") -> str:
 
 def run_predict(cfg: RunConfig, json_path: str | Path, costs_path: str | None = None,
                 k3_config: str | None = "configs/k3_full.yaml", link: LinkCost = H200_LINK,
-                steps: int = 3) -> dict:
+                steps: int = 3, layers_per_chunk: int = 1) -> dict:
     """Measure (or load) per-layer costs of ``cfg``, print and write the prediction tables."""
+    if costs_path and layers_per_chunk != 1:
+        raise UsageError(f"layers per chunk ({layers_per_chunk}) sets how costs are measured; with a costs json "
+                         f"({costs_path}) nothing is measured: drop one of the two")
     if costs_path:
         costs = json.loads(Path(costs_path).read_text())
         costs = costs.get("layer_costs", costs)     # a whole --predict report works too
@@ -227,12 +265,13 @@ def run_predict(cfg: RunConfig, json_path: str | Path, costs_path: str | None = 
                               f"each of {list(VARIANTS)}; missing or wrong length: {bad}")
         print(f"per-layer costs from {costs_path}")
     else:
-        costs = measure_layer_costs(cfg, steps)
+        costs = measure_layer_costs(cfg, steps, layers_per_chunk=layers_per_chunk)
     report = {"link": {"latency_s": link.latency_s, "bandwidth_Bps": link.bandwidth_Bps},
               "layer_costs": costs, "measured_config": {"num_layers": cfg.model.num_layers,
                                                          "hidden_size": cfg.model.hidden_size,
                                                          "seq_len": cfg.train.seq_len,
-                                                         "micro_batch_size": cfg.train.micro_batch_size}}
+                                                         "micro_batch_size": cfg.train.micro_batch_size,
+                                                         "layers_per_chunk": None if costs_path else layers_per_chunk}}
     report["table"] = predict_table(cfg, costs, link)
     print(format_table(report["table"], f"predicted from measured per-layer costs "
                                         f"(link {link.latency_s * 1e6:.0f} us + bytes / {link.bandwidth_Bps / 1e9:.0f} GB/s)"))

@@ -1,12 +1,13 @@
 """Per-op costs of the 2x H200 pipeline benchmark's model measured on ONE GPU, replayed by the
 timing model, next to the 2x H200 figures measured before the p2p fixes.
 
-    python scripts/bench/predict_pipeline.py --json OUT [--device cuda] [--steps 3] [--small] [key=value ...]
+    python scripts/bench/predict_pipeline.py --json OUT [--device cuda] [--steps 3] [--small]
+        [--layers-per-chunk K] [key=value ...]
 
 The model is scripts/bench/bench_pipeline.py's (hidden 2048, seq 4096, 16 layers KKKM, m=8).
-The engine runs eagerly at P = 1 with one layer per chunk, as the pipeline does, and its
-CommRecorder times every op (CUDA events). The prediction then covers P x V x m and K3's
-shapes (``k3train profile-pipeline --predict``). The PP=2 rows are printed beside the measured
+The engine runs eagerly at P = 1 with K layers per chunk (default 1; each chunk's time split
+over its layers by FLOPs), and its CommRecorder times every op (CUDA events). The prediction
+then covers P x V x m and K3's shapes (``k3train profile-pipeline --predict``). The PP=2 rows are printed beside the measured
 2x H200 figures (docs/pipeline_timing_model.md): if the eager per-op costs account for the
 measured steps, the remaining gap is the per-message host cost the p2p fix removes.
 """
@@ -26,6 +27,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--small", action="store_true", help="tiny widths: a CPU smoke run of the script")
+    ap.add_argument("--layers-per-chunk", type=int, default=1,
+                    help="time chunks of K layers (K divides 16), each split over its layers by FLOPs")
     ap.add_argument("overrides", nargs="*", metavar="key.sub=value",
                     help="extra config overrides, e.g. kernels.autotune=fixed on a fresh machine")
     args = ap.parse_args()
@@ -39,7 +42,7 @@ def main() -> None:
     cfg = load_config(str(ROOT / "configs/k3_tiny.yaml"),
                       [*BASE, *(SMALL if args.small else []), f"train.device={args.device}", *args.overrides])
     prepare_cuda_env(cfg)
-    report = run_predict(cfg, args.json, steps=args.steps)
+    report = run_predict(cfg, args.json, steps=args.steps, layers_per_chunk=args.layers_per_chunk)
     rows = {(r["P"], r["V"], r["m"]): r for r in report["table"]}
     print(f"\nPP=2 m=8 from one-GPU eager op costs, against 2x H200 measured (before the p2p fixes)")
     print(f"{'variant':<16}{'V':>3}{'predicted ms':>14}{'measured ms':>13}{'pred/meas':>11}")

@@ -117,3 +117,55 @@ def test_chunk_timing_compiles_ahead_without_recording_the_pass(monkeypatch):
     for kind in "FB":
         spans = [s for s in rec.compute if s.kind == kind]
         assert sorted((s.step, s.chunk) for s in spans) == sorted((st, c) for st in (0, 1) for c in (0, 1) for _ in range(2))
+
+
+@pytest.mark.parametrize("attnres", [True, False])
+def test_split_by_flops_keeps_chunk_sums_and_follows_layer_flops(attnres):
+    from k3train.pipeline_predict import split_by_flops
+
+    cfg = load_config("configs/k3_tiny.yaml", [*TINY, f"model.attnres.enabled={str(attnres).lower()}"])
+    L = cfg.model.num_layers
+    per_layer, head = layer_flops(cfg)
+    per_layer[-1] += head
+    # one chunk per layer: the measured times come back as they are
+    times = {"fwd_s": [0.1 * (i + 1) for i in range(L)], "bwd_s": [0.3 * (i + 1) for i in range(L)]}
+    assert split_by_flops(cfg, times) == times
+    # two chunks of L/2 layers: sums kept, shares by FLOPs (a hand loop over the layer FLOPs)
+    chunks = {"fwd_s": [2.0, 5.0], "bwd_s": [4.0, 11.0]}
+    out = split_by_flops(cfg, chunks)
+    half = L // 2
+    for key in chunks:
+        for c, layers in enumerate((range(half), range(half, L))):
+            assert sum(out[key][i] for i in layers) == pytest.approx(chunks[key][c], rel=1e-12)
+            total = sum(per_layer[i] for i in layers)
+            for i in layers:
+                assert out[key][i] == pytest.approx(chunks[key][c] * per_layer[i] / total, rel=1e-12)
+    assert out["fwd_s"][L - 1] / out["fwd_s"][half] == pytest.approx(per_layer[L - 1] / per_layer[half])
+
+
+def test_measure_layer_costs_times_chunks_of_k_layers(monkeypatch):
+    import k3train.pipeline_predict as pp
+
+    calls = []
+
+    def fake(cfg, num_chunks, steps=3):
+        calls.append((cfg.model.attnres.enabled, num_chunks))
+        return [1.0 + c for c in range(num_chunks)], [2.0 + c for c in range(num_chunks)]
+
+    monkeypatch.setattr(pp, "measure_chunk_times", fake)
+    cfg = load_config("configs/k3_tiny.yaml", TINY)
+    L = cfg.model.num_layers
+    costs = pp.measure_layer_costs(cfg, steps=1, progress=lambda msg: None, layers_per_chunk=L // 2)
+    assert calls == [(False, 2), (True, 2)]
+    for variant in VARIANTS:
+        assert len(costs[variant]["fwd_s"]) == L
+        assert sum(costs[variant]["fwd_s"][:L // 2]) == pytest.approx(1.0)
+        assert sum(costs[variant]["bwd_s"][L // 2:]) == pytest.approx(3.0)
+    with pytest.raises(UsageError, match="must divide model.num_layers"):
+        pp.measure_layer_costs(cfg, layers_per_chunk=3)
+
+
+def test_costs_json_with_layers_per_chunk_is_refused(tmp_path):
+    cfg = load_config("configs/k3_tiny.yaml", TINY)
+    with pytest.raises(UsageError, match="nothing is measured"):
+        run_predict(cfg, tmp_path / "r.json", costs_path=str(tmp_path / "c.json"), layers_per_chunk=2)
