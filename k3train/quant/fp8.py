@@ -11,12 +11,60 @@ run's ``Float8LinearConfig``, exactly as for a converted ``nn.Linear``.
 
 ``matmul_with_hp_or_float8_args`` is torchao-internal (stable from 0.10 to 0.18, the range the
 ``gpu`` extra allows); an import failure is reported as a usage error naming torchao.
+
+Every float8 linear (these hooks and the ``nn.Linear`` modules torchao converts) runs its
+product through :func:`float8_matmul`, which goes through ``torch.compile`` on CUDA when the
+fused pieces do (``kernels.compile``). Run eagerly, torchao's dynamic scaling is a string of
+separate kernels per GEMM operand (absolute value, max, scale, clamp, cast): on an H200 at the
+K3 slice's widths (docs/BENCHMARKS.md#fp8-at-the-slices-widths) about 620 ms of them per step
+made fp8 0.61x of bf16. Compiled, Inductor fuses them into a few kernels; torchao's float8
+speed-ups are stated for that mode. ``dynamic=True``: one graph serves every linear's shapes.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from k3train.errors import UsageError
+from moe.compile import compile_on_cuda
+
+
+def _float8_matmul_eager(x: torch.Tensor, weight_t: torch.Tensor, mm_config, config) -> torch.Tensor:
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+    return matmul_with_hp_or_float8_args.apply(x, weight_t, mm_config, config)
+
+
+# Every cast inside is explicit (the output takes x's dtype), so autocast is not a guard.
+float8_matmul = compile_on_cuda(_float8_matmul_eager, dynamic=True, outside_autocast=True)
+float8_matmul.__doc__ = """``(x [..., in], weight_t [in, out], mm_config, config) -> [..., out]``
+in x's dtype: torchao's float8 training matmul, compiled on CUDA when ``kernels.compile`` is on."""
+
+
+def _autocast_input(x: torch.Tensor) -> torch.Tensor:
+    # As Float8Linear.forward: under autocast the input enters in the autocast dtype, so the
+    # output (and its gradient) has the dtype a bf16 linear would give.
+    dev = x.device.type
+    return x.to(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else x
+
+
+@functools.cache
+def float8_linear_class():
+    """A subclass of torchao's ``Float8Linear`` (same parameters, same state dict) whose forward
+    goes through :func:`float8_matmul`; ``k3train.quant.recipes`` gives it to the modules
+    ``convert_to_float8_training`` made."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    class CompiledFloat8Linear(Float8Linear):
+        """``[..., in] -> [..., out]``: torchao's Float8Linear with its product through
+        ``float8_matmul`` (compiled on CUDA, see k3train.quant.fp8)."""
+
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            out = float8_matmul(_autocast_input(input), self.weight.t(), self.linear_mm_config, self.config)
+            return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    return CompiledFloat8Linear
 
 
 class Float8Matmul:
@@ -28,11 +76,10 @@ class Float8Matmul:
 
     def __init__(self, *, config):
         try:
-            from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
+            from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args  # noqa: F401
         except ImportError as exc:
             raise UsageError(f"precision.recipe=fp8 on tensor-parallel linears needs torchao's float8 "
                              f"training matmul (torchao 0.10-0.18, pip install -e \".[gpu]\"): {exc}") from None
-        self._apply = matmul_with_hp_or_float8_args.apply
         # The GEMM settings (fast accumulation, padding, emulation) as Float8Linear derives them
         # from the config; the shell's sizes do not enter them, and meta allocates nothing.
         with torch.device("meta"):
@@ -40,12 +87,7 @@ class Float8Matmul:
         self.config, self.mm_config = shell.config, shell.linear_mm_config
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # As Float8Linear.forward: under autocast the input enters in the autocast dtype, so the
-        # output (and its gradient) has the dtype a bf16 linear would give.
-        dev = x.device.type
-        if torch.is_autocast_enabled(dev):
-            x = x.to(torch.get_autocast_dtype(dev))
-        return self._apply(x, weight.t(), self.mm_config, self.config)
+        return float8_matmul(_autocast_input(x), weight.t(), self.mm_config, self.config)
 
     def __repr__(self) -> str:
         return f"Float8Matmul({self.config.cast_config_input.short_str()})"

@@ -166,13 +166,15 @@ def _apply_fp8(model: nn.Module, targets: dict[str, str], config=None, *, skip_u
     ``precision.scope`` naming one is an error)."""
     from torchao.float8 import convert_to_float8_training
 
-    from k3train.quant.fp8 import Float8Matmul
+    from torchao.float8.float8_linear import Float8Linear
+
+    from k3train.quant.fp8 import Float8Matmul, float8_linear_class
 
     config = config if config is not None else fp8_linear_config()
     linears, done = set(), []
     for name, local in targets.items():
         mod = model.get_submodule(local)
-        if type(mod).__name__ == "Float8Linear" or isinstance(getattr(mod, "quant", None), Float8Matmul):
+        if isinstance(mod, Float8Linear) or isinstance(getattr(mod, "quant", None), Float8Matmul):
             done.append(name)
             continue
         if isinstance(mod, GroupedExperts):
@@ -197,6 +199,9 @@ def _apply_fp8(model: nn.Module, targets: dict[str, str], config=None, *, skip_u
         done.append(name)
     if linears:
         convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn in linears, config=config)
+        for local in linears:
+            # The same parameters and state; only the forward changes (through float8_matmul).
+            model.get_submodule(local).__class__ = float8_linear_class()
     return done
 
 

@@ -19,7 +19,7 @@ from tests.k3train.test_train import SMALL
 float8 = pytest.importorskip("torchao.float8")
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 
-from k3train.quant.fp8 import Float8Matmul  # noqa: E402
+from k3train.quant.fp8 import Float8Matmul, _float8_matmul_eager, float8_linear_class  # noqa: E402
 
 # SMALL with every projection width a multiple of 16 (fp8 GEMMs need it): MLA's kv_down is
 # kv_lora_rank + qk_rope_head_dim wide.
@@ -50,8 +50,8 @@ def test_default_fp8_scope_covers_the_attention_projections(world1):
         mod = modules[name]
         if isinstance(mod, (ColumnLinear, RowLinear)):
             assert isinstance(mod.quant, Float8Matmul), name
-        else:
-            assert isinstance(mod, Float8Linear), name
+        else:  # torchao's module, with its product through k3train.quant.fp8.float8_matmul
+            assert type(mod) is float8_linear_class() and isinstance(mod, Float8Linear), name
     assert list(model.state_dict()) == names_before  # checkpoints keep their layout
     # The whole model's loss moves by float8 rounding only (measured: ~1e-3 relative).
     got = model(tokens[:, :-1], tokens[:, 1:]).item()
@@ -60,7 +60,7 @@ def test_default_fp8_scope_covers_the_attention_projections(world1):
     _apply_fp8(model, chosen, config=fp8_linear_config(emulate=True))  # idempotent
     modules = dict(model.named_modules())
     assert {n: getattr(modules[n], "quant", None) for n in chosen} == hooks
-    assert all(type(modules[n]) in (Float8Linear, ColumnLinear, RowLinear) for n in chosen)
+    assert all(type(modules[n]) in (float8_linear_class(), ColumnLinear, RowLinear) for n in chosen)
 
 
 @pytest.mark.parametrize("cls", [ColumnLinear, RowLinear])
@@ -108,3 +108,54 @@ def test_default_scope_skips_linears_fp8_cannot_run_an_explicit_scope_refuses(wo
 def _model_small():
     torch.manual_seed(0)
     return build_model(load_config("configs/k3_tiny.yaml", [*SMALL, "train.device=cpu"]))
+
+
+def test_converted_linear_computes_what_torchaos_float8linear_computes(world1):
+    """The class ``_apply_fp8`` gives converted ``nn.Linear`` modules changes only where the
+    product runs: forward, grad input and grad weight equal torchao's own Float8Linear's."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48, bias=True)
+    config = fp8_linear_config(emulate=True)
+    ref = Float8Linear.from_float(nn.Linear(64, 48, bias=True), config)
+    ref.load_state_dict(lin.state_dict())
+    ours = Float8Linear.from_float(lin, config)
+    ours.__class__ = float8_linear_class()
+    x = torch.randn(2, 16, 64)
+    xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    ys = [m(xi) for m, xi in zip((ours, ref), xs)]
+    g = torch.randn_like(ys[0])
+    for y in ys:
+        y.backward(g)
+    assert torch.equal(ys[0], ys[1]) and torch.equal(xs[0].grad, xs[1].grad)
+    assert torch.equal(ours.weight.grad, ref.weight.grad) and torch.equal(ours.bias.grad, ref.bias.grad)
+
+
+@pytest.mark.slow
+def test_compiled_float8_matmul_equals_eager_with_one_graph_for_every_shape():
+    """What ``float8_matmul`` runs on CUDA, compiled here for CPU tensors (Inductor's CPU
+    backend, float8 emulated): the fused scaling gives the eager result exactly, forward and
+    both gradients, and ``dynamic=True`` keeps one graph across the linears' shapes."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from moe.compile import compile_for
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = compile_for(_float8_matmul_eager, device_types=("cpu",), dynamic=True, outside_autocast=True)
+    config = fp8_linear_config(emulate=True)
+    with torch.device("meta"):
+        shell = Float8Linear(16, 16, bias=False, config=config)
+    torch.manual_seed(0)
+    for rows, d_in, d_out in ((32, 64, 48), (48, 128, 64), (16, 64, 96)):
+        x, w = torch.randn(2, rows, d_in), torch.randn(d_out, d_in)
+        outs = []
+        for fn in (compiled, _float8_matmul_eager):
+            xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+            y = fn(xi, wi.t(), shell.linear_mm_config, shell.config)
+            y.backward(torch.ones_like(y) * 0.01 + y.detach() * 1e-3)
+            outs.append((y.detach(), xi.grad, wi.grad))
+        for a, b in zip(*outs):
+            assert torch.equal(a, b)
+    # one graph for three shapes (Dynamo's count of graphs it compiled)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
