@@ -355,8 +355,9 @@ class KernelsConfig(_Strict):
     ``torch.baddbmm``."""
     compile: bool | Literal["auto"] = "auto"
     """``torch.compile`` of the small fused pieces on CUDA (RMSNorm x gate, SiTU-GLU, the MoE
-    combine, fp8's scaling and casts around each float8 GEMM): true, false, or auto: on, except in pipeline-parallel GPU runs, where Inductor loading kernels at
-    their first call inside step 1 can stall GPUs that wait on each other. ``K3TRAIN_COMPILE=0|1``
+    combine, fp8's scaling and casts around each float8 GEMM): true, false, or auto: on, except
+    in pipeline-parallel GPU runs, where Inductor loading kernels at their first call inside
+    step 1 can stall GPUs that wait on each other. ``K3TRAIN_COMPILE=0|1``
     overrides it."""
     autotune: Literal["full", "fixed"] = "full"
     """full: Triton's autotuners time every candidate (speed runs). fixed: one candidate per
