@@ -15,8 +15,8 @@ their parameters from the same seeded streams) and the same m = 8 microbatches:
 
 Timed: forward and backward of the m microbatches (gradients set to None before each step, no
 optimizer: it is the same for both). The runners of one residual variant step in turns, so
-drift hits them alike; each round starts at the next runner, so that none always steps first,
-and Python's garbage collector is held off while a step is timed. Each
+drift hits them alike; each round shuffles their order (seeded), so that none has a fixed
+place or predecessor, and Python's garbage collector is held off while a step is timed. Each
 runner's ratio to the plain step is taken round by round (the two steps of one turn) and
 summarised by its median and interquartile range over the rounds. A second plain runner,
 ``plain (A/A)``, takes its turn like the others: its ratio to the first is the noise floor of
@@ -37,6 +37,7 @@ import collections
 import gc
 import json
 import pstats
+import random
 import statistics
 import sys
 import time
@@ -107,12 +108,25 @@ def build_runners(cfg_for, vpps, device, parallel):
     return runners + [control]
 
 
+def round_orders(num_runners: int, rounds: int, seed: int = 0) -> list[list[int]]:
+    """The order the runners step in, per round: a seeded shuffle each round. A fixed order
+    gave the first runner of every round a slower step (on CPU the A/A control ran at 0.955 of
+    the plain step before it); starting each round at the next runner still kept every runner
+    behind the same predecessor, and on an H200 the control, nearly always right after the heaviest
+    runner (engine V=4), read 1.064. Shuffled, no runner has a fixed place or neighbour."""
+    rng = random.Random(seed)
+    orders = []
+    for _ in range(rounds):
+        order = list(range(num_runners))
+        rng.shuffle(order)
+        orders.append(order)
+    return orders
+
+
 def time_runners(runners, steps, device):
-    for i in range(steps + 2):       # two untimed steps: shapes agreed, kernels compiled/tuned
-        # Each round starts at the next runner: a fixed order gave the first runner of every
-        # round a slower step (on CPU the A/A control ran at 0.955 of the plain step before it).
-        k = i % len(runners)
-        for r in runners[k:] + runners[:k]:
+    for i, order in enumerate(round_orders(len(runners), steps + 2)):
+        # (the first two rounds are untimed: shapes agreed, kernels compiled and tuned)
+        for r in (runners[j] for j in order):
             if device.type == "cuda":
                 torch.cuda.synchronize()
             gc.collect()
