@@ -114,6 +114,18 @@ def test_grouped_fallbacks_and_init():
     assert a64(x.double(), counts).dtype == torch.float64
 
 
+def test_every_expert_shard_is_the_slice_of_the_whole_module():
+    """Holding all experts, init draws into the parameters directly; an EP shard draws the whole
+    set and keeps its slice. Both must give the same experts for the same seed."""
+    torch.manual_seed(5)
+    whole = GroupedExperts(6, 16, 24)
+    for lo, n in ((0, 3), (3, 3), (2, 2)):
+        torch.manual_seed(5)
+        shard = GroupedExperts(n, 16, 24, expert_offset=lo, total_experts=6)
+        for name in ("w_gate", "w_up", "w_down"):
+            assert torch.equal(getattr(shard, name), getattr(whole, name)[lo:lo + n]), (lo, name)
+
+
 def test_grouped_bf16_close_to_fp32():
     torch.manual_seed(0)
     experts = GroupedExperts(3, 16, 32)
