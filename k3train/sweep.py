@@ -11,11 +11,20 @@ An ablation file::
     variants:                      # ... or named override lists (instead of grid)
       - {name: off, overrides: [model.attnres.enabled=false]}
     seeds: [1, 2, 3]               # optional: every variant once per train.seed
+    tune: optim.lr                 # optional: a key the variants sweep as tuning, not as a factor
+    tune_metric: final_val_loss    # optional: what "best" means for it (default final_val_loss)
 
 With ``seeds`` (or ``k3train sweep FILE --seeds 1,2,3``, which replaces the file's list) each
 variant runs once per seed, in ``OUT/<variant>_seed-<S>/`` with ``train.seed=S`` (model
 initialisation and data order), and ``results.md`` gains a table over seeds: per variant, the
 mean and the sample standard deviation of each metric, with the number of seeds and tokens.
+
+With ``tune`` the variants that differ only in that key (a learning-rate sweep per optimizer,
+say) form one family, and ``results.md`` gains a table of each family at its best value of the
+key (by ``tune_metric``, over seeds when there are seeds: the lowest mean loss or MaxVio, the
+highest mean recall), with every value tried and whether the best one lies at the edge of the
+range tried (its optimum then not bracketed). That is matched tuning effort: each family
+compared at its own best setting.
 
 Variants run one after another in this process (``k3train.trainer.loop.train``), each in
 ``OUT/<variant>/``. A finished variant's directory holds ``DONE``, keyed by the variant's
@@ -54,6 +63,8 @@ COLUMNS = ("variant", "seed", "steps", "tokens", "final_train_loss", "final_val_
 # Columns averaged over seeds in the table over seeds (mean and sample standard deviation).
 SEED_METRICS = ("final_train_loss", "final_val_loss", "best_val_loss", "maxvio_running", "recall_acc",
                 "tokens_per_s")
+# What a tuned key can be chosen by; recall is best high, the others low.
+TUNE_METRICS = ("final_val_loss", "best_val_loss", "final_train_loss", "maxvio_running", "recall_acc")
 
 
 @dataclass
@@ -71,6 +82,8 @@ class Sweep:
     overrides: list[str]
     variants: list[Variant] = field(default_factory=list)
     seeds: list[int] | None = None
+    tune: str | None = None
+    tune_metric: str = "final_val_loss"
 
 
 def _value_text(value) -> str:
@@ -113,10 +126,10 @@ def load_sweep(path: str | Path) -> Sweep:
     if not path.is_file():
         raise ConfigError(f"ablation file '{path}' does not exist (configs/ablations/ lists the shipped ones)")
     spec = yaml.safe_load(path.read_text()) or {}
-    unknown = set(spec) - {"name", "base", "overrides", "grid", "variants", "seeds"}
+    unknown = set(spec) - {"name", "base", "overrides", "grid", "variants", "seeds", "tune", "tune_metric"}
     if unknown:
         raise ConfigError(f"{path}: unknown keys {sorted(unknown)}; allowed: name, base, overrides, grid, "
-                          f"variants, seeds")
+                          f"variants, seeds, tune, tune_metric")
     if "base" not in spec:
         raise ConfigError(f"{path}: 'base' (a run config such as configs/k3_tiny.yaml) is required")
     base = Path(spec["base"])
@@ -140,7 +153,13 @@ def load_sweep(path: str | Path) -> Sweep:
     if not isinstance(overrides, list):
         raise ConfigError(f"{path}: 'overrides' must be a list of key=value")
     seeds = check_seeds(spec["seeds"], f"{path}: 'seeds'") if spec.get("seeds") is not None else None
-    return Sweep(str(spec.get("name", path.stem)), base, [str(o) for o in overrides], found, seeds)
+    tune, metric = spec.get("tune"), spec.get("tune_metric", "final_val_loss")
+    if tune is not None and (not isinstance(tune, str) or not re.fullmatch(r"[A-Za-z_][\w.]*", tune)):
+        raise ConfigError(f"{path}: 'tune' must be one config key such as optim.lr, got {tune!r}")
+    if metric not in TUNE_METRICS:
+        raise ConfigError(f"{path}: 'tune_metric' must be one of {', '.join(TUNE_METRICS)}, got {metric!r}")
+    return Sweep(str(spec.get("name", path.stem)), base, [str(o) for o in overrides], found, seeds,
+                 tune, metric)
 
 
 def check_seeds(value, what: str = "seeds") -> list[int]:
@@ -292,6 +311,71 @@ def seed_table(rows: list[dict], variants: list[Variant]) -> list[dict]:
     return out
 
 
+def config_value(cfg: RunConfig, key: str):
+    """The value of dotted ``key`` (``optim.lr``) in a resolved run config."""
+    node = cfg
+    for i, part in enumerate(key.split(".")):
+        if not hasattr(node, part) or callable(getattr(node, part)):
+            where = ".".join(key.split(".")[:i]) or "the run config"
+            raise ConfigError(f"sweep 'tune: {key}' is not a config key ({where} has no '{part}')")
+        node = getattr(node, part)
+    return node
+
+
+def tuned_table(rows: list[dict], variants: list[Variant], tune: str, metric: str,
+                values: dict[str, object]) -> list[dict]:
+    """Each family (the variants whose overrides differ only in ``tune`` and the seed) at its
+    best value of ``tune`` by the mean of ``metric`` over seeds (highest recall, else lowest).
+
+    values: run name -> that run's value of ``tune``. Returns per family ``{"family", "best",
+    "mean", "std", "n", "at_edge", "tried": [(value, mean, n), ...]}``; ``at_edge`` says the best
+    value is the smallest or largest tried (None with one value or non-numeric values)."""
+    import statistics
+
+    prefix = (f"{tune}=", "train.seed=")
+    cells: dict[tuple, dict[object, list[float]]] = {}
+    for v, r in zip(variants, rows):
+        family = tuple(o for o in v.overrides if not o.startswith(prefix))
+        cell = cells.setdefault(family, {}).setdefault(values[v.name], [])
+        if r.get(metric) is not None:
+            cell.append(r[metric])
+    sign = -1.0 if metric == "recall_acc" else 1.0
+    out = []
+    for family, by_value in cells.items():
+        tried = [(val, statistics.fmean(xs), len(xs)) for val, xs in by_value.items() if xs]
+        if not tried:
+            continue
+        best, mean, n = min(tried, key=lambda t: sign * t[1])
+        xs = by_value[best]
+        numeric = all(isinstance(t[0], (int, float)) and not isinstance(t[0], bool) for t in tried)
+        edge = best in (min(t[0] for t in tried), max(t[0] for t in tried)) if numeric and len(tried) > 1 else None
+        out.append({"family": ", ".join(family) or "(base)", "best": best, "mean": mean,
+                    "std": statistics.stdev(xs) if len(xs) > 1 else 0.0, "n": n, "at_edge": edge,
+                    "tried": sorted(tried, key=lambda t: t[0]) if numeric else tried})
+    return out
+
+
+def _tuned_lines(table: list[dict], tune: str, metric: str, out: Path) -> list[str]:
+    """The markdown table of each family at its best ``tune``, and ``out/results_tuned.csv``."""
+    better = "higher" if metric == "recall_acc" else "lower"
+    with open(out / "results_tuned.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["family", f"best_{tune}", f"{metric}_mean", f"{metric}_std", "n", "at_edge", "tried"])
+        for r in table:
+            writer.writerow([r["family"], r["best"], r["mean"], r["std"], r["n"],
+                             "" if r["at_edge"] is None else r["at_edge"],
+                             "; ".join(f"{v}: {m!r} (n={k})" for v, m, k in r["tried"])])
+    lines = [f"## Each family at its best {tune} (by {metric}, {better} is better)", "",
+             f"| family | best {tune} | {metric} | n | at the edge of the range tried | tried ({tune}: mean) |",
+             "|---|---|---|---|---|---|"]
+    for r in table:
+        edge = {None: "", True: "yes: optimum not bracketed", False: "no"}[r["at_edge"]]
+        tried = ", ".join(f"{v}: {_fmt(m)}" for v, m, _ in r["tried"])
+        lines.append(f"| {r['family']} | {r['best']} | {_fmt(r['mean'])} ± {_fmt(r['std'])} | {r['n']} | "
+                     f"{edge} | {tried} |")
+    return [*lines, ""]
+
+
 def _fmt(value) -> str:
     if value is None:
         return ""
@@ -301,10 +385,13 @@ def _fmt(value) -> str:
 
 
 def write_results(rows: list[dict], out: Path, title: str,
-                  variants: list[Variant] | None = None, missing: list[str] = ()) -> tuple[Path, Path]:
+                  variants: list[Variant] | None = None, missing: list[str] = (),
+                  tune: tuple[str, str, dict] | None = None) -> tuple[Path, Path]:
     """``out/results.csv`` (full precision, empty cells for n/a) and ``out/results.md``; with
     seeded ``variants`` also ``out/results_seeds.csv`` and a table over seeds in results.md.
-    ``missing``: variants of the sweep without a row, named under the tables."""
+    ``missing``: variants of the sweep without a row, named under the tables. ``tune``: (key,
+    metric, run name -> value) adds each family at its best value (:func:`tuned_table`) and
+    ``out/results_tuned.csv``."""
     cols = [c for c in COLUMNS if c in ("variant", "steps") or any(r.get(c) is not None for r in rows)]
     csv_path, md_path = out / "results.csv", out / "results.md"
     with open(csv_path, "w", newline="") as f:
@@ -317,6 +404,9 @@ def write_results(rows: list[dict], out: Path, title: str,
                   "logged value (MoE runs); recall_acc: MQAR validation recall of the final checkpoint.", ""]
     if variants and any(v.seed is not None for v in variants):
         lines += _seed_lines(seed_table(rows, variants), out)
+    if variants and tune is not None:
+        key, metric, values = tune
+        lines += _tuned_lines(tuned_table(rows, variants, key, metric, values), key, metric, out)
     if missing:
         lines += [f"Not finished, so not in these tables ({len(missing)}): {', '.join(missing)}.", ""]
     md_path.write_text("\n".join(lines))
@@ -414,6 +504,7 @@ def run_sweep(path: str | Path, out: str | Path | None = None, extra: list[str] 
     seeds = check_seeds(seeds, "--seeds") if seeds is not None else None
     runs = _select(expand_seeds(sweep, seeds), only)
     configs = [(v, variant_config(sweep, v, list(extra))) for v in runs]  # fail before any training
+    tuned = {v.name: config_value(cfg, sweep.tune) for v, cfg in configs} if sweep.tune else None
     if dry_run:
         for v, cfg in configs:
             state = _done_state(out / v.name, cfg)
@@ -458,7 +549,8 @@ def run_sweep(path: str | Path, out: str | Path | None = None, extra: list[str] 
         out.mkdir(parents=True, exist_ok=True)
         tabulated = {r["variant"] for r in rows}
         md, _ = write_results(rows, out, sweep.name, [v for v, _ in configs][:len(rows)],
-                              missing=[v.name for v in runs if v.name not in tabulated])
+                              missing=[v.name for v in runs if v.name not in tabulated],
+                              tune=(sweep.tune, sweep.tune_metric, tuned) if sweep.tune else None)
         plot_loss_curves(curves, out / "loss_curves.png")
         print(f"[sweep] results: {md}, {out / 'results.csv'}, {out / 'loss_curves.png'}")
     return rows

@@ -244,3 +244,65 @@ def test_collect_tabulates_finished_variants_and_names_the_rest(tmp_path, monkey
     assert "Not finished, so not in these tables (1): name-muon_seed-1." in md
     with pytest.raises(Exception, match="no finished variant"):
         run_sweep(path, tmp_path / "empty", collect=True)
+
+
+def test_tune_tabulates_each_family_at_its_best_value(tmp_path, monkeypatch):
+    """``tune: optim.lr``: the variants that differ only in the learning rate form a family; the
+    table gives each at its best rate by the mean over seeds (checked against a hand computation
+    from the fake losses), says when the best rate is at the edge of those tried, and refuses a
+    key the config does not have before training anything."""
+    import json
+    import math
+    import statistics
+
+    def val_loss(name, lr, seed):  # adamw best at 1e-3 (inside the range), muon at 1e-2 (the edge)
+        best = 1e-3 if name == "adamw" else 1e-2
+        return 2.0 + abs(math.log10(lr / best)) + 0.05 * seed
+
+    trained = []
+
+    def fake_train(cfg, run_dir, resume=False):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        v = val_loss(cfg.optim.name, cfg.optim.lr, cfg.train.seed)
+        recs = [{"step": 1, "loss": v, "val_loss": v}]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        trained.append(run_dir.name)
+        return {"steps": 1}
+
+    monkeypatch.setattr(loop, "train", fake_train)
+    lrs = [1.0e-4, 1.0e-3, 1.0e-2]
+    path = _ablation(tmp_path, overrides=["train.steps=1"], tune="optim.lr",
+                     grid={"optim.name": ["adamw", "muon"], "optim.lr": lrs}, seeds=[1, 2])
+    out = tmp_path / "out"
+    run_sweep(path, out)
+    table = {r["family"]: r for r in csv.DictReader(open(out / "results_tuned.csv"))}
+    assert set(table) == {"optim.name=adamw", "optim.name=muon"}
+    for name, best, edge in (("adamw", 1e-3, "False"), ("muon", 1e-2, "True")):
+        row = table[f"optim.name={name}"]
+        want = [val_loss(name, best, s) for s in (1, 2)]
+        assert float(row["best_optim.lr"]) == best and row["at_edge"] == edge and row["n"] == "2"
+        assert float(row["final_val_loss_mean"]) == pytest.approx(statistics.fmean(want), abs=1e-12)
+        assert float(row["final_val_loss_std"]) == pytest.approx(statistics.stdev(want), abs=1e-12)
+        assert row["tried"].count("n=2") == len(lrs)
+    md = (out / "results.md").read_text()
+    assert "## Each family at its best optim.lr (by final_val_loss, lower is better)" in md
+    assert "yes: optimum not bracketed" in md
+
+    trained.clear()
+    bad = _ablation(tmp_path, overrides=["train.steps=1"], tune="optim.lrr", grid={"optim.lr": lrs})
+    with pytest.raises(ConfigError, match="'tune: optim.lrr' is not a config key"):
+        run_sweep(bad, tmp_path / "bad")
+    assert trained == []
+    for spec, match in (({"tune": ["optim.lr"]}, "'tune' must be one config key"),
+                        ({"tune": "optim.lr", "tune_metric": "speed"}, "'tune_metric' must be one of")):
+        with pytest.raises(ConfigError, match=match):
+            load_sweep(_ablation(tmp_path, grid={"optim.lr": lrs}, **spec))
+
+
+def test_tuned_table_picks_the_highest_recall():
+    from k3train.sweep import Variant, tuned_table
+
+    variants = [Variant(f"m_lr{i}", ["model.layer_pattern=M", f"optim.lr={lr}"]) for i, lr in enumerate((1, 2, 3))]
+    rows = [{"recall_acc": r} for r in (0.2, 0.9, 0.5)]
+    (row,) = tuned_table(rows, variants, "optim.lr", "recall_acc", {v.name: lr for v, lr in zip(variants, (1, 2, 3))})
+    assert (row["family"], row["best"], row["mean"], row["at_edge"]) == ("model.layer_pattern=M", 2, 0.9, False)
