@@ -10,6 +10,8 @@ stored activations of one microbatch (what tells a wrong per-op count from a pea
 elsewhere). Prints a table and writes JSON to ``--json``.
 
     python scripts/bench/bench_memory_plan.py --json OUT.json [--config configs/k3_mini.yaml] [--timeline] [key=value ...]
+    python scripts/bench/bench_memory_plan.py --device cpu --config configs/k3_tiny.yaml --modes selective,full \
+        --json OUT.json train.microbatches=3 train.micro_batch_size=4 train.seq_len=128     # ~3 min on 2 cores
 
 ``--timeline`` profiles one more step per mode with torch.profiler's memory timeline
 (scripts/bench/memory_timeline.py) and prints where its peak is: the phase of the step
@@ -85,6 +87,37 @@ def measure(config: str, overrides: list[str], mode: str, steps: int, timeline: 
     return row
 
 
+def measure_cpu(config: str, overrides: list[str], mode: str) -> dict:
+    """The same comparison on the CPU, where no allocator counts peaks: the measured peak is the
+    memory timeline's (the profiler's exact total of live CPU tensors) over step 2, against the
+    planner's torch-form, fp32 total (``ops=torch``, 4 bytes per activation)."""
+    from memory_timeline import format_peak, profile_peak
+
+    from k3train.config import load_config
+    from k3train.distributed import init_distributed
+    from k3train.model.memory_plan import GiB, plan_memory
+    from k3train.trainer.state import TrainState
+
+    cfg = load_config(config, [*DEFAULTS, "train.device=cpu", *overrides, f"train.recompute={mode}"])
+    device = torch.device("cpu")
+    torch.manual_seed(0)
+    state = TrainState(cfg, init_distributed(device="cpu"), device)
+    t = cfg.train
+    batch = torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size * t.microbatches, t.seq_len + 1))
+    t0 = time.perf_counter()
+    state.train_step(batch)                       # step 1: optimizer state appears
+    where = profile_peak(lambda: state.train_step(batch), device)
+    print(f"{mode}: {format_peak(where, 2 ** 20, 'MiB')}", flush=True)
+    plan = plan_memory(cfg, ops="torch", act_bytes=4)[0]
+    row = {"mode": mode, "measured_gib": where["peak_bytes"] / GiB, "predicted_gib": plan.total(mode, False) / GiB,
+           "params_gib": plan.params / GiB, "grads_gib": plan.grads / GiB, "optimizer_gib": plan.optimizer / GiB,
+           "activations_gib": plan.peak_activations[mode] / GiB, "moe_buffers_gib": plan.moe_buffers / GiB,
+           "stored_at_backward_gib": None, "predicted_stored_gib": plan.activations[mode] / GiB,
+           "seconds": time.perf_counter() - t0, "timeline_peak": where}
+    row["ratio"] = row["measured_gib"] / row["predicted_gib"]
+    return row
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/k3_mini.yaml")
@@ -93,14 +126,18 @@ def main() -> int:
     ap.add_argument("--modes", default="none,selective,full")
     ap.add_argument("--timeline", action="store_true",
                     help="profile one more step per mode and print where its memory peak is")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu: the measured peak is the memory timeline's (the torch-form model in fp32)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_memory_plan needs a CUDA GPU", file=sys.stderr)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_memory_plan: no CUDA GPU here; --device cpu compares the planner with the CPU's "
+              "memory timeline instead", file=sys.stderr)
         return 2
     rows = []
     for mode in args.modes.split(","):
-        rows.append(measure(args.config, args.overrides, mode, args.steps, timeline=args.timeline))
+        rows.append(measure_cpu(args.config, args.overrides, mode) if args.device == "cpu" else
+                    measure(args.config, args.overrides, mode, args.steps, timeline=args.timeline))
         r = rows[-1]
         print(f"{mode}: measured {r['measured_gib']:.2f} GiB, predicted {r['predicted_gib']:.2f} GiB "
               f"({r['seconds']:.0f} s)", flush=True)
@@ -114,7 +151,7 @@ def main() -> int:
     print("stored: allocated when the first microbatch's backward reaches the head, over the step's "
           "start (one microbatch's kept activations, logits included), against the planner's")
     save_json(args.json, {"config": args.config, "overrides": args.overrides,
-                          "gpu": torch.cuda.get_device_name(), "rows": rows})
+                          "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "rows": rows})
     return 0 if all(0.85 <= r["ratio"] <= 1.15 for r in rows) else 1
 
 
