@@ -115,12 +115,7 @@ def round_orders(num_runners: int, rounds: int, seed: int = 0) -> list[list[int]
     behind the same predecessor, and on an H200 the control, nearly always right after the heaviest
     runner (engine V=4), read 1.064. Shuffled, no runner has a fixed place or neighbour."""
     rng = random.Random(seed)
-    orders = []
-    for _ in range(rounds):
-        order = list(range(num_runners))
-        rng.shuffle(order)
-        orders.append(order)
-    return orders
+    return [rng.sample(range(num_runners), num_runners) for _ in range(rounds)]
 
 
 def time_runners(runners, steps, device):

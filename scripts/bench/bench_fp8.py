@@ -70,10 +70,8 @@ def profile_step(state, batch, device: torch.device, rows: int) -> list[dict]:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
         state.train_step(batch)
-    dev = device.type == "cuda"
-    events = [e for e in prof.key_averages() if (e.self_device_time_total if dev else e.self_cpu_time_total) > 0]
-    key = (lambda e: e.self_device_time_total) if dev else (lambda e: e.self_cpu_time_total)
-    events.sort(key=key, reverse=True)
+    key = (lambda e: e.self_device_time_total) if device.type == "cuda" else (lambda e: e.self_cpu_time_total)
+    events = sorted((e for e in prof.key_averages() if key(e) > 0), key=key, reverse=True)
     total = sum(key(e) for e in events) / 1e3
     return [{"name": "total self time", "ms": total, "calls": None}] + [
         {"name": e.key, "ms": key(e) / 1e3, "calls": e.count} for e in events[:rows]]

@@ -37,11 +37,24 @@ DEFAULTS = ["train.device=cuda", "train.cuda_graph=false", "kernels.compile=fals
             "kernels.autotune=fixed", "train.compile_ahead=true"]
 
 
+def _row(mode: str, peak: float, plan, *, stored: float | None, **extra) -> dict:
+    """One table row: the measured peak and stored bytes against the planner's ``plan`` (GiB)."""
+    from k3train.model.memory_plan import GiB
+
+    row = {"mode": mode, "measured_gib": peak / GiB, "predicted_gib": plan.total(mode, False) / GiB,
+           "params_gib": plan.params / GiB, "grads_gib": plan.grads / GiB, "optimizer_gib": plan.optimizer / GiB,
+           "activations_gib": plan.peak_activations[mode] / GiB, "moe_buffers_gib": plan.moe_buffers / GiB,
+           "stored_at_backward_gib": None if stored is None else stored / GiB,
+           "predicted_stored_gib": plan.activations[mode] / GiB, **extra}
+    row["ratio"] = row["measured_gib"] / row["predicted_gib"]
+    return row
+
+
 def measure(config: str, overrides: list[str], mode: str, steps: int, timeline: bool = False) -> dict:
     from k3train import kernels
     from k3train.config import load_config
     from k3train.distributed import init_distributed
-    from k3train.model.memory_plan import GiB, plan_memory
+    from k3train.model.memory_plan import plan_memory
     from k3train.trainer.state import TrainState
 
     cfg = load_config(config, [*DEFAULTS, *overrides, f"train.recompute={mode}"])
@@ -73,14 +86,9 @@ def measure(config: str, overrides: list[str], mode: str, steps: int, timeline: 
         where = profile_peak(lambda: state.train_step(batch), device)
         print(f"{mode}: {format_peak(where)}", flush=True)
     ops = "fused-eager" if cfg.kernels.compile is False else "fused"
-    plan = plan_memory(cfg, ops=ops, act_bytes=2)[0]
-    row = {"mode": mode, "measured_gib": peak / GiB, "predicted_gib": plan.total(mode, False) / GiB,
-           "params_gib": plan.params / GiB, "grads_gib": plan.grads / GiB, "optimizer_gib": plan.optimizer / GiB,
-           "activations_gib": plan.peak_activations[mode] / GiB, "moe_buffers_gib": plan.moe_buffers / GiB,
-           "stored_at_backward_gib": (at_backward[0] - base) / GiB if at_backward else None,
-           "predicted_stored_gib": plan.activations[mode] / GiB,
-           "losses": losses, "seconds": time.perf_counter() - t0, "timeline_peak": where}
-    row["ratio"] = row["measured_gib"] / row["predicted_gib"]
+    row = _row(mode, peak, plan_memory(cfg, ops=ops, act_bytes=2)[0],
+               stored=at_backward[0] - base if at_backward else None, seconds=time.perf_counter() - t0,
+               losses=losses, timeline_peak=where)
     del state
     gc.collect()
     torch.cuda.empty_cache()
@@ -95,7 +103,7 @@ def measure_cpu(config: str, overrides: list[str], mode: str) -> dict:
 
     from k3train.config import load_config
     from k3train.distributed import init_distributed
-    from k3train.model.memory_plan import GiB, plan_memory
+    from k3train.model.memory_plan import plan_memory
     from k3train.trainer.state import TrainState
 
     cfg = load_config(config, [*DEFAULTS, "train.device=cpu", *overrides, f"train.recompute={mode}"])
@@ -108,14 +116,8 @@ def measure_cpu(config: str, overrides: list[str], mode: str) -> dict:
     state.train_step(batch)                       # step 1: optimizer state appears
     where = profile_peak(lambda: state.train_step(batch), device)
     print(f"{mode}: {format_peak(where, 2 ** 20, 'MiB')}", flush=True)
-    plan = plan_memory(cfg, ops="torch", act_bytes=4)[0]
-    row = {"mode": mode, "measured_gib": where["peak_bytes"] / GiB, "predicted_gib": plan.total(mode, False) / GiB,
-           "params_gib": plan.params / GiB, "grads_gib": plan.grads / GiB, "optimizer_gib": plan.optimizer / GiB,
-           "activations_gib": plan.peak_activations[mode] / GiB, "moe_buffers_gib": plan.moe_buffers / GiB,
-           "stored_at_backward_gib": None, "predicted_stored_gib": plan.activations[mode] / GiB,
-           "seconds": time.perf_counter() - t0, "timeline_peak": where}
-    row["ratio"] = row["measured_gib"] / row["predicted_gib"]
-    return row
+    return _row(mode, where["peak_bytes"], plan_memory(cfg, ops="torch", act_bytes=4)[0], stored=None,
+                seconds=time.perf_counter() - t0, timeline_peak=where)
 
 
 def main() -> int:

@@ -47,9 +47,9 @@ def profile_peak(fn, device: torch.device, frames: int = 12) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     timeline = MemoryProfileTimeline(prof._memory_profile())
-    dev = torch.device(device.type, device.index if device.index is not None else
-                       (torch.cuda.current_device() if device.type == "cuda" else None))
-    times, sizes = timeline._coalesce_timeline(dev)       # times in us; sizes [T][1 + categories]
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    times, sizes = timeline._coalesce_timeline(device)       # times in us; sizes [T][1 + categories]
     if not times:
         return {"peak_bytes": 0, "categories": {}, "phase": "other", "at": [], "fraction": None}
     totals = [sum(row) for row in sizes]
