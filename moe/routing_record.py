@@ -32,7 +32,8 @@ class RoutingRecord:
     last_tokens_per_expert: ``[E_local]`` int64 rows each local expert got in the last forward.
     last_dropped: 0-dim int64 slots the dispatcher dropped on this rank in the last forward, or
         None for dispatchers that never drop.
-    aux_loss: scalar balance loss of the last forward, in the autograd graph, or None.
+    aux_loss: scalar balance loss of the last forward, or None; in the autograd graph until
+        the model's layer takes it (``take_aux_loss``), detached after.
     step: routing of each training forward since ``clear`` (detached).
     step_dropped: 0-dim int64 dropped slots of each training forward since ``clear`` (only for
         dispatchers that drop).
@@ -56,6 +57,17 @@ class RoutingRecord:
             self.step.append(self.last)
             if dropped is not None:
                 self.step_dropped.append(dropped)
+
+    def take_aux_loss(self) -> torch.Tensor | None:
+        """The last forward's balance loss in the autograd graph, for the layer to attach to its
+        output; the record keeps only a detached copy. Why: a graph kept past the step holds
+        every upstream parameter's gradient accumulator, bound to the stream of the step that
+        made it, and a CUDA-graph capture after eager warm-up steps then fails in backward
+        (cudaErrorStreamCaptureImplicit, seen with ``balancing: aux_loss`` on an H200)."""
+        aux = self.aux_loss
+        if aux is not None:
+            self.aux_loss = aux.detach()
+        return aux
 
     def clear(self) -> None:
         """Start a new step (the trainer calls it after each step)."""

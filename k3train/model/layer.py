@@ -58,9 +58,10 @@ class K3Layer(nn.Module):
 
     def _ffn(self, h: torch.Tensor) -> torch.Tensor:
         y = self.ffn(self.ffn_norm(h))
-        # The MoE balance loss of this forward (``balancing: aux_loss``), read from the layer's
-        # routing record; dense FFNs have none.
-        aux = self.ffn.routing.aux_loss if isinstance(self.ffn, LatentMoE) else None
+        # The MoE balance loss of this forward (``balancing: aux_loss``), taken from the layer's
+        # routing record (which keeps it detached, so no graph outlives the step); dense FFNs
+        # have none.
+        aux = self.ffn.routing.take_aux_loss() if isinstance(self.ffn, LatentMoE) else None
         if aux is not None and torch.is_grad_enabled():
             y = AuxLossAttach.apply(y, aux, self.aux_grad_scale)
         return y
