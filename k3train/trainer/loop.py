@@ -29,7 +29,6 @@ from k3train.trainer.run_dir import decided_on_rank0, load_error, plan_run_dir
 from k3train.trainer.state import TrainState
 from k3train.trainer.state_io import load_rank_state, rank_state
 from k3train.trainer.stop import stop_agreed
-from optim import apply_lr, lr_factor
 
 
 def parallel_coords() -> dict:
@@ -227,12 +226,9 @@ def _train(cfg: RunConfig, run_dir: str | Path, resume: bool, stop_at: int | Non
     summary: dict = {"first_loss": None, "last_loss": None, "val_loss": None, "steps": start_step,
                      "stopped_by_signal": False}
     skips, window_tokens, window_start = 0, 0, time.perf_counter()
-    warmup = min(cfg.optim.warmup_steps, cfg.train.steps)  # a short run (train.steps=5) keeps working
     with _SignalGuard() as guard:
         for step in range(start_step + 1, last_step + 1):
-            lr = cfg.optim.lr * lr_factor(step - 1, cfg.train.steps, warmup,
-                                          cfg.optim.schedule, cfg.optim.min_lr_ratio)
-            apply_lr(state.optimizer, lr / cfg.optim.lr)
+            lr = state.schedule_lr(step)
             faults.maybe_crash(step)
             out = state.train_step(next(data.train), poison=faults.active("nan", step))
             skips = 0 if out["finite"] else skips + 1

@@ -17,7 +17,7 @@ from k3train.trainer.moe_stats import MoEStats
 from k3train.trainer.optimizer import build_k3_optimizer
 from k3train.trainer.parts import build_parts
 from moe import Balancer
-from optim import DataParallelGrads, GradGroups
+from optim import DataParallelGrads, GradGroups, apply_lr, lr_factor
 from optim.grads import allreduce_mean
 from pipeline import CommRecorder
 
@@ -102,6 +102,18 @@ class TrainState:
         counts = {k: sum(c[k] for c in per_chunk) for k in ("total", "activated")}
         return (f"{counts['total'] / 1e6:.2f}M parameters on this rank "
                 f"({counts['activated'] / 1e6:.2f}M activated per token), optimizer {self.cfg.optim.name}")
+
+    def schedule_lr(self, step: int) -> float:
+        """Sets the optimizer's learning rate for training step ``step`` (1-based) as the config
+        schedules it (``optim.lr``, ``optim.schedule`` with ``optim.warmup_steps`` over
+        ``train.steps``) and returns it. ``train_step`` leaves the rate alone: the trainer's
+        loop calls this before every step, and so must anything else that trains (a benchmark
+        that skips it trains at the full rate from step 1, with no warm-up)."""
+        o, steps = self.cfg.optim, self.cfg.train.steps
+        # min(): a short run (train.steps=5) with the default warm-up keeps working.
+        factor = lr_factor(step - 1, steps, min(o.warmup_steps, steps), o.schedule, o.min_lr_ratio)
+        apply_lr(self.optimizer, factor)
+        return o.lr * factor
 
     def train_step(self, batch: torch.Tensor, poison: bool = False) -> dict:
         """batch: LongTensor [micro_batch_size * microbatches, seq_len + 1] for this DP rank.

@@ -50,9 +50,11 @@ WIDE = ["model.hidden_size=2048", "model.num_layers=4", "model.dense_layers=1", 
         "moe.num_shared_experts=1", "moe.shared_ffn_size=8192",
         "train.seq_len=2048", "train.micro_batch_size=4", "optim.name=adamw"]
 # configs/k3_slice.yaml at issue 22's fp8 measurement: 32 experts top-1, AdamW, 4 x 4096 tokens.
-# AdamW at a 7168-wide model's rate (the yaml's 2e-3 is Muon's): at 2e-3 with its 2 warm-up
-# steps both recipes went from loss 7.1 to 62 at step 2 on an H200, and a loss comparison after
-# a divergence says nothing about fp8.
+# AdamW at a 7168-wide model's rate (the yaml's 2e-3 is Muon's), warmed up over 5 steps. Until
+# 2026-12-02 this script never applied the schedule (the trainer's loop does, TrainState.train_step
+# does not), so every step ran at the full rate: AdamW's first step at full rate took both recipes
+# from loss 7.1 to 28 (2.2e-4) or 62 (2e-3) at step 2 on an H200, reproduced on the CPU at the
+# same width; a loss comparison after that jump says little about fp8.
 SLICE = ["moe.topk=1", "optim.name=adamw", "optim.lr=2.2e-4", "optim.warmup_steps=5",
          "train.micro_batch_size=1", "train.microbatches=4", "train.seq_len=4096", "train.cuda_graph=false"]
 SMALL = ["model.hidden_size=64", "model.num_layers=4", "model.kda.num_heads=2", "model.kda.head_dim=32",
@@ -95,8 +97,9 @@ def run_recipe(recipe: str, args, device: torch.device) -> dict:
     state.compile_kernels()  # Triton kernels and autotune candidates in parallel, before step 1
     data = build_data(cfg, 0, 1)
     losses, times = [], []
-    for _ in range(args.steps):
+    for step in range(1, args.steps + 1):
         batch = next(data.train)
+        state.schedule_lr(step)  # the config's warm-up, as the trainer applies it
         t0 = time.perf_counter()
         out = state.train_step(batch)  # ends with .item(): the step is finished on the device
         times.append(time.perf_counter() - t0)

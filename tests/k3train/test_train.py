@@ -205,3 +205,29 @@ def test_clip_applies_exactly_when_the_norm_exceeds_the_limit(world1):
     tight, _ = _one_step_params([f"train.grad_clip={norm / 100}"])
     assert all(torch.equal(a, b) for a, b in zip(off, loose))
     assert any(not torch.equal(a, b) for a, b in zip(off, tight))
+
+
+def test_schedule_lr_warms_up_then_decays_every_group(world1):
+    """TrainState.schedule_lr (what the loop and the benchmarks call before a step) against the
+    schedule written out: linear warm-up (step / warmup), then cosine to min_lr_ratio, on every
+    optimizer group (Muon's and AdamW's) relative to that group's own base rate."""
+    import math
+
+    from k3train.distributed import init_distributed
+    from k3train.trainer.state import TrainState
+
+    cfg = _cfg("optim.name=muon", "optim.lr=1e-3", "optim.warmup_steps=4", "train.steps=12",
+               "optim.schedule=cosine", "optim.min_lr_ratio=0.1")
+    state = TrainState(cfg, init_distributed(device="cpu"), torch.device("cpu"))
+    groups = state.optimizer.param_groups
+    base = [g["lr"] for g in groups]
+    assert len(groups) >= 2
+    for step in range(1, 13):
+        if step <= 4:
+            factor = step / 4
+        else:
+            t = (step - 4) / (12 - 4)
+            factor = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+        assert state.schedule_lr(step) == pytest.approx(1e-3 * factor)
+        for g, b in zip(groups, base):
+            assert g["lr"] == pytest.approx(b * factor), step
