@@ -35,7 +35,7 @@ and tabulates just those variants; ``--collect`` trains nothing and tabulates th
 (run directories brought back from other machines, even without their checkpoints), naming the
 rest; ``--jobs N`` trains N variants at once, each in a
 ``k3train sweep --only NAME`` subprocess (small models share one GPU well), then tabulates. Results go to ``OUT/results.md``,
-``OUT/results.csv`` and ``OUT/loss_curves.png``.
+``OUT/results.csv``, ``OUT/loss_curves.png`` and, for MoE runs, ``OUT/maxvio_curves.png``.
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ import yaml
 
 from k3train.config import ConfigError, RunConfig, load_config
 from k3train.errors import RunDirError
-from k3train.plots import plot_loss_curves, read_metrics
+from k3train.plots import plot_loss_curves, plot_metric_curves, read_metrics
 
 __all__ = ["Sweep", "Variant", "load_sweep", "run_sweep", "collect_result", "write_results"]
 
@@ -552,5 +552,10 @@ def run_sweep(path: str | Path, out: str | Path | None = None, extra: list[str] 
                               missing=[v.name for v in runs if v.name not in tabulated],
                               tune=(sweep.tune, sweep.tune_metric, tuned) if sweep.tune else None)
         plot_loss_curves(curves, out / "loss_curves.png")
-        print(f"[sweep] results: {md}, {out / 'results.csv'}, {out / 'loss_curves.png'}")
+        # MoE runs: the balance over training, not only its last value (the table's maxvio_running).
+        maxvio = plot_metric_curves(curves, "moe/maxvio", out / "maxvio_curves.png", log_y=True,
+                                    title="MoE MaxVio per logged step (mean over MoE layers)",
+                                    ylabel="MaxVio (max load / mean load - 1)")
+        print(f"[sweep] results: {md}, {out / 'results.csv'}, {out / 'loss_curves.png'}"
+              + (f", {maxvio}" if maxvio else ""))
     return rows

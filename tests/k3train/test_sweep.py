@@ -40,6 +40,7 @@ def test_sweep_runs_tabulates_and_skips_finished_variants(tmp_path, monkeypatch)
     assert "| source-mqar | 1234 | 6 | 768 |" in md and "best_val_loss" in md  # variant, seed, steps, tokens
     png = (out / "loss_curves.png").read_bytes()
     assert png[:8] == PNG and len(png) > 1000
+    assert (out / "maxvio_curves.png").read_bytes()[:8] == PNG  # MoE runs: balance over training
     cfg = yaml.safe_load((out / "source-mqar" / "config.yaml").read_text())
     assert cfg["logging"]["wandb"]["group"] == "unit" and cfg["logging"]["wandb"]["name"] == "source-mqar"
 
