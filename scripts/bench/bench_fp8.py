@@ -50,12 +50,13 @@ WIDE = ["model.hidden_size=2048", "model.num_layers=4", "model.dense_layers=1", 
         "moe.num_shared_experts=1", "moe.shared_ffn_size=8192",
         "train.seq_len=2048", "train.micro_batch_size=4", "optim.name=adamw"]
 # configs/k3_slice.yaml at issue 22's fp8 measurement: 32 experts top-1, AdamW, 4 x 4096 tokens.
-# AdamW at a 7168-wide model's rate (the yaml's 2e-3 is Muon's), warmed up over 5 steps. Until
-# 2026-12-02 this script never applied the schedule (the trainer's loop does, TrainState.train_step
-# does not), so every step ran at the full rate: AdamW's first step at full rate took both recipes
-# from loss 7.1 to 28 (2.2e-4) or 62 (2e-3) at step 2 on an H200, reproduced on the CPU at the
-# same width; a loss comparison after that jump says little about fp8.
-SLICE = ["moe.topk=1", "optim.name=adamw", "optim.lr=2.2e-4", "optim.warmup_steps=5",
+# AdamW at a rate that trains the 7168-wide model stably with 16K-token updates, warmed up over
+# 5 steps (the yaml's 2e-3 is Muon's). Until 2026-12-02 this script never applied the schedule
+# (the trainer's loop does, TrainState.train_step does not), so every step ran at the full rate:
+# both recipes jumped from loss 7.1 to 28 (2.2e-4) or 62 (2e-3) at step 2 on an H200. On the CPU
+# at the same width (2 layers, 24 heads, 4 experts, 256 tokens), with the warm-up applied,
+# 2.2e-4 still climbed to 13 by step 5; 3e-5 fell from 7.4 to 4.6-4.9 over 8 steps.
+SLICE = ["moe.topk=1", "optim.name=adamw", "optim.lr=3e-5", "optim.warmup_steps=5",
          "train.micro_batch_size=1", "train.microbatches=4", "train.seq_len=4096", "train.cuda_graph=false"]
 SMALL = ["model.hidden_size=64", "model.num_layers=4", "model.kda.num_heads=2", "model.kda.head_dim=32",
          "model.mla.num_heads=2", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=32",
