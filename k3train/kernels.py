@@ -157,6 +157,26 @@ def autotune_bench_ms() -> float:
     return _REGISTRY.settings().autotune_bench_ms
 
 
+def autotune_picks_spec() -> str:
+    """``kernels.autotune_picks``: ``auto``, ``none`` or the path of a picks file."""
+    return _REGISTRY.settings().autotune_picks
+
+
+def check_autotune_picks(spec: str) -> None:
+    """Refuse a ``kernels.autotune_picks`` path that is no picks file, in one line."""
+    if spec in ("auto", "none"):
+        return
+    from k3train.ops.autotune_picks import read_picks
+
+    if not Path(spec).is_file():
+        raise KernelChoiceError(f"kernels.autotune_picks={spec!r}: no such file; allowed: auto, none, or the "
+                                "path of a picks file (a full-autotune run writes RUN_DIR/autotune_picks.json)")
+    try:
+        read_picks(spec)
+    except ValueError as exc:
+        raise KernelChoiceError(str(exc)) from None
+
+
 def resolved(device: torch.device | str) -> dict:
     """Every family's backend on ``device``, the compile switch and the autotune mode, plus the
     config values and overrides they came from: what ``RUN_DIR/kernels.json`` records."""
@@ -165,8 +185,17 @@ def resolved(device: torch.device | str) -> dict:
     return {"device": torch.device(device).type,
             "families": {f: backend(f, device) for f in FAMILIES},
             "compile": compile_enabled(device), "autotune": s.autotune,
-            "autotune_bench_ms": s.autotune_bench_ms,
+            "autotune_bench_ms": s.autotune_bench_ms, "autotune_picks": _picks_in_force(s, device),
             "requested": s.model_dump(), "env_overrides": overrides}
+
+
+def _picks_in_force(s: KernelsConfig, device) -> str | None:
+    """The picks file a full-autotune CUDA run reads (None: every kernel is tuned)."""
+    if torch.device(device).type != "cuda" or s.autotune != "full":
+        return None
+    from k3train.ops.autotune_picks import source
+
+    return source(s.autotune_picks)
 
 
 def _push_to_packages(device_type: str = "cuda") -> None:
@@ -196,6 +225,7 @@ def apply(cfg, *, pipeline_gpu: bool | None = None) -> None:
         # Validate every choice as CUDA would see it, now, rather than at a kernel's first call.
         for family in FAMILIES:
             _resolve(family, _REGISTRY.settings(), "cuda")
+        check_autotune_picks(_REGISTRY.settings().autotune_picks)
         _push_to_packages()
     except Exception:
         _REGISTRY.cfg, _REGISTRY.pipeline_gpu = previous

@@ -363,6 +363,12 @@ class KernelsConfig(_Strict):
     """full: Triton's autotuners time every candidate (speed runs). fixed: one candidate per
     autotuned kernel, the one with the smallest tiles (correctness runs that should not wait for
     tuning; never for speed figures). ``K3TRAIN_AUTOTUNE`` overrides it."""
+    autotune_picks: str = "auto"
+    """Under ``full``: where recorded autotune choices come from, so that a fresh machine compiles
+    and runs only the chosen candidate of each kernel (``k3train/ops/autotune_picks.py``).
+    auto: the project's file for this GPU model, ``k3train/ops/autotune_data/<gpu>.json``, where
+    one ships; none: tune every kernel; or the path of a picks file (every full-autotune run
+    writes its own, ``RUN_DIR/autotune_picks.json``). A launch the file does not cover is tuned."""
     autotune_bench_ms: float = Field(default=25.0, ge=0.0)
     """Under ``full``: how long each candidate is timed, in ms (its warm-up is a fifth of that),
     where Triton's default is 100 ms after a 25 ms warm-up. Step 1 of a fresh run tunes about

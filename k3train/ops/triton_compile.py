@@ -14,6 +14,8 @@ compiling before its first step.
   the compiled kernels sit in the in-process and on-disk Triton caches, and the real run only
   benchmarks the candidates (milliseconds each) and goes. Where an earlier run's autotune
   result is on disk (Triton's ``cache_results``, on in fla), only the chosen candidate compiles.
+* Where this GPU model's autotune picks are known (``kernels.autotune_picks``; see
+  ``k3train.ops.autotune_picks``), only the picked candidate compiles and nothing is timed.
 * ``kernels.autotune=fixed`` (the run's config) keeps one candidate per autotuned kernel: the one with the
   smallest tiles, fewest stages and warps, which fits every shape's shared memory. For
   correctness runs, where kernel speed does not matter. ``full`` (default) leaves the
@@ -67,6 +69,7 @@ def configure_autotune() -> str:
     after the call; the patch asks ``k3train.kernels.autotune_mode()`` at each pruning, so the
     run's config decides (``full`` leaves the candidates as their authors set them)."""
     from k3train import kernels
+    from k3train.ops import autotune_picks
 
     mods = _triton()
     if mods is None or _state["configured"]:
@@ -78,6 +81,13 @@ def configure_autotune() -> str:
         configs = prune(self, kwargs)
         if kernels.autotune_mode() == "fixed":
             return [smallest_config(configs)]
+        autotune_picks.note_tuner(self)
+        if len(configs) > 1:
+            # A pick recorded on this GPU model (kernels.autotune_picks): only it compiles and
+            # nothing is timed; a launch the picks do not cover is tuned as usual.
+            chosen = autotune_picks.pick(self, kwargs, configs, autotune_picks.table(kernels.autotune_picks_spec()))
+            if chosen is not None:
+                return [chosen]
         announce_autotune(self, len(configs))
         set_bench_window(self, kernels.autotune_bench_ms())
         return configs
@@ -203,10 +213,9 @@ class _NotCached(Exception):
 def _cached_choice(tuner, configs: list, kwargs: dict):
     """The candidate an earlier run's autotuning picked for this call (Triton keeps the timings
     on disk when ``cache_results`` is set, as fla sets it), or None. Only it needs compiling."""
-    args = {k: v for k, v in {**tuner.nargs, **kwargs}.items() if k in tuner.arg_names}
-    key = [args[k] for k in tuner.keys if k in args]
-    key += [str(v.dtype) for v in args.values() if hasattr(v, "dtype")]
-    key = tuple(key)
+    from k3train.ops.autotune_picks import tuning_key
+
+    key = tuning_key(tuner, kwargs)
     if key in tuner.cache:
         return tuner.cache[key]
 
@@ -272,8 +281,14 @@ def compile_ahead(fn, threads: int | None = None, label: str = "") -> dict:
 
     threads = threads or os.cpu_count() or 4
     t0 = time.perf_counter()
+    from k3train import kernels
+    from k3train.ops import autotune_picks
+
+    mode_name = configure_autotune()
+    picks = autotune_picks.source(kernels.autotune_picks_spec()) if mode_name == "full" else None
     print(f"[k3train] compiling Triton kernels ahead{' for ' + label if label else ''} "
-          f"({threads} threads, autotune={configure_autotune()}) ...", file=sys.stderr, flush=True)
+          f"({threads} threads, autotune={mode_name}{', picks from ' + picks if picks else ''}) ...",
+          file=sys.stderr, flush=True)
     with ThreadPoolExecutor(threads) as pool:
         mode = mods[2].AsyncCompileMode(pool, ignore_errors=True)
         names: dict = {}

@@ -179,6 +179,15 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, stop_at: in
         return _train(cfg, run_dir, resume=resume, stop_at=stop_at, overwrite=overwrite)
 
 
+def _record_autotune_picks(run_dir: Path, dev: torch.device, main: bool) -> None:
+    """``RUN_DIR/autotune_picks.json``: the candidate each Triton autotuner chose in this run
+    (full autotuning on CUDA), for ``kernels.autotune_picks`` on the next machine of this model."""
+    if main and dev.type == "cuda" and kernels.autotune_mode() == "full":
+        from k3train.ops.autotune_picks import write_picks
+
+        write_picks(Path(run_dir) / "autotune_picks.json")
+
+
 def _train(cfg: RunConfig, run_dir: str | Path, resume: bool, stop_at: int | None, overwrite: bool) -> dict:
     run_dir = Path(run_dir)
     prepare_cuda_env(cfg)
@@ -240,6 +249,8 @@ def _train(cfg: RunConfig, run_dir: str | Path, resume: bool, stop_at: int | Non
                     f"{skips} consecutive steps had a non-finite loss or gradient (last at step {step}); "
                     f"lower optim.lr or inspect the data. {last_checkpoint_note(ckpt_dir, cfg.checkpoint.interval)}")
             window_tokens += tokens_per_step
+            if step == start_step + 1:
+                _record_autotune_picks(run_dir, dev, main)  # step 1 tuned every kernel it launched
             loss = out["loss"]
             summary["first_loss"] = summary["first_loss"] if summary["first_loss"] is not None else loss
             summary["last_loss"], summary["steps"] = loss, step
@@ -277,6 +288,7 @@ def _train(cfg: RunConfig, run_dir: str | Path, resume: bool, stop_at: int | Non
                 break
     bar.close()
     if summary["steps"] > start_step:
+        _record_autotune_picks(run_dir, dev, main)  # and what evaluation tuned since
         # Every rank: the load matrix and AttnRes weights are gathered from the ranks holding the layers.
         paths = write_end_of_run_plots(run_dir, state, data.val[0], data.targets, main=main)
         logger.log_images({k: str(v) for k, v in paths.items()}, step=summary["steps"])

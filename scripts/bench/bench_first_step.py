@@ -4,6 +4,7 @@ Dynamo's recompile limit for ``rms_norm_eager``).
 
     python scripts/bench/bench_first_step.py --json first_step.json            # one GPU, ~2-3 min
     python scripts/bench/bench_first_step.py --autotune fixed --json f.json    # one candidate each
+    python scripts/bench/bench_first_step.py --save-picks picks.json kernels.autotune_picks=none  # tune all, keep the picks
     python scripts/bench/bench_first_step.py --device cpu --small --timeout 120  # CPU dry run
 
 Launches ``python -m k3train train --config CONFIG`` in a subprocess with ``TRITON_CACHE_DIR``
@@ -63,6 +64,10 @@ def main() -> int:
     ap.add_argument("--stacks", type=float, default=0.0, metavar="S",
                     help="print every thread's Python stack in the run every S seconds (what a silent wait is; "
                          "scripts/bench/stack_sampler.py)")
+    ap.add_argument("--save-picks", metavar="PATH",
+                    help="copy the run's RUN_DIR/autotune_picks.json (written after step 1) to PATH: "
+                         "the file a later run reads with kernels.autotune_picks=PATH, or ships as "
+                         "k3train/ops/autotune_data/<gpu>.json")
     ap.add_argument("--json")
     ap.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args = ap.parse_args()
@@ -115,7 +120,18 @@ def main() -> int:
               "exit_code": proc.returncode, "reached_step_1": 1 in seen,
               "died_of_signal": (signal.Signals(-proc.returncode).name
                                  if proc.returncode < 0 and not killed else None)}
+    kernels_json = run_dir / "kernels.json"
+    result["autotune_picks_in_force"] = (json.loads(kernels_json.read_text()).get("autotune_picks")
+                                         if kernels_json.is_file() else None)
+    picks = run_dir / "autotune_picks.json"
+    if args.save_picks:
+        if picks.is_file():
+            Path(args.save_picks).write_text(picks.read_text())
+            print(f"[bench_first_step] autotune picks copied to {args.save_picks}")
+        else:
+            print("[bench_first_step] the run wrote no autotune_picks.json (no full-autotune CUDA step 1)")
     print("\nfirst step on fresh caches:", args.config, f"(kernels.autotune={args.autotune})")
+    print(f"  autotune picks read:  {result['autotune_picks_in_force'] or 'none (every kernel tuned)'}")
     ca, ca_end = result["compile_ahead"], result["compile_ahead_end_s"]
     print("  compile-ahead:        " + ("-" if ca is None else f"{ca['kernels']} kernels, ends at {ca_end:.1f} s"))
     for step in (1, 2, 3):
