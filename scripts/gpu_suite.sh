@@ -3,7 +3,8 @@
 #   bash scripts/gpu_suite.sh OUTDIR [STAGES]     (STAGES: comma list, default all)
 # Stages: gpu_check train_cuda bench_kda bench_step bench_moe_layer bench_fp8 (one GPU; bench_step
 # also as bench_step_mini + bench_step_peer, and bench_quantile, bench_muon, bench_grouped_experts,
-# bench_moe_layer_k3: explicit only);
+# bench_moe_layer_k3, first_step_tune + first_step_picks, fp8_slice, study_optim, study_bal,
+# study_bal_sparse, study_mqar (STUDIES_FROM=TGZ seeds the studies' run directories): explicit only);
 # gpu_parallel (GPU_PARALLEL_ONLY=a,b picks variants) bench_moe_ep2 bench_pipeline pp_debug (two
 # GPUs, skipped on one).
 # Together the stages need more than one 10-minute device call: pass a subset per call.
@@ -66,6 +67,24 @@ stage bench_step_peer 420 python3 scripts/bench/bench_step.py --rows dense,peer 
   --json "$OUT/bench_step_peer.json"
 stage bench_fp8 240 python3 scripts/bench/bench_fp8.py --steps 30 --out /tmp/bench_fp8
 cp /tmp/bench_fp8/bench_fp8.json "$OUT/" 2>/dev/null
+# Issue 22's first step with recorded autotune picks: tune everything on fresh caches and keep
+# the picks, then fresh caches again reading them (what a shipped k3train/ops/autotune_data file gives).
+stage first_step_tune 170 python3 scripts/bench/bench_first_step.py --timeout 160 --save-picks "$OUT/autotune_picks.json" \
+  --json "$OUT/first_step_tune.json" kernels.autotune_picks=none
+[ -f "$OUT/autotune_picks.json" ] && stage first_step_picks 150 python3 scripts/bench/bench_first_step.py --timeout 140 \
+  --json "$OUT/first_step_picks.json" "kernels.autotune_picks=$OUT/autotune_picks.json"
+# fp8 against bf16 at the slice's widths (the preset's AdamW 3e-5 with its warm-up applied).
+stage fp8_slice 260 python3 scripts/bench/bench_fp8.py --preset slice --recipes bf16 fp8 --steps 10 --warmup 3 \
+  --profile 15 --out "$OUT/fp8_slice"
+# Issue 27's studies (docs/ablations.md): unpack docs/results/h200-2026-12-02/study_runs.tgz into
+# OUTDIR/studies first (STUDIES_FROM), so each sweep trains only what is missing; the run directories
+# come back in OUTDIR (packed without checkpoints). At most 12 runs at once.
+if [ -n "${STUDIES_FROM:-}" ] && [ ! -d "$OUT/studies" ]; then mkdir -p "$OUT/studies" && tar xzf "$STUDIES_FROM" -C "$OUT/studies"; fi
+stage study_optim 540 python3 -m k3train sweep configs/ablations/gpu/optimizer.yaml --jobs 12 --out "$OUT"/studies/study_optim
+stage study_bal 400 python3 -m k3train sweep configs/ablations/gpu/balancing.yaml --jobs 10 --out "$OUT"/studies/study_bal
+stage study_bal_sparse 540 python3 -m k3train sweep configs/ablations/gpu/balancing_sparse.yaml --jobs 10 \
+  --out "$OUT"/studies/study_bal_sparse
+stage study_mqar 540 python3 -m k3train sweep configs/ablations/gpu/mqar.yaml --jobs 12 --out "$OUT"/studies/study_mqar
 if [ "$NGPU" -ge 2 ]; then
   stage gpu_parallel 420 env K3TRAIN_KERNELS=torch K3TRAIN_COMPILE=0 python3 scripts/gpu_parallel_check.py \
     --out /tmp/gpu_parallel --run-limit 90 ${GPU_PARALLEL_ONLY:+--only $GPU_PARALLEL_ONLY}
