@@ -44,11 +44,17 @@ def variant_config(cfg: RunConfig, variant: str) -> RunConfig:
 
 # ---- measuring ------------------------------------------------------------------------------
 def measure_chunk_times(cfg: RunConfig, num_chunks: int, steps: int = 3, warmup: int = 1,
-                        seed: int = 0) -> tuple[list[float], list[float]]:
+                        seed: int = 0, busy: dict | None = None) -> tuple[list[float], list[float]]:
     """Median forward and backward time of each of ``num_chunks`` chunks (seconds, one
     microbatch of ``train.micro_batch_size x train.seq_len`` tokens), timed by the engine's
     ``CommRecorder`` on this one process (P = 1, V = num_chunks: the hops are local hand-overs).
-    ``train.microbatches`` microbatches per step; ``warmup`` untimed steps first."""
+    ``train.microbatches`` microbatches per step; ``warmup`` untimed steps first.
+
+    busy: if a dict, one more step runs under ``torch.profiler`` and the dict gets, per
+    microbatch, ``span_s`` (that step's forward and backward spans summed) and ``kernel_s``
+    (its CUDA kernels' durations summed; None off CUDA). Spans are CUDA events, so where the
+    host cannot keep the GPU fed they time the host's launches: kernel_s / span_s is how busy
+    the GPU was inside them."""
     from k3train.distributed import init_distributed
     from k3train.trainer.loop import pick_device
     from k3train.trainer.state import autocast_for
@@ -96,7 +102,26 @@ def measure_chunk_times(cfg: RunConfig, num_chunks: int, steps: int = 3, warmup:
     spans = [s for s in recorder.compute if s.step >= warmup]
     med = {k: [statistics.median(s.end - s.start for s in spans if s.kind == k and s.chunk == c)
                for c in range(num_chunks)] for k in "FB"}
+    if busy is not None:
+        busy.update(_profiled_busy(lambda t: step(engine, t), recorder, cfg, device, gen, m))
     return med["F"], med["B"]
+
+
+def _profiled_busy(run_step, recorder, cfg: RunConfig, device, gen, m: int) -> dict:
+    """One step under torch.profiler: per microbatch, its summed chunk spans and CUDA kernel time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    B, T = cfg.train.micro_batch_size, cfg.train.seq_len
+    tokens = torch.randint(0, cfg.model.vocab_size, (m, B, T + 1), generator=gen).to(device)
+    first = len(recorder.compute)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        run_step(tokens)
+    span = sum(s.end - s.start for s in recorder.compute[first:]) / m
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    kernel = sum(e.time_range.elapsed_us() for e in kernels) / 1e6 / m if kernels else None
+    return {"span_s": span, "kernel_s": kernel}
 
 
 def measure_layer_costs(cfg: RunConfig, steps: int = 3, progress=print, layers_per_chunk: int = 1) -> dict:
@@ -117,10 +142,14 @@ def measure_layer_costs(cfg: RunConfig, steps: int = 3, progress=print, layers_p
     for variant in ("standard", "attnres_cached"):
         vcfg = variant_config(cfg, variant)
         t0 = time.perf_counter()
-        f, b = measure_chunk_times(vcfg, num_chunks, steps)
-        out[variant] = split_by_flops(vcfg, {"fwd_s": f, "bwd_s": b})
+        busy: dict = {}
+        f, b = measure_chunk_times(vcfg, num_chunks, steps, busy=busy)
+        out[variant] = {**split_by_flops(vcfg, {"fwd_s": f, "bwd_s": b}), "busy": busy}
+        kernel = busy.get("kernel_s")
+        gpu = ("" if kernel is None else f"; GPU kernels {kernel * 1e3:.1f} ms of a profiled step's "
+               f"{busy['span_s'] * 1e3:.1f} ms of spans ({kernel / busy['span_s']:.0%} busy)")
         progress(f"measured {variant}: {L} layers in {num_chunks} chunks, forward {sum(f) * 1e3:.1f} ms + "
-                 f"backward {sum(b) * 1e3:.1f} ms per microbatch ({time.perf_counter() - t0:.0f} s)")
+                 f"backward {sum(b) * 1e3:.1f} ms per microbatch{gpu} ({time.perf_counter() - t0:.0f} s)")
     out["attnres_naive"] = out["attnres_cached"]
     return out
 

@@ -3,7 +3,7 @@
 #   bash scripts/gpu_suite.sh OUTDIR [STAGES]     (STAGES: comma list, default all)
 # Stages: gpu_check train_cuda bench_kda bench_step bench_moe_layer bench_fp8 (one GPU; bench_step
 # also as bench_step_mini + bench_step_peer, and bench_quantile, bench_muon, bench_grouped_experts,
-# bench_moe_layer_k3, first_step_tune + first_step_picks, fp8_slice, study_optim, study_bal,
+# bench_moe_layer_k3, first_step_tune + first_step_picks, fp8_slice, predict_busy, study_optim, study_bal,
 # study_bal_sparse, study_mqar (STUDIES_FROM=TGZ seeds the studies' run directories): explicit only);
 # gpu_parallel (GPU_PARALLEL_ONLY=a,b picks variants) bench_moe_ep2 bench_pipeline pp_debug (two
 # GPUs, skipped on one).
@@ -76,6 +76,8 @@ stage first_step_tune 170 python3 scripts/bench/bench_first_step.py --timeout 16
 # fp8 against bf16 at the slice's widths (the preset's AdamW 3e-5 with its warm-up applied).
 stage fp8_slice 260 python3 scripts/bench/bench_fp8.py --preset slice --recipes bf16 fp8 --steps 10 --warmup 3 \
   --profile 15 --out "$OUT/fp8_slice"
+# Issue 20's timing model from 4-layer chunks, with each variant's GPU-busy share of its chunk spans.
+stage predict_busy 200 python3 scripts/bench/predict_pipeline.py --layers-per-chunk 4 --json "$OUT/predict.json"
 # Issue 27's studies (docs/ablations.md): unpack docs/results/h200-2026-12-02/study_runs.tgz into
 # OUTDIR/studies first (STUDIES_FROM), so each sweep trains only what is missing; the run directories
 # come back in OUTDIR (packed without checkpoints). At most 12 runs at once.

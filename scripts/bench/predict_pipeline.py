@@ -6,7 +6,9 @@ timing model, next to the 2x H200 figures measured before the p2p fixes.
 
 The model is scripts/bench/bench_pipeline.py's (hidden 2048, seq 4096, 16 layers KKKM, m=8).
 The engine runs eagerly at P = 1 with K layers per chunk (default 1; each chunk's time split
-over its layers by FLOPs), and its CommRecorder times every op (CUDA events). The prediction
+over its layers by FLOPs), and its CommRecorder times every op (CUDA events); one more step
+per variant runs under torch.profiler, and the "measured" line gives the CUDA kernels' share of
+its chunk spans (spans longer than their kernels are host launch time). The prediction
 then covers P x V x m and K3's shapes (``k3train profile-pipeline --predict``). The PP=2 rows
 are printed beside the measured 2x H200 figures (docs/pipeline_timing_model.md): if the eager
 per-op costs account for the measured steps, the remaining gap is the per-message host cost

@@ -117,6 +117,13 @@ def test_chunk_timing_compiles_ahead_without_recording_the_pass(monkeypatch):
     for kind in "FB":
         spans = [s for s in rec.compute if s.kind == kind]
         assert sorted((s.step, s.chunk) for s in spans) == sorted((st, c) for st in (0, 1) for c in (0, 1) for _ in range(2))
+    # busy=: one more, profiled step; its spans summed per microbatch, no CUDA kernels on CPU.
+    busy = {}
+    measure_chunk_times(cfg, 2, steps=1, warmup=1, busy=busy)
+    extra = [s for s in recorders[-1].compute if s.step == 2]
+    assert len(extra) == 2 * 2 * 2  # forward and backward of 2 chunks x 2 microbatches
+    assert busy["span_s"] == pytest.approx(sum(s.end - s.start for s in extra) / 2, rel=1e-12)
+    assert busy["kernel_s"] is None
 
 
 @pytest.mark.parametrize("attnres", [True, False])
@@ -148,7 +155,7 @@ def test_measure_layer_costs_times_chunks_of_k_layers(monkeypatch):
 
     calls = []
 
-    def fake(cfg, num_chunks, steps=3):
+    def fake(cfg, num_chunks, steps=3, busy=None):
         calls.append((cfg.model.attnres.enabled, num_chunks))
         return [1.0 + c for c in range(num_chunks)], [2.0 + c for c in range(num_chunks)]
 
