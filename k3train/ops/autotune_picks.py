@@ -35,7 +35,8 @@ FORMAT = 1
 
 # Autotuners that chose a config in this process (the pruning hook adds them): what a run records.
 _seen: "weakref.WeakSet" = weakref.WeakSet()
-# The table in force: None until loaded; (source, device name, {kernel: {key repr: config}}).
+# The table in force for one kernels.autotune_picks value: {kernel: {key repr: config fields}} and
+# the file it came from (None until loaded, and where no file applies).
 _loaded: dict = {"spec": None, "table": None, "source": None}
 
 
