@@ -3,7 +3,7 @@
 #   bash scripts/gpu_suite.sh OUTDIR [STAGES]     (STAGES: comma list, default all)
 # Stages: gpu_check train_cuda bench_kda bench_step bench_moe_layer bench_fp8 (one GPU; bench_step
 # also as bench_step_mini + bench_step_peer, and bench_quantile, bench_muon, bench_grouped_experts,
-# bench_moe_layer_k3, first_step_tune + first_step_picks, fp8_slice, predict_busy, study_optim, study_bal,
+# bench_moe_layer_k3, first_step_tune + first_step_picks, bench_slice, fp8_slice, predict_busy, study_optim, study_bal,
 # study_bal_sparse, study_mqar (STUDIES_FROM=TGZ seeds the studies' run directories): explicit only);
 # gpu_parallel (GPU_PARALLEL_ONLY=a,b picks variants) bench_moe_ep2 bench_pipeline pp_debug (two
 # GPUs, skipped on one).
@@ -73,6 +73,8 @@ stage first_step_tune 170 python3 scripts/bench/bench_first_step.py --timeout 16
   --json "$OUT/first_step_tune.json" kernels.autotune_picks=none
 [ -f "$OUT/autotune_picks.json" ] && stage first_step_picks 150 python3 scripts/bench/bench_first_step.py --timeout 140 \
   --json "$OUT/first_step_picks.json" "kernels.autotune_picks=$OUT/autotune_picks.json"
+# The K3 slice's training step (issue 22's MFU rows; one autocast region per step since 2026-12-02).
+stage bench_slice 200 python3 scripts/bench/bench_slice.py --microbatches 4 --json "$OUT/slice.json"
 # fp8 against bf16 at the slice's widths (the preset's AdamW 3e-5 with its warm-up applied).
 stage fp8_slice 260 python3 scripts/bench/bench_fp8.py --preset slice --recipes bf16 fp8 --steps 10 --warmup 3 \
   --profile 15 --out "$OUT/fp8_slice"

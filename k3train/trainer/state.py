@@ -30,6 +30,14 @@ def autocast_for(cfg: RunConfig, device: torch.device, graph: bool = False):
     return contextlib.nullcontext()
 
 
+def _autocast_off(region):
+    """Autocast disabled inside an autocast ``region`` (a nested context: leaving it does not
+    clear the region's weight-cast cache); nothing where the region is no autocast."""
+    if isinstance(region, torch.autocast):
+        return torch.autocast(region.device, enabled=False)
+    return contextlib.nullcontext()
+
+
 def use_cuda_graph(cfg: RunConfig, info: ParallelInfo, device: torch.device) -> bool:
     """``train.cuda_graph`` resolved for this run: false, "auto" (on exactly when supported) or
     true (on; raises naming what stops it). The config check already refused true for what
@@ -153,13 +161,18 @@ class TrainState:
             total = total * float("nan") if poison else total
         else:
             total = torch.zeros((), device=self.device)
-            for mb in batch.chunk(m):
-                with self.autocast:
+            # One autocast region around all microbatches, so that autocast's cache casts each
+            # fp32 weight to bf16 once per step instead of once per microbatch (on the K3 slice,
+            # 280 weight casts of 4 microbatches took 78 ms of a 740 ms step); each backward runs
+            # with autocast off, as outside the region (the nesting keeps the cache alive).
+            with self.autocast:
+                for mb in batch.chunk(m):
                     loss = self.model(mb[:, :-1], self.targets(mb))
-                if poison:
-                    loss = loss * float("nan")
-                (loss / m).backward()
-                total += loss.detach() / m
+                    if poison:
+                        loss = loss * float("nan")
+                    with _autocast_off(self.autocast):
+                        (loss / m).backward()
+                    total += loss.detach() / m
         return total
 
     def compile_kernels(self) -> dict | None:
