@@ -38,7 +38,7 @@ def _kda_params(cfg: RunConfig) -> int:
     width = k.num_heads * k.head_dim
     return (4 * d * width            # q, k, v, output gate projections
             + 3 * width * k.conv_size  # depthwise short convs on q, k, v
-            + d * k.head_dim + k.head_dim * width  # low-rank forget gate
+            + (d * k.head_dim + k.head_dim * width if k.gate == "channel" else d * k.num_heads)  # forget gate
             + d * k.num_heads          # beta
             + width * d)               # o_proj
 

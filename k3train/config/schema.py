@@ -41,6 +41,11 @@ class KDAConfig(_Strict):
     """Kernel of the causal depthwise short convolution on q, k, v."""
     gate_lower_bound: float = Field(-5.0, lt=0)
     """K3 "safe" gate: g = lower_bound * sigmoid(...) so each step keeps at least exp(lower_bound)."""
+    gate: Literal["channel", "head"] = "channel"
+    """channel: KDA's forget gate, one decay per key channel (low rank d -> head_dim -> H*K).
+    head: one decay per head (d -> H, the same for every channel), as Gated DeltaNet: the same
+    delta rule with a scalar gate, for ablations (Kimi Linear reports KDA ahead of it on recall).
+    Not in the Hugging Face format, which has KDA's gate."""
     chunk_size: int = Field(64, ge=1)
     """Chunk length of the pure-torch chunked kernel (CPU path)."""
 

@@ -119,6 +119,9 @@ def export_hf(state: dict, cfg: RunConfig, out_dir: str | os.PathLike, *, shard_
 
     if dtype is not None and dtype not in _DTYPES:
         raise UsageError(f"--dtype {dtype!r} is not supported; allowed: {', '.join(_DTYPES)}")
+    if cfg.model.kda.gate != "channel":
+        raise UsageError(f"model.kda.gate={cfg.model.kda.gate!r} (one decay per head) has no counterpart in the "
+                         "Hugging Face format, whose KDA layers have a per-channel gate; the run's own checkpoints keep it")
     kinds = expand_layer_pattern(cfg.model.layer_pattern, cfg.model.num_layers)
     try:
         tensors = to_hf(state, kinds, set(moe_layer_indices(cfg)), cfg.model.tie_embeddings)

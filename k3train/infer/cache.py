@@ -74,7 +74,7 @@ class CachedKDA(nn.Module):
         v = self._conv("v", m.v_proj, m.v_conv, x)
         q = self._conv("q", m.q_proj, m.q_conv, x)
         k = self._conv("k", m.k_proj, m.k_conv, x)
-        f = m.f_up(m.f_down(x)).view(shape)
+        f, dt_bias = m.gate_inputs(x)
         b = m.b_proj(x)
         state = self.cache.get("S")
         if state is None:
@@ -84,10 +84,10 @@ class CachedKDA(nn.Module):
             ct = state.dtype  # fp32 at least; fp64 stays (tests)
             q = F.normalize(q.to(ct), dim=-1).to(v.dtype)
             k = F.normalize(k.to(ct), dim=-1).to(v.dtype)
-            g = m.lower_bound * torch.sigmoid(torch.exp(m.A_log.to(ct))[:, None] * (f.to(ct) + m.dt_bias.to(ct)))
+            g = m.lower_bound * torch.sigmoid(torch.exp(m.A_log.to(ct))[:, None] * (f.to(ct) + dt_bias.to(ct)))
             o, state = _recurrent_kda(q, k, v, g, torch.sigmoid(b.to(ct)), state)
         else:  # the training layer's own call (kda_gated), continued from the state
-            o, state = kda_gated_state(q, k, v, f, b, m.A_log, m.dt_bias, m.lower_bound,
+            o, state = kda_gated_state(q, k, v, f, b, m.A_log, dt_bias, m.lower_bound,
                                        initial_state=state, output_final_state=True)
         self.cache["S"] = state
         o = head_norm_gate_torch(o, m.o_norm_weight, m.g_proj(x).view(shape), m.eps)

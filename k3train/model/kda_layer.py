@@ -2,7 +2,9 @@
 
 x -> q, k, v: linear -> causal depthwise short conv -> SiLU; q, k L2-normalised per head.
 Forget gate (low rank d -> head_dim -> H*K): g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias)),
-a per-channel log-decay in (lower_bound, 0). beta = sigmoid(linear d -> H).
+a per-channel log-decay in (lower_bound, 0); with ``gate="head"`` f and dt_bias have one value per
+head (linear d -> H), broadcast over its K channels: Gated DeltaNet's scalar decay, through the
+same kernels. beta = sigmoid(linear d -> H).
 o = KDA(q, k, v, g, beta); out = o_proj(RMSNorm_head(o) * sigmoid(W_gate x)).
 Heads are sharded over tensor-parallel ranks; every per-head parameter is sharded with them.
 """
@@ -25,8 +27,11 @@ from k3train.ops.short_conv import short_conv_silu
 class KimiDeltaAttention(nn.Module):
     def __init__(self, *, hidden_size: int, num_heads: int, head_dim: int, conv_size: int = 4,
                  gate_lower_bound: float = -5.0, chunk_size: int = 64, std: float = 0.02,
-                 out_std: float | None = None, eps: float = 1e-6):
+                 out_std: float | None = None, eps: float = 1e-6, gate: str = "channel"):
         super().__init__()
+        if gate not in ("channel", "head"):
+            raise ValueError(f"gate must be 'channel' (KDA) or 'head' (Gated DeltaNet's scalar decay), got {gate!r}")
+        self.gate = gate
         tp, rank = tp_size(), tp_rank()
         self.num_heads = divide(num_heads, tp, "model.kda.num_heads")
         self.head_dim, self.lower_bound, self.chunk_size, self.eps = head_dim, gate_lower_bound, chunk_size, eps
@@ -40,11 +45,15 @@ class KimiDeltaAttention(nn.Module):
             sharded_param(torch.empty(width, conv_size).uniform_(-bound, bound), tp, rank)
             for _ in range(3)
         )
-        self.f_down = replicated_linear(hidden_size, head_dim, std)
-        self.f_up = ColumnLinear(head_dim, width, std)
+        if gate == "channel":
+            self.f_down = replicated_linear(hidden_size, head_dim, std)
+            self.f_up = ColumnLinear(head_dim, width, std)
+        else:
+            self.f_head = ColumnLinear(hidden_size, num_heads, std)
         # A = exp(A_log) = 1 at init; dt_bias puts the per-step decay rate -g at init log-uniformly in
         # [1e-3, 1e-1] (long memory first), inverting g = lb * sigmoid(dt_bias).
-        rate = torch.exp(torch.empty(num_heads, head_dim).uniform_(math.log(1e-3), math.log(1e-1)))
+        rate_shape = (num_heads, head_dim) if gate == "channel" else (num_heads,)
+        rate = torch.exp(torch.empty(rate_shape).uniform_(math.log(1e-3), math.log(1e-1)))
         self.A_log = sharded_param(torch.zeros(num_heads), tp, rank)
         self.dt_bias = sharded_param(torch.logit(rate / abs(gate_lower_bound)), tp, rank)
         self.b_proj = ColumnLinear(hidden_size, num_heads, std)
@@ -61,6 +70,17 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x.shape
         return short_conv_silu(proj(x), conv).view(B, T, self.num_heads, self.head_dim)
 
+    def gate_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B, T, D] -> (f [B, T, H, K], dt_bias [H, K]), what the gate reads; under
+        ``gate="head"`` both are one value per head broadcast over the K channels."""
+        B, T, _ = x.shape
+        shape = (B, T, self.num_heads, self.head_dim)
+        if self.gate == "channel":
+            return self.f_up(self.f_down(x)).view(shape), self.dt_bias
+        # Contiguous, as the channel gate's f is: the CUDA kernels read f with its strides.
+        f = self.f_head(x).unsqueeze(-1).expand(shape).contiguous()
+        return f, self.dt_bias.unsqueeze(-1).expand(self.num_heads, self.head_dim)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, D] -> [B, T, D]. Under autocast the projections, KDA and output run in bf16;
         the gate, the norms and the sigmoids in fp32 (inside the kernels on CUDA)."""
@@ -69,8 +89,8 @@ class KimiDeltaAttention(nn.Module):
         v = self._qkv(self.v_proj, self.v_conv, x)
         q = self._qkv(self.q_proj, self.q_conv, x)
         k = self._qkv(self.k_proj, self.k_conv, x)
-        f = self.f_up(self.f_down(x)).view(shape)
+        f, dt_bias = self.gate_inputs(x)
         # The KDA core's output is kept under train.recompute=selective (costly to recompute).
-        o = keep_output(kda_gated, q, k, v, f, self.b_proj(x), self.A_log, self.dt_bias, self.lower_bound)
+        o = keep_output(kda_gated, q, k, v, f, self.b_proj(x), self.A_log, dt_bias, self.lower_bound)
         o = head_norm_gate(o, self.o_norm_weight, self.g_proj(x).view(shape), self.eps)
         return self.o_proj(o.reshape(B, T, -1).to(x.dtype))

@@ -77,7 +77,8 @@ def build_layer(cfg: RunConfig, index: int) -> K3Layer:
             k = m.kda
             mixer = KimiDeltaAttention(hidden_size=m.hidden_size, num_heads=k.num_heads, head_dim=k.head_dim,
                                        conv_size=k.conv_size, gate_lower_bound=k.gate_lower_bound,
-                                       chunk_size=k.chunk_size, std=std, out_std=out_std, eps=m.norm_eps)
+                                       chunk_size=k.chunk_size, std=std, out_std=out_std, eps=m.norm_eps,
+                                       gate=k.gate)
         else:
             a = m.mla
             mixer = GatedMLA(hidden_size=m.hidden_size, num_heads=a.num_heads, q_lora_rank=a.q_lora_rank,

@@ -22,7 +22,7 @@ from optim import (GradGroups, ParamRule, ShardedOptimizer, build_optimizer, bui
                    format_table)
 
 _NO_DECAY = r"(norm|\.query$|A_log|dt_bias|bias$|o_norm_weight)"
-_ADAMW = r"(embed\.|head\.|router\.|_conv$|\.b_proj\.|\.f_down\.|\.f_up\.)"
+_ADAMW = r"(embed\.|head\.|router\.|_conv$|\.b_proj\.|\.f_down\.|\.f_up\.|\.f_head\.)"
 _EXPERTS = r"\.experts\.w_(gate|up|down)$"
 
 

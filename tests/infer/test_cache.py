@@ -9,13 +9,15 @@ from k3train.model.model import build_model
 from tests.k3train.test_train import _cfg
 
 
-@pytest.fixture
-def model64():
+@pytest.fixture(params=["channel", "head"], ids=["kda_gate", "head_gate"])
+def model64(request):
     init_distributed()
     try:
         # KDA chunks of 8 tokens: a 21-token prompt and its continuation cross several chunk
         # boundaries, both inside the prefill and during decode. Block AttnRes on, MoE layers on.
-        model = build_model(_cfg("model.kda.chunk_size=8", "moe.dispatcher=local")).double().eval()
+        # Both forget gates: KDA's per channel and the per-head (Gated DeltaNet) one.
+        model = build_model(_cfg("model.kda.chunk_size=8", "moe.dispatcher=local",
+                                 f"model.kda.gate={request.param}")).double().eval()
         yield model
     finally:
         shutdown_distributed()

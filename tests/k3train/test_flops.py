@@ -40,8 +40,9 @@ def test_flops_match_hand_count():
     assert mfu(1000.0, cfg, peak_flops=f["total"] * 1000.0, num_devices=2) == pytest.approx(0.5)
 
 
-def test_matmul_params_equal_the_built_model(world1):
-    cfg = load_config("configs/k3_tiny.yaml")
+@pytest.mark.parametrize("gate", ["channel", "head"])
+def test_matmul_params_equal_the_built_model(world1, gate):
+    cfg = load_config("configs/k3_tiny.yaml", [f"model.kda.gate={gate}"])
     model = build_model(cfg)
     no_matmul = ("embed.", "norm", "_res.", "A_log", "dt_bias", "o_norm_weight")
     counted = 0
