@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", metavar="S1,S2,...",
                    help="run every variant once per train.seed (replaces the file's 'seeds'); results.md "
                         "then adds mean and standard deviation over seeds")
-    p.add_argument("--only", metavar="NAME,...", help="train and tabulate only these variants (as --dry-run lists them)")
+    p.add_argument("--only", metavar="NAME,...", help="train and tabulate only these variants (as --dry-run lists them; a variant's name without _seed-S takes all its seeds)")
     p.add_argument("--jobs", type=int, default=1,
                    help="variants trained at once, each in its own process (default 1: one after another)")
     p.add_argument("--collect", action="store_true",

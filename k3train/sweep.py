@@ -31,7 +31,7 @@ Variants run one after another in this process (``k3train.trainer.loop.train``),
 resolved config (``config_key``); a rerun skips it when the key matches and refuses when it
 does not (the variant was made with other settings: another ``--out`` keeps both). One with a
 checkpoint but no ``DONE`` (an interrupted sweep) resumes from it. ``--only NAME,...`` trains
-and tabulates just those variants; ``--collect`` trains nothing and tabulates the finished ones
+and tabulates just those variants (a seeded run's name, or a variant's for all its seeds); ``--collect`` trains nothing and tabulates the finished ones
 (run directories brought back from other machines, even without their checkpoints), naming the
 rest; ``--jobs N`` trains N variants at once, each in a
 ``k3train sweep --only NAME`` subprocess (small models share one GPU well), then tabulates. Results go to ``OUT/results.md``,
@@ -431,13 +431,17 @@ def _seed_lines(table: list[dict], out: Path) -> list[str]:
 
 
 def _select(runs: list[Variant], only: list[str] | str | None) -> list[Variant]:
+    """The runs ``--only`` names: a run's own name (``K_seed-2``) or, with seeds, its variant's
+    (``K``: every seed of it)."""
     if only is None:
         return runs
     names = [n for n in only.split(",") if n] if isinstance(only, str) else list(only)
-    unknown = [n for n in names if n not in {v.name for v in runs}]
+    groups = {v.group for v in runs if v.seed is not None}
+    unknown = [n for n in names if n not in {v.name for v in runs} | groups]
     if unknown or not names:
-        raise ConfigError(f"--only {unknown or only!r}: no such variant; allowed: {[v.name for v in runs]}")
-    return [v for v in runs if v.name in names]
+        allowed = [v.name for v in runs] + sorted(groups)
+        raise ConfigError(f"--only {unknown or only!r}: no such variant; allowed: {allowed}")
+    return [v for v in runs if v.name in names or (v.seed is not None and v.group in names)]
 
 
 def _train_in_subprocesses(path, out: Path, todo: list[Variant], extra, seeds, jobs: int) -> None:

@@ -307,3 +307,14 @@ def test_tuned_table_picks_the_highest_recall():
     rows = [{"recall_acc": r} for r in (0.2, 0.9, 0.5)]
     (row,) = tuned_table(rows, variants, "optim.lr", "recall_acc", {v.name: lr for v, lr in zip(variants, (1, 2, 3))})
     assert (row["family"], row["best"], row["mean"], row["at_edge"]) == ("model.layer_pattern=M", 2, 0.9, False)
+
+
+def test_only_selects_a_run_or_every_seed_of_a_variant():
+    from k3train.sweep import _select
+
+    runs = expand_seeds(load_sweep("configs/ablations/mqar_cpu.yaml"))
+    assert [v.name for v in _select(runs, "K_head_gate")] == ["K_head_gate_seed-1", "K_head_gate_seed-2"]
+    assert [v.name for v in _select(runs, "K")] == ["K_seed-1", "K_seed-2"]          # not K_head_gate's
+    assert [v.name for v in _select(runs, "M_seed-2,K")] == ["K_seed-1", "K_seed-2", "M_seed-2"]
+    with pytest.raises(ConfigError, match=r"--only \['KM'\]: no such variant; allowed: .*'K_seed-1'.*'KKKM'"):
+        _select(runs, "KM")
