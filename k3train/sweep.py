@@ -219,7 +219,15 @@ def _done_state(run_dir: Path, cfg: RunConfig) -> str:
         key = json.loads(done.read_text()).get("config_key")
     except (ValueError, AttributeError):
         key = None
-    return "done" if key == config_key(cfg) else "stale"
+    if key == config_key(cfg):
+        return "done"
+    # A DONE written before the config gained a field hashes the older schema's dump. The run's
+    # own resolved config, read under today's schema (a new field at its default), decides.
+    try:
+        same = config_key(load_config(run_dir / "config.yaml")) == config_key(cfg)
+    except Exception:  # noqa: BLE001 - missing or no longer valid: not the same settings
+        same = False
+    return "done" if same else "stale"
 
 
 def _final_recall_accuracy(cfg: RunConfig, run_dir: Path) -> float | None:

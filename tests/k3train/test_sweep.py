@@ -318,3 +318,21 @@ def test_only_selects_a_run_or_every_seed_of_a_variant():
     assert [v.name for v in _select(runs, "M_seed-2,K")] == ["K_seed-1", "K_seed-2", "M_seed-2"]
     with pytest.raises(ConfigError, match=r"--only \['KM'\]: no such variant; allowed: .*'K_seed-1'.*'KKKM'"):
         _select(runs, "KM")
+
+
+def test_done_written_before_a_config_field_was_added_stays_done(tmp_path):
+    """A DONE key hashes the schema of its day; the run's own config.yaml, read under today's
+    schema, decides when the key differs (a new field at its default changes nothing)."""
+    import json
+
+    from k3train.config import load_config, save_config
+    from k3train.sweep import _done_state
+
+    cfg = load_config("configs/k3_tiny.yaml", ["optim.lr=1e-3"])
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "DONE").write_text(json.dumps({"steps": 3, "config_key": "hash of an older schema"}) + "\n")
+    assert _done_state(run, cfg) == "stale"                       # no config.yaml to go by
+    save_config(cfg, run / "config.yaml")
+    assert _done_state(run, cfg) == "done"
+    assert _done_state(run, load_config("configs/k3_tiny.yaml", ["optim.lr=2e-3"])) == "stale"
