@@ -3,7 +3,7 @@
 #   bash scripts/gpu_suite.sh OUTDIR [STAGES]     (STAGES: comma list, default all)
 # Stages: gpu_check train_cuda bench_kda bench_step bench_moe_layer bench_fp8 (one GPU; bench_step
 # also as bench_step_mini + bench_step_peer, and bench_quantile, bench_muon, bench_grouped_experts,
-# bench_moe_layer_k3, first_step_tune + first_step_picks, bench_slice, fp8_slice, predict_busy, study_optim, study_bal,
+# bench_moe_layer_k3, first_step_tune + first_step_picks, bench_slice, fp8_slice, predict_busy, study_optim, study_attnres, study_bal,
 # study_bal_sparse, study_mqar (STUDIES_FROM=TGZ seeds the studies' run directories): explicit only);
 # gpu_parallel (GPU_PARALLEL_ONLY=a,b picks variants) bench_moe_ep2 bench_pipeline pp_debug (two
 # GPUs, skipped on one).
@@ -85,6 +85,7 @@ stage predict_busy 200 python3 scripts/bench/predict_pipeline.py --layers-per-ch
 # come back in OUTDIR (packed without checkpoints). At most 12 runs at once.
 if [ -n "${STUDIES_FROM:-}" ] && [ ! -d "$OUT/studies" ]; then mkdir -p "$OUT/studies" && tar xzf "$STUDIES_FROM" -C "$OUT/studies"; fi
 stage study_optim 540 python3 -m k3train sweep configs/ablations/gpu/optimizer.yaml --jobs 12 --out "$OUT"/studies/study_optim
+stage study_attnres 400 python3 -m k3train sweep configs/ablations/gpu/attnres.yaml --jobs 6 --out "$OUT"/studies/study_attnres
 stage study_bal 400 python3 -m k3train sweep configs/ablations/gpu/balancing.yaml --jobs 10 --out "$OUT"/studies/study_bal
 stage study_bal_sparse 540 python3 -m k3train sweep configs/ablations/gpu/balancing_sparse.yaml --jobs 10 \
   --out "$OUT"/studies/study_bal_sparse
