@@ -95,29 +95,31 @@ def measure_chunk_times(cfg: RunConfig, num_chunks: int, steps: int = 3, warmup:
         for ch in chunks.values():
             ch.zero_grad(set_to_none=True)
     gen = torch.Generator().manual_seed(seed)
-    for _ in range(warmup + steps):
+
+    def timed_step():  # on the next random tokens
         step(engine, torch.randint(0, cfg.model.vocab_size, (m, B, T + 1), generator=gen).to(device))
         for ch in chunks.values():
             ch.zero_grad(set_to_none=True)
+
+    for _ in range(warmup + steps):
+        timed_step()
     spans = [s for s in recorder.compute if s.step >= warmup]
     med = {k: [statistics.median(s.end - s.start for s in spans if s.kind == k and s.chunk == c)
                for c in range(num_chunks)] for k in "FB"}
     if busy is not None:
-        busy.update(_profiled_busy(lambda t: step(engine, t), recorder, cfg, device, gen, m))
+        busy.update(_profiled_busy(timed_step, recorder, device, m))
     return med["F"], med["B"]
 
 
-def _profiled_busy(run_step, recorder, cfg: RunConfig, device, gen, m: int) -> dict:
-    """One step under torch.profiler: per microbatch, its summed chunk spans and CUDA kernel time."""
+def _profiled_busy(run_step, recorder, device, m: int) -> dict:
+    """``run_step()`` under torch.profiler: per microbatch, its summed chunk spans and CUDA kernel time."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    B, T = cfg.train.micro_batch_size, cfg.train.seq_len
-    tokens = torch.randint(0, cfg.model.vocab_size, (m, B, T + 1), generator=gen).to(device)
     first = len(recorder.compute)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
-        run_step(tokens)
+        run_step()
     span = sum(s.end - s.start for s in recorder.compute[first:]) / m
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     kernel = sum(e.time_range.elapsed_us() for e in kernels) / 1e6 / m if kernels else None

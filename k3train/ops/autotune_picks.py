@@ -40,11 +40,16 @@ _seen: "weakref.WeakSet" = weakref.WeakSet()
 _loaded: dict = {"spec": None, "table": None, "source": None}
 
 
+def python_function(kernel):
+    """The Python function under a Triton kernel object: Autotuner -> Heuristics -> JITFunction -> fn."""
+    while hasattr(kernel, "fn"):
+        kernel = kernel.fn
+    return kernel
+
+
 def kernel_id(tuner) -> str:
     """``module.function`` of the Python function under an autotuner (through heuristics)."""
-    fn = tuner
-    while hasattr(fn, "fn"):
-        fn = fn.fn
+    fn = python_function(tuner)
     return f"{getattr(fn, '__module__', '') or ''}.{getattr(fn, '__qualname__', None) or getattr(fn, '__name__', '?')}"
 
 

@@ -34,6 +34,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from k3train.ops import autotune_picks
+
 _state = {"configured": False, "compile_only": False}
 
 
@@ -69,7 +71,6 @@ def configure_autotune() -> str:
     after the call; the patch asks ``k3train.kernels.autotune_mode()`` at each pruning, so the
     run's config decides (``full`` leaves the candidates as their authors set them)."""
     from k3train import kernels
-    from k3train.ops import autotune_picks
 
     mods = _triton()
     if mods is None or _state["configured"]:
@@ -117,9 +118,7 @@ def set_bench_window(tuner, ms: float) -> None:
 def kernel_label(jit_fn) -> str:
     """``package.kernel_name`` of a Triton ``JITFunction`` (``fla.chunk_kda_fwd_kernel_o``), for
     progress lines."""
-    fn = jit_fn
-    while hasattr(fn, "fn"):  # Autotuner -> Heuristics -> JITFunction -> the Python function
-        fn = fn.fn
+    fn = autotune_picks.python_function(jit_fn)
     module = getattr(fn, "__module__", "") or ""
     name = getattr(fn, "__name__", None) or type(jit_fn).__name__
     return f"{module.split('.')[0]}.{name}" if module else name
@@ -213,9 +212,7 @@ class _NotCached(Exception):
 def _cached_choice(tuner, configs: list, kwargs: dict):
     """The candidate an earlier run's autotuning picked for this call (Triton keeps the timings
     on disk when ``cache_results`` is set, as fla sets it), or None. Only it needs compiling."""
-    from k3train.ops.autotune_picks import tuning_key
-
-    key = tuning_key(tuner, kwargs)
+    key = autotune_picks.tuning_key(tuner, kwargs)
     if key in tuner.cache:
         return tuner.cache[key]
 
@@ -282,7 +279,6 @@ def compile_ahead(fn, threads: int | None = None, label: str = "") -> dict:
     threads = threads or os.cpu_count() or 4
     t0 = time.perf_counter()
     from k3train import kernels
-    from k3train.ops import autotune_picks
 
     mode_name = configure_autotune()
     picks = autotune_picks.source(kernels.autotune_picks_spec()) if mode_name == "full" else None
