@@ -106,3 +106,20 @@ def test_a_bad_picks_path_is_one_clear_line(tmp_path):
     cfg = load_config("configs/k3_tiny.yaml", [f"kernels.autotune_picks={tmp_path / 'junk.json'}"])
     with pytest.raises(kernels.KernelChoiceError, match="is not an autotune picks file"):
         kernels.apply(cfg)
+
+
+@pytest.mark.parametrize("path", sorted(ap.SHIPPED_DIR.glob("*.json")), ids=lambda p: p.name)
+def test_each_shipped_picks_file_is_found_for_its_gpu_and_names_live_kernels(path):
+    """A shipped file is what ``auto`` reads on its GPU model, and each of our own kernels it names
+    still exists under that name (a renamed kernel would silently be tuned again on every run)."""
+    import importlib
+
+    data = ap.read_picks(path)
+    assert ap.resolve_source("auto", data["device"]) == path
+    fields = {"kwargs", "num_warps", "num_stages", "num_ctas", "maxnreg"}
+    for kernel, by_key in data["kernels"].items():
+        assert by_key and all(set(cfg) == fields for cfg in by_key.values()), kernel
+        module, _, name = kernel.rpartition(".")
+        if module.split(".")[0] in ("k3train", "optim", "moe", "pipeline"):
+            fn = ap.python_function(getattr(importlib.import_module(module), name))
+            assert f"{fn.__module__}.{fn.__name__}" == kernel
