@@ -46,3 +46,36 @@ def test_without_the_switch_autocast_state_is_a_guard():
     # (off, on), (off, off); fp32 -> bf16 in (on, on), (on, off); bf16 -> bf16 in all four.
     graphs, _ = _graphs_after_calls(outside_autocast=False, dynamic=True)
     assert graphs == 8
+
+
+def test_rms_norm_modules_of_every_width_and_rank_share_graphs(monkeypatch):
+    """RMSNorm modules of six widths (k3_mini's and K3's), inputs of rank 2 and 3, in training
+    and in evaluation (no grad): a fixed number of graphs, 2 per grad mode, where passing the
+    Parameter and the input as they are compiles one per width and rank and reaches Dynamo's
+    limit of 8 (as k3_mini's first step did on an H200). Outputs and weight gradients equal the
+    eager norm's bitwise."""
+    fn = compile_for(norm.rms_norm_eager, device_types=("cpu",), backend="eager", **norm._RMS_NORM_COMPILE)
+
+    def graphs(call) -> int:
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        for grad in (True, False):
+            with torch.set_grad_enabled(grad):
+                for width in (1024, 384, 256, 7168, 1536, 512):
+                    mod = norm.RMSNorm(width)
+                    mod.weight.data.uniform_(0.5, 1.5)
+                    for shape in ((2, 3, width), (5, width)):
+                        x = torch.randn(*shape)
+                        got, want = call(mod, x), norm.rms_norm_eager(x, mod.weight, mod.eps, x.dtype)
+                        torch.testing.assert_close(got, want, rtol=0, atol=0)
+                        if grad:
+                            g_got, = torch.autograd.grad(got.square().sum(), mod.weight)
+                            g_want, = torch.autograd.grad(want.square().sum(), mod.weight)
+                            torch.testing.assert_close(g_got, g_want, rtol=0, atol=0)
+        return counters["stats"]["unique_graphs"]
+
+    monkeypatch.setattr(norm, "_rms_norm", fn)
+    assert graphs(lambda mod, x: mod(x)) == 4
+    # The counter sees the difference: the Parameter and the input passed as they are.
+    assert graphs(lambda mod, x: fn(x, mod.weight, mod.eps, x.dtype)) >= 8
