@@ -51,10 +51,11 @@ def measure_chunk_times(cfg: RunConfig, num_chunks: int, steps: int = 3, warmup:
     ``train.microbatches`` microbatches per step; ``warmup`` untimed steps first.
 
     busy: if a dict, one more step runs under ``torch.profiler`` and the dict gets, per
-    microbatch, ``span_s`` (that step's forward and backward spans summed) and ``kernel_s``
-    (its CUDA kernels' durations summed; None off CUDA). Spans are CUDA events, so where the
+    microbatch, ``span_s`` (that step's forward and backward spans summed), ``kernel_s``
+    (its CUDA kernels' durations summed; None off CUDA) and ``host_ops`` (the host-side
+    operators with the most self time, :func:`host_ops`). Spans are CUDA events, so where the
     host cannot keep the GPU fed they time the host's launches: kernel_s / span_s is how busy
-    the GPU was inside them."""
+    the GPU was inside them, and host_ops says what the host spent the time on."""
     from k3train.distributed import init_distributed
     from k3train.trainer.loop import pick_device
     from k3train.trainer.state import autocast_for
@@ -121,9 +122,38 @@ def _profiled_busy(run_step, recorder, device, m: int) -> dict:
     with profile(activities=acts) as prof:
         run_step()
     span = sum(s.end - s.start for s in recorder.compute[first:]) / m
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
     kernel = sum(e.time_range.elapsed_us() for e in kernels) / 1e6 / m if kernels else None
-    return {"span_s": span, "kernel_s": kernel}
+    return {"span_s": span, "kernel_s": kernel, "host_ops": host_ops(events, m)}
+
+
+def host_ops(events, m: int = 1, top: int = 30) -> list[dict]:
+    """The ``top`` host-side profiler events by self time, per microbatch: ``[{"name",
+    "self_ms", "calls"}]`` (self time and calls summed over every event of that name, divided
+    by ``m``), largest first. Host-side: operators, Python-level ranges and CUDA runtime calls
+    (``cudaLaunchKernel``'s count is the launches), not the kernels themselves."""
+    from torch.autograd import DeviceType
+
+    totals: dict[str, list] = {}
+    for e in events:
+        if e.device_type != DeviceType.CPU:
+            continue
+        t = totals.setdefault(e.name, [0.0, 0])
+        t[0] += e.self_cpu_time_total
+        t[1] += 1
+    rows = [{"name": n, "self_ms": us / 1e3 / m, "calls": c / m} for n, (us, c) in totals.items()]
+    return sorted(rows, key=lambda r: -r["self_ms"])[:top]
+
+
+def host_excess(base: list[dict], other: list[dict], top: int = 12) -> list[dict]:
+    """Per operator name, ``other``'s host self time and calls minus ``base``'s (both
+    :func:`host_ops` lists; a name missing from one counts 0 there), the largest excess first."""
+    b = {r["name"]: r for r in base}
+    o = {r["name"]: r for r in other}
+    rows = [{"name": n, "self_ms": o.get(n, {}).get("self_ms", 0.0) - b.get(n, {}).get("self_ms", 0.0),
+             "calls": o.get(n, {}).get("calls", 0.0) - b.get(n, {}).get("calls", 0.0)} for n in {*b, *o}]
+    return sorted(rows, key=lambda r: -r["self_ms"])[:top]
 
 
 def measure_layer_costs(cfg: RunConfig, steps: int = 3, progress=print, layers_per_chunk: int = 1) -> dict:
@@ -152,6 +182,11 @@ def measure_layer_costs(cfg: RunConfig, steps: int = 3, progress=print, layers_p
                f"{busy['span_s'] * 1e3:.1f} ms of spans ({kernel / busy['span_s']:.0%} busy)")
         progress(f"measured {variant}: {L} layers in {num_chunks} chunks, forward {sum(f) * 1e3:.1f} ms + "
                  f"backward {sum(b) * 1e3:.1f} ms per microbatch{gpu} ({time.perf_counter() - t0:.0f} s)")
+    ops = [out[v]["busy"].get("host_ops") for v in ("standard", "attnres_cached")]
+    excess = host_excess(*ops) if all(ops) else []
+    if excess:
+        progress("host self time per microbatch, AttnRes cached minus standard (profiled steps):\n" + "\n".join(
+            f"  {r['self_ms']:+9.2f} ms {r['calls']:+8.1f} calls  {r['name'][:90]}" for r in excess))
     out["attnres_naive"] = out["attnres_cached"]
     return out
 

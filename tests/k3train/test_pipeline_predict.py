@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 from k3train.config import load_config
 from k3train.errors import UsageError
@@ -124,6 +125,42 @@ def test_chunk_timing_compiles_ahead_without_recording_the_pass(monkeypatch):
     assert len(extra) == 2 * 2 * 2  # forward and backward of 2 chunks x 2 microbatches
     assert busy["span_s"] == pytest.approx(sum(s.end - s.start for s in extra) / 2, rel=1e-12)
     assert busy["kernel_s"] is None
+    names = {r["name"] for r in busy["host_ops"]}
+    assert any(n.startswith("aten::") for n in names)
+    assert [r["self_ms"] for r in busy["host_ops"]] == sorted((r["self_ms"] for r in busy["host_ops"]), reverse=True)
+
+
+def test_host_ops_agrees_with_the_profilers_own_table():
+    """host_ops against torch's key_averages() on a profile of known calls: 3 matmuls and 2 adds
+    per 'microbatch', m = 2."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from k3train.pipeline_predict import host_ops
+
+    a = torch.randn(64, 64)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            for _ in range(3):
+                torch.mm(a, a)
+            for _ in range(2):
+                torch.add(a, a)
+    rows = {r["name"]: r for r in host_ops(prof.events(), m=2, top=100)}
+    want = {e.key: e for e in prof.key_averages()}
+    assert rows["aten::mm"]["calls"] == 3 and rows["aten::add"]["calls"] == 2
+    for name in ("aten::mm", "aten::add"):
+        assert rows[name]["self_ms"] == pytest.approx(want[name].self_cpu_time_total / 1e3 / 2, rel=1e-9)
+
+
+def test_host_excess_subtracts_by_name_and_counts_missing_names_as_zero():
+    from k3train.pipeline_predict import host_excess
+
+    base = [{"name": "mm", "self_ms": 5.0, "calls": 10}, {"name": "gone", "self_ms": 1.0, "calls": 2}]
+    other = [{"name": "mm", "self_ms": 6.5, "calls": 12}, {"name": "attnres", "self_ms": 4.0, "calls": 32}]
+    rows = host_excess(base, other)
+    assert [r["name"] for r in rows] == ["attnres", "mm", "gone"]
+    assert rows[0] == {"name": "attnres", "self_ms": 4.0, "calls": 32}
+    assert rows[1]["self_ms"] == pytest.approx(1.5) and rows[1]["calls"] == 2
+    assert rows[2] == {"name": "gone", "self_ms": -1.0, "calls": -2}
 
 
 @pytest.mark.parametrize("attnres", [True, False])
