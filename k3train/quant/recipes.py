@@ -205,6 +205,24 @@ def _apply_fp8(model: nn.Module, targets: dict[str, str], config=None, *, skip_u
     return done
 
 
+def fp8_gemm_shapes(model: nn.Module, precision: PrecisionConfig) -> dict[tuple[int, int], int]:
+    """The GEMMs ``precision.recipe=fp8`` runs in float8 on ``model``: ``{(in_features,
+    out_features): how many modules}``, as ``apply_precision`` would convert them (the
+    configured or default scope; under the default, widths not multiples of 16 left out).
+    Reads weight shapes only, so a model built on the meta device will do."""
+    targets = select_scope(model, scope_patterns(precision))
+    shapes: dict[tuple[int, int], int] = {}
+    for local in targets.values():
+        mod = model.get_submodule(local)
+        if isinstance(mod, GroupedExperts):
+            continue  # refused by apply_precision: no grouped float8 GEMM
+        out_f, in_f = mod.weight.shape
+        if precision.scope is None and (in_f % 16 or out_f % 16):
+            continue
+        shapes[(in_f, out_f)] = shapes.get((in_f, out_f), 0) + 1
+    return shapes
+
+
 def apply_precision(model: nn.Module, precision: PrecisionConfig, device: str | torch.device = "cpu", *,
                     layer_offset: int = 0, require_match: bool = True) -> list[str]:
     """Configure ``model``'s in-scope layers for ``precision.recipe``; returns their global names.

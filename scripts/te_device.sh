@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Transformer Engine on a lent GPU machine, whose one transfer carries at most 64 MiB: the
+# 276.5 MB core wheel travels in parts over consecutive calls while the machine stays warm.
+#
+#   here:   bash scripts/te_device.sh fetch        # downloads into .te/ and splits .te/parts/te.tar.part-*
+#   device: bash scripts/te_device.sh receive      # one call per part, carry [".te/parts/te.tar.part-aa"], ...
+#   device: bash scripts/te_device.sh install      # after the last part: install, build the torch binding
+#   device: bash scripts/te_device.sh bench        # scripts/bench/bench_te_linear.py at the slice's shapes
+#
+# The parts wait in /tmp/te_parts, which a warm machine keeps between calls (a machine returned
+# in between loses them: start again from part aa). install puts everything under /tmp/site
+# (where scripts/gpu_session.sh puts the other wheels) and writes its logs to $OUT. .te/
+# is git-ignored (.gitignore): the parts travel only as carried paths.
+set -u
+TE_VERSION=2.20.2
+case "${1:-}" in
+fetch)
+  mkdir -p .te/dl .te/parts && rm -f .te/parts/*
+  plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64)
+  python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${plat[@]}" \
+    -d .te/dl "transformer-engine-cu13==$TE_VERSION" einops nvdlfw-inspect "nvidia-cudnn-frontend>=1.29" \
+    wheel packaging "setuptools<81" || exit 1
+  # The binding is a source archive only; pip download would try to build its metadata, so
+  # fetch the archive itself from the index.
+  url=$(curl -s https://pypi.org/simple/transformer-engine-torch/ | grep -o "https://[^\"#]*transformer_engine_torch-$TE_VERSION.tar.gz" | head -1)
+  curl -s -o ".te/dl/transformer_engine_torch-$TE_VERSION.tar.gz" "$url" || exit 1
+  # Wheels are compressed already: a plain tar, in 50 MB parts (each call carries one).
+  tar cf - -C .te/dl . | split -b 50000000 - .te/parts/te.tar.part-
+  ls -la .te/parts ;;
+receive)
+  : "${OUT:?OUT must be set}"
+  mkdir -p /tmp/te_parts && cp .te/parts/te.tar.part-* /tmp/te_parts/ && ls -la /tmp/te_parts | tee "$OUT/te_parts.txt" ;;
+install)
+  : "${OUT:?OUT must be set}"
+  rm -rf /tmp/te_dl && mkdir -p /tmp/te_dl /tmp/site
+  cat /tmp/te_parts/te.tar.part-* | tar xf - -C /tmp/te_dl || { echo "parts incomplete: $(ls /tmp/te_parts)"; exit 1; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site /tmp/te_dl/*.whl \
+    > "$OUT/te_install.log" 2>&1 || { tail -20 "$OUT/te_install.log"; exit 1; }
+  export PYTHONPATH=/tmp/site CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+  # No network here: never try the prebuilt-wheel download, build against this machine's torch.
+  export NVTE_PYTORCH_FORCE_BUILD=TRUE MAX_JOBS=$(nproc) NVTE_FRAMEWORK=pytorch
+  t0=$SECONDS
+  python3 -m pip install -v --no-index --no-deps --no-build-isolation --target /tmp/site \
+    "/tmp/te_dl/transformer_engine_torch-$TE_VERSION.tar.gz" > "$OUT/te_build.log" 2>&1
+  echo "build rc=$? seconds=$((SECONDS - t0))" | tee -a "$OUT/te_build.log"
+  python3 -c "import transformer_engine.pytorch as te, transformer_engine_torch; print('transformer_engine', te.__version__ if hasattr(te, '__version__') else '$TE_VERSION', 'imports')" \
+    2>&1 | tail -5 | tee "$OUT/te_import.log" ;;
+bench)
+  : "${OUT:?OUT must be set}"
+  PYTHONPATH=/tmp/site:$PWD python3 scripts/bench/bench_te_linear.py --json "$OUT/te_linear.json" 2>&1 | tee "$OUT/te_linear.log" ;;
+*)
+  echo "usage: bash scripts/te_device.sh fetch|receive|install|bench" >&2; exit 2 ;;
+esac
