@@ -4,7 +4,7 @@
 # Stages: gpu_check train_cuda bench_kda bench_step bench_moe_layer bench_fp8 (one GPU; bench_step
 # also as bench_step_mini + bench_step_peer, and bench_quantile, bench_muon, bench_grouped_experts,
 # bench_moe_layer_k3, first_step_tune + first_step_picks, bench_slice, fp8_slice, predict_busy, study_optim, study_attnres, study_bal,
-# study_bal_sparse, study_mqar (STUDIES_FROM=TGZ seeds the studies' run directories): explicit only);
+# study_bal_sparse, study_mqar, study_mqar_pairs (STUDIES_FROM=TGZ seeds the studies' run directories): explicit only);
 # gpu_parallel (GPU_PARALLEL_ONLY=a,b picks variants) bench_moe_ep2 bench_pipeline pp_debug (two
 # GPUs, skipped on one).
 # Together the stages need more than one 10-minute device call: pass a subset per call.
@@ -90,6 +90,8 @@ stage study_bal 400 python3 -m k3train sweep configs/ablations/gpu/balancing.yam
 stage study_bal_sparse 540 python3 -m k3train sweep configs/ablations/gpu/balancing_sparse.yaml --jobs 10 \
   --out "$OUT"/studies/study_bal_sparse
 stage study_mqar 540 python3 -m k3train sweep configs/ablations/gpu/mqar.yaml --jobs 12 --out "$OUT"/studies/study_mqar
+stage study_mqar_pairs 540 python3 -m k3train sweep configs/ablations/gpu/mqar_pairs.yaml --jobs 12 \
+  --out "$OUT"/studies/study_mqar_pairs
 if [ "$NGPU" -ge 2 ]; then
   stage gpu_parallel 420 env K3TRAIN_KERNELS=torch K3TRAIN_COMPILE=0 python3 scripts/gpu_parallel_check.py \
     --out /tmp/gpu_parallel --run-limit 90 ${GPU_PARALLEL_ONLY:+--only $GPU_PARALLEL_ONLY}
