@@ -3,8 +3,9 @@
 #   bash scripts/gpu_suite.sh OUTDIR [STAGES]     (STAGES: comma list, default all)
 # Stages: gpu_check train_cuda bench_kda bench_step bench_moe_layer bench_fp8 (one GPU; bench_step
 # also as bench_step_mini + bench_step_peer, and bench_quantile, bench_muon, bench_grouped_experts,
-# bench_moe_layer_k3, first_step_tune + first_step_picks, bench_slice, fp8_slice, predict_busy, study_optim, study_attnres, study_bal,
-# study_bal_sparse, study_mqar, study_mqar_pairs (STUDIES_FROM=TGZ seeds the studies' run directories): explicit only);
+# bench_moe_layer_k3, first_step_tune + first_step_picks, first_step_shipped, bench_slice, fp8_slice, predict_busy, study_optim, study_attnres, study_bal,
+# study_bal_sparse, study_mqar, study_mqar_pairs (STUDIES_FROM=TGZ seeds the studies' run directories),
+# te_receive, te_install, te_bench (scripts/te_device.sh): explicit only);
 # gpu_parallel (GPU_PARALLEL_ONLY=a,b picks variants) bench_moe_ep2 bench_pipeline pp_debug (two
 # GPUs, skipped on one).
 # Together the stages need more than one 10-minute device call: pass a subset per call.
@@ -73,6 +74,8 @@ stage first_step_tune 170 python3 scripts/bench/bench_first_step.py --timeout 16
   --json "$OUT/first_step_tune.json" kernels.autotune_picks=none
 [ -f "$OUT/autotune_picks.json" ] && stage first_step_picks 150 python3 scripts/bench/bench_first_step.py --timeout 140 \
   --json "$OUT/first_step_picks.json" "kernels.autotune_picks=$OUT/autotune_picks.json"
+# What a user gets on a fresh H200: the picks the project ships (kernels.autotune_picks=auto).
+stage first_step_shipped 150 python3 scripts/bench/bench_first_step.py --timeout 140 --json "$OUT/first_step_shipped.json"
 # The K3 slice's training step (issue 22's MFU rows; one autocast region per step since 2026-12-02).
 stage bench_slice 200 python3 scripts/bench/bench_slice.py --microbatches 4 --json "$OUT/slice.json"
 # fp8 against bf16 at the slice's widths (the preset's AdamW 3e-5 with its warm-up applied).
@@ -92,6 +95,12 @@ stage study_bal_sparse 540 python3 -m k3train sweep configs/ablations/gpu/balanc
 stage study_mqar 540 python3 -m k3train sweep configs/ablations/gpu/mqar.yaml --jobs 12 --out "$OUT"/studies/study_mqar
 stage study_mqar_pairs 540 python3 -m k3train sweep configs/ablations/gpu/mqar_pairs.yaml --jobs 12 \
   --out "$OUT"/studies/study_mqar_pairs
+# Transformer Engine (issue 22), over consecutive calls on one warm machine: te_receive once per
+# carried part (.te/parts/te.tar.part-aa ... -af, from `bash scripts/te_device.sh fetch`), then
+# te_install (installs, builds the torch binding there), then te_bench.
+stage te_receive 60 bash scripts/te_device.sh receive
+stage te_install 540 bash scripts/te_device.sh install
+stage te_bench 300 bash scripts/te_device.sh bench
 if [ "$NGPU" -ge 2 ]; then
   stage gpu_parallel 420 env K3TRAIN_KERNELS=torch K3TRAIN_COMPILE=0 python3 scripts/gpu_parallel_check.py \
     --out /tmp/gpu_parallel --run-limit 90 ${GPU_PARALLEL_ONLY:+--only $GPU_PARALLEL_ONLY}
