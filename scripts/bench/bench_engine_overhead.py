@@ -1,7 +1,7 @@
 """What the pipeline engine adds on one device: a plain step against the engine at P=1, V=1,2,4.
 
     python scripts/bench/bench_engine_overhead.py [--shape tiny|medium|pipeline] [--device cpu|cuda]
-        [--vpp 1,2,4] [--steps N] [--profile] [--json OUT]
+        [--vpp 1,2,4] [--steps N] [--profile] [--kernels] [--json OUT]
 
 At P = 1 the engine runs the same code with C = V chunks on one rank: every hop is a local
 hand-over, so whatever it costs over a plain step is the engine's own work (schedule walk,
@@ -24,6 +24,9 @@ the run, what an engine ratio must be read against. Prints step times, engine/pl
 (attnres/standard) under the engine next to the plain step's. ``--profile`` prints the top
 host-side costs of one engine step at the largest V: the engine's own Python functions by self
 time (cProfile) and the aten operators whose call count differs from the plain step.
+``--kernels`` profiles one more step of every runner and prints its CUDA kernels' summed time,
+kernel launches and host self time: the kernel-time ratio to the plain step is the GPU work the
+engine adds, measured without the host's jitter (on CPU only launches and host time).
 
 Shapes: ``pipeline`` is bench_pipeline.py's model (hidden 2048, seq 4096, 16 layers: one H200);
 ``tiny`` (hidden 64, seq 64) shows the host overhead on CPU; ``medium`` (hidden 256, seq 256) a
@@ -181,6 +184,34 @@ def profile_host(runner, plain, rows=15):
         print(f"{dt / 1e3:>9.3f}{na:>7}{nb:>8}  {k}")
 
 
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def device_work(events) -> dict:
+    """From one profiled step's events: ``kernel_ms`` (CUDA kernels' durations summed; None
+    without any), ``launches`` (kernel-launch runtime calls) and ``host_ms`` (host self time of
+    every host-side event). Kernel time does not depend on how fast the host launches, so the
+    ratio of two runners' kernel_ms is the GPU work one adds over the other, free of the host
+    jitter that widens the step-time ratios."""
+    from torch.autograd import DeviceType
+
+    kernels = [e.time_range.elapsed_us() for e in events if e.device_type == DeviceType.CUDA]
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+    return {"kernel_ms": sum(kernels) / 1e3 if kernels else None,
+            "launches": sum(e.name in LAUNCHES for e in host),
+            "host_ms": sum(e.self_cpu_time_total for e in host) / 1e3}
+
+
+def profile_work(runner) -> dict:
+    """``device_work`` of one more step of ``runner`` under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        runner.step()
+    return device_work(prof.events())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="pipeline")
@@ -189,6 +220,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="timed steps per runner (after 2 untimed)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"residual variants, of {list(VARIANTS)}")
     ap.add_argument("--profile", action="store_true", help="print the engine's top host-side costs")
+    ap.add_argument("--kernels", action="store_true",
+                    help="one more profiled step per runner: GPU kernel time, launches, host time")
     ap.add_argument("--json")
     args = ap.parse_args()
     vpps = [int(v) for v in args.vpp.split(",")]
@@ -228,6 +261,10 @@ def main() -> None:
                             "paired_ratio": q2, "paired_ratio_q1": q1, "paired_ratio_q3": q3,
                             "loss_rel_diff": abs(r.loss.item() / plain.loss.item() - 1)})
             print(json.dumps(results[-1]), flush=True)
+        if args.kernels:
+            work = {r.name: profile_work(r) for r in runners}
+            for row in results[-len(runners):]:
+                row["work"] = work[row["runner"]]
         if args.profile:
             profile_host(runners[-1], plain)
         del runners, plain
@@ -249,6 +286,18 @@ def main() -> None:
               f"{r['min_ms']:>10.2f}{r['engine_over_plain_min']:>14.3f}{pair:>25}{r['loss_rel_diff']:>11.1e}")
     print("paired ratio: median over rounds of (runner's step / the plain step of the same round), with "
           "its quartiles; plain (A/A) is the plain step run again, the noise floor")
+    if args.kernels:
+        base = {r["variant"]: r["work"] for r in results if r["runner"] == "plain"}
+        print("\n--kernels: one profiled step per runner (kernel time is free of host jitter)")
+        print(f"{'variant':<16}{'runner':<13}{'GPU kernels ms':>15}{'engine/plain':>14}{'launches':>10}"
+              f"{'host self ms':>14}")
+        for r in results:
+            w, b = r["work"], base[r["variant"]]
+            ratio = w["kernel_ms"] / b["kernel_ms"] if w["kernel_ms"] and b["kernel_ms"] else float("nan")
+            r["kernel_over_plain"] = ratio
+            kms = f"{w['kernel_ms']:.2f}" if w["kernel_ms"] is not None else "-"
+            print(f"{r['variant']:<16}{r['runner']:<13}{kms:>15}{ratio:>14.3f}{w['launches']:>10}"
+                  f"{w['host_ms']:>14.1f}")
     summary = {}
     if len(variants) == 2:
         print("\nAttnRes cost (attnres_cached / standard), same runner:")

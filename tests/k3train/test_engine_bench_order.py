@@ -26,3 +26,22 @@ def test_no_runner_keeps_a_place_or_a_predecessor():
     rotation = [list(range(5))[k % 5:] + list(range(5))[:k % 5] for k in range(14)]
     behind = Counter(o[o.index(4) - 1] for o in rotation if o.index(4) > 0)
     assert behind[3] == sum(behind.values())
+
+
+def test_device_work_sums_kernels_launches_and_host_time():
+    """device_work on hand-made profiler events: two kernels, three host events of which one is
+    a launch; no CUDA events gives kernel_ms None."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from bench_engine_overhead import device_work
+
+    def ev(name, dev, us):
+        return SimpleNamespace(name=name, device_type=dev, self_cpu_time_total=us if dev == DeviceType.CPU else 0,
+                               time_range=SimpleNamespace(elapsed_us=lambda: us))
+
+    events = [ev("gemm", DeviceType.CUDA, 1500), ev("norm", DeviceType.CUDA, 250), ev("aten::mm", DeviceType.CPU, 40),
+              ev("cudaLaunchKernel", DeviceType.CPU, 7), ev("cudaLaunchKernel", DeviceType.CPU, 5)]
+    assert device_work(events) == {"kernel_ms": 1.75, "launches": 2, "host_ms": 0.052}
+    assert device_work(events[2:])["kernel_ms"] is None
