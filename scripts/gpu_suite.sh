@@ -83,7 +83,7 @@ stage fp8_slice 260 python3 scripts/bench/bench_fp8.py --preset slice --recipes 
   --profile 15 --out "$OUT/fp8_slice"
 # Issue 20's engine overhead at P=1 with one profiled step per runner: GPU kernel time (free of
 # host jitter), launches and host time beside the step-time ratios.
-stage engine_kernels 300 python3 scripts/bench/bench_engine_overhead.py --shape pipeline --vpp 1,2,4 --steps 4 \
+stage engine_kernels 420 python3 scripts/bench/bench_engine_overhead.py --shape pipeline --vpp 1,2,4 --steps 4 \
   --kernels --json "$OUT/engine_kernels.json"
 # Issue 20's timing model from 4-layer chunks, with each variant's GPU-busy share of its chunk spans.
 stage predict_busy 200 python3 scripts/bench/predict_pipeline.py --layers-per-chunk 4 --json "$OUT/predict.json"
