@@ -300,6 +300,21 @@ def collect_result(name: str, cfg: RunConfig, run_dir: Path) -> tuple[dict, list
     return row, records
 
 
+def unfinished_progress(name: str, cfg: RunConfig, run_dir: Path) -> dict | None:
+    """How far a run without ``DONE`` got, from its ``metrics.jsonl``: ``{"variant", "step",
+    "steps", "loss", "val_loss"}`` (the last logged step and training loss, the last validation
+    loss or None, of ``train.steps``), or None where nothing was logged. A study cut off by the
+    end of a device session still says which runs had learned."""
+    metrics = run_dir / "metrics.jsonl"
+    records = [r for r in (read_metrics(metrics) if metrics.is_file() else []) if "step" in r]
+    if not records:
+        return None
+    val = [r["val_loss"] for r in records if r.get("val_loss") is not None]
+    losses = [r for r in records if r.get("loss") is not None]
+    return {"variant": name, "step": records[-1]["step"], "steps": cfg.train.steps,
+            "loss": losses[-1]["loss"] if losses else None, "val_loss": val[-1] if val else None}
+
+
 def seed_table(rows: list[dict], variants: list[Variant]) -> list[dict]:
     """Rows over seeds: per variant group, ``n`` seeds, ``tokens`` (of one run), and
     ``<metric>_mean`` / ``<metric>_std`` (sample standard deviation, n-1; 0 for one seed)."""
@@ -394,12 +409,13 @@ def _fmt(value) -> str:
 
 def write_results(rows: list[dict], out: Path, title: str,
                   variants: list[Variant] | None = None, missing: list[str] = (),
-                  tune: tuple[str, str, dict] | None = None) -> tuple[Path, Path]:
+                  tune: tuple[str, str, dict] | None = None, progress: list[dict] = ()) -> tuple[Path, Path]:
     """``out/results.csv`` (full precision, empty cells for n/a) and ``out/results.md``; with
     seeded ``variants`` also ``out/results_seeds.csv`` and a table over seeds in results.md.
     ``missing``: variants of the sweep without a row, named under the tables. ``tune``: (key,
     metric, run name -> value) adds each family at its best value (:func:`tuned_table`) and
-    ``out/results_tuned.csv``."""
+    ``out/results_tuned.csv``. ``progress``: :func:`unfinished_progress` rows of the missing
+    runs that logged something, tabulated under their names."""
     cols = [c for c in COLUMNS if c in ("variant", "steps") or any(r.get(c) is not None for r in rows)]
     csv_path, md_path = out / "results.csv", out / "results.md"
     with open(csv_path, "w", newline="") as f:
@@ -417,6 +433,12 @@ def write_results(rows: list[dict], out: Path, title: str,
         lines += _tuned_lines(tuned_table(rows, variants, key, metric, values), key, metric, out)
     if missing:
         lines += [f"Not finished, so not in these tables ({len(missing)}): {', '.join(missing)}.", ""]
+    if progress:
+        lines += ["How far the unfinished runs got (last logged values):", "",
+                  "| run | step | of | train loss | val loss |", "|---|---|---|---|---|"]
+        lines += [f"| {p['variant']} | {p['step']} | {p['steps']} | {_fmt(p['loss'])} | {_fmt(p['val_loss'])} |"
+                  for p in progress]
+        lines.append("")
     md_path.write_text("\n".join(lines))
     return md_path, csv_path
 
@@ -528,10 +550,16 @@ def run_sweep(path: str | Path, out: str | Path | None = None, extra: list[str] 
                           f"this sweep resolves to (their DONE key differs); pass another --out, or "
                           f"delete those variant directories to train them again")
     todo = [v for v, _ in configs if not (out / v.name / "DONE").is_file()]
+    cfg_of = {v.name: cfg for v, cfg in configs}
     if collect:
         if todo:
             print(f"[sweep] --collect: {len(todo)} of {len(configs)} variants not finished in {out}, "
                   f"left out of the tables: {', '.join(v.name for v in todo)}")
+            for v in todo:
+                p = unfinished_progress(v.name, cfg_of[v.name], out / v.name)
+                if p:
+                    print(f"[sweep]   {v.name}: logged step {p['step']} of {p['steps']}, train loss "
+                          f"{_fmt(p['loss']) or '-'}, val loss {_fmt(p['val_loss']) or '-'}")
         configs = [(v, cfg) for v, cfg in configs if v not in todo]
         if not configs:
             raise RunDirError(f"--collect: no finished variant of {Path(path).name} in {out}")
@@ -560,9 +588,11 @@ def run_sweep(path: str | Path, out: str | Path | None = None, extra: list[str] 
     if rows:
         out.mkdir(parents=True, exist_ok=True)
         tabulated = {r["variant"] for r in rows}
-        md, _ = write_results(rows, out, sweep.name, [v for v, _ in configs][:len(rows)],
-                              missing=[v.name for v in runs if v.name not in tabulated],
-                              tune=(sweep.tune, sweep.tune_metric, tuned) if sweep.tune else None)
+        missing = [v.name for v in runs if v.name not in tabulated]
+        progress = [p for p in (unfinished_progress(n, cfg_of[n], out / n) for n in missing if n in cfg_of) if p]
+        md, _ = write_results(rows, out, sweep.name, [v for v, _ in configs][:len(rows)], missing=missing,
+                              tune=(sweep.tune, sweep.tune_metric, tuned) if sweep.tune else None,
+                              progress=progress)
         plot_loss_curves(curves, out / "loss_curves.png")
         # MoE runs: the balance over training, not only its last value (the table's maxvio_running).
         maxvio = plot_metric_curves(curves, "moe/maxvio", out / "maxvio_curves.png", log_y=True,

@@ -216,7 +216,8 @@ def test_jobs_that_run_out_of_gpu_memory_say_so(tmp_path, monkeypatch, capsys):
 
 def test_collect_tabulates_finished_variants_and_names_the_rest(tmp_path, monkeypatch, capsys):
     """--collect trains nothing: the finished seeds are tabulated (the table over seeds over the
-    seeds that are there), the unfinished ones are named in results.md and on the console."""
+    seeds that are there), the unfinished ones are named in results.md and on the console, and
+    one that logged steps gets a row of how far it got."""
     import json
 
     def fake_train(cfg, run_dir, resume=False):
@@ -229,13 +230,18 @@ def test_collect_tabulates_finished_variants_and_names_the_rest(tmp_path, monkey
     path = _ablation(tmp_path, overrides=["train.steps=2"], grid={"optim.name": ["adamw", "muon"]}, seeds=[1, 2])
     out = tmp_path / "out"
     run_sweep(path, out, only="name-adamw_seed-1,name-adamw_seed-2,name-muon_seed-2")  # one run left undone
+    # ... that a cut-off session had started: a logged step, no DONE
+    (out / "name-muon_seed-1").mkdir()
+    (out / "name-muon_seed-1" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 7.5}) + "\n")
 
     def must_not_train(*args, **kwargs):
         raise AssertionError("--collect trained a variant")
 
     monkeypatch.setattr(loop, "train", must_not_train)
     assert cli_main(["sweep", str(path), "--out", str(out), "--collect"]) == 0
-    assert "1 of 4 variants not finished" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "1 of 4 variants not finished" in printed
+    assert "name-muon_seed-1: logged step 1 of 2, train loss 7.5000, val loss -" in printed
     rows = list(csv.DictReader(open(out / "results.csv")))
     assert [r["variant"] for r in rows] == ["name-adamw_seed-1", "name-adamw_seed-2", "name-muon_seed-2"]
     seeds = {r["variant"]: r for r in csv.DictReader(open(out / "results_seeds.csv"))}
@@ -243,6 +249,7 @@ def test_collect_tabulates_finished_variants_and_names_the_rest(tmp_path, monkey
     assert int(seeds["name-muon"]["n"]) == 1 and float(seeds["name-muon"]["final_val_loss_mean"]) == 4.0
     md = (out / "results.md").read_text()
     assert "Not finished, so not in these tables (1): name-muon_seed-1." in md
+    assert "| name-muon_seed-1 | 1 | 2 | 7.5000 |  |" in md  # how far it got: step 1 of 2
     with pytest.raises(Exception, match="no finished variant"):
         run_sweep(path, tmp_path / "empty", collect=True)
 
