@@ -3,7 +3,7 @@
 #   bash scripts/gpu_suite.sh OUTDIR [STAGES]     (STAGES: comma list, default all)
 # Stages: gpu_check train_cuda bench_kda bench_step bench_moe_layer bench_fp8 (one GPU; bench_step
 # also as bench_step_mini + bench_step_peer, and bench_quantile, bench_muon, bench_grouped_experts,
-# bench_moe_layer_k3, first_step_tune + first_step_picks, first_step_shipped, bench_slice, fp8_slice, engine_kernels, predict_busy, study_optim, study_attnres, study_bal,
+# bench_moe_layer_k3, first_step_tune + first_step_picks, first_step_shipped, bench_slice, fp8_slice, engine_kernels, engine_graph, predict_busy, study_optim, study_attnres, study_bal,
 # study_bal_sparse, study_mqar, study_mqar_pairs (STUDIES_FROM=TGZ seeds the studies' run directories),
 # te_receive, te_install, te_bench (scripts/te_device.sh): explicit only);
 # gpu_parallel (GPU_PARALLEL_ONLY=a,b picks variants) bench_moe_ep2 bench_pipeline pp_debug (two
@@ -85,6 +85,9 @@ stage fp8_slice 260 python3 scripts/bench/bench_fp8.py --preset slice --recipes 
 # host jitter), launches and host time beside the step-time ratios.
 stage engine_kernels 420 python3 scripts/bench/bench_engine_overhead.py --shape pipeline --vpp 1,2,4 --steps 4 \
   --kernels --json "$OUT/engine_kernels.json"
+# The same with every runner replayed from its own CUDA graph: the engine at P=1 without launch time.
+stage engine_graph 360 python3 scripts/bench/bench_engine_overhead.py --shape pipeline --vpp 1,2,4 --steps 8 \
+  --graph --kernels --json "$OUT/engine_graph.json"
 # Issue 20's timing model from 4-layer chunks, with each variant's GPU-busy share of its chunk spans.
 stage predict_busy 200 python3 scripts/bench/predict_pipeline.py --layers-per-chunk 4 --json "$OUT/predict.json"
 # Issue 27's studies (docs/ablations.md): unpack docs/results/h200-2026-12-02b/study_runs.tgz into

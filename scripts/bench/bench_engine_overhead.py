@@ -1,7 +1,7 @@
 """What the pipeline engine adds on one device: a plain step against the engine at P=1, V=1,2,4.
 
     python scripts/bench/bench_engine_overhead.py [--shape tiny|medium|pipeline] [--device cpu|cuda]
-        [--vpp 1,2,4] [--steps N] [--profile] [--kernels] [--json OUT]
+        [--vpp 1,2,4] [--steps N] [--profile] [--kernels] [--graph] [--json OUT]
 
 At P = 1 the engine runs the same code with C = V chunks on one rank: every hop is a local
 hand-over, so whatever it costs over a plain step is the engine's own work (schedule walk,
@@ -27,6 +27,9 @@ time (cProfile) and the aten operators whose call count differs from the plain s
 ``--kernels`` profiles one more step of every runner and prints its CUDA kernels' summed time,
 kernel launches and host self time: the kernel-time ratio to the plain step is the GPU work the
 engine adds, measured without the host's jitter (on CPU only launches and host time).
+``--graph`` (CUDA) replays every runner's step from its own CUDA graph, as ``train.cuda_graph``
+does for the plain step: the engine at P=1 has no communication, so its whole step captures,
+and the comparison is then of GPU work and the engine's effect on it, without launch time.
 
 Shapes: ``pipeline`` is bench_pipeline.py's model (hidden 2048, seq 4096, 16 layers: one H200);
 ``tiny`` (hidden 64, seq 64) shows the host overhead on CPU; ``medium`` (hidden 256, seq 256) a
@@ -63,11 +66,22 @@ class Runner:
 
     def __init__(self, name, module, step_fn):
         self.name, self.module, self.step_fn, self.times, self.loss = name, module, step_fn, [], None
+        self.graphed = None
+
+    def use_graph(self, device):
+        """Replay the step from a CUDA graph (the trainer's ``GraphedForwardBackward``: two eager
+        calls, the third captured, every later one replayed), so that host launch time drops
+        out of the comparison. Each runner gets its own graph and memory pool."""
+        from k3train.trainer.cuda_graph import GraphedForwardBackward
+
+        fn = self.step_fn
+        self.graphed = GraphedForwardBackward(lambda batch: fn(), list(self.module.parameters()), [])
+        self._token = torch.zeros(1, 1, dtype=torch.long, device=device)  # the replay's (unused) batch
 
     def step(self):
         for p in self.module.parameters():
             p.grad = None
-        self.loss = self.step_fn()
+        self.loss = self.step_fn() if self.graphed is None else self.graphed(self._token)
 
 
 def build_runners(cfg_for, vpps, device, parallel):
@@ -121,9 +135,10 @@ def round_orders(num_runners: int, rounds: int, seed: int = 0) -> list[list[int]
     return [rng.sample(range(num_runners), num_runners) for _ in range(rounds)]
 
 
-def time_runners(runners, steps, device):
-    for i, order in enumerate(round_orders(len(runners), steps + 2)):
-        # (the first two rounds are untimed: shapes agreed, kernels compiled and tuned)
+def time_runners(runners, steps, device, untimed: int = 2):
+    for i, order in enumerate(round_orders(len(runners), steps + untimed)):
+        # (the first rounds are untimed: shapes agreed, kernels compiled and tuned; with
+        # graphs, the two eager warm-ups and the capture)
         for r in (runners[j] for j in order):
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -137,7 +152,7 @@ def time_runners(runners, steps, device):
                 dt = time.perf_counter() - t0
             finally:
                 gc.enable()
-            if i >= 2:
+            if i >= untimed:
                 r.times.append(dt)
 
 
@@ -220,10 +235,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="timed steps per runner (after 2 untimed)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"residual variants, of {list(VARIANTS)}")
     ap.add_argument("--profile", action="store_true", help="print the engine's top host-side costs")
+    ap.add_argument("--graph", action="store_true",
+                    help="every runner replays its step from a CUDA graph (CUDA only): the engine's cost "
+                         "without the host's launch time")
     ap.add_argument("--kernels", action="store_true",
                     help="one more profiled step per runner: GPU kernel time, launches, host time")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.graph and args.device != "cuda":
+        ap.error("--graph replays CUDA graphs: it needs --device cuda")
     vpps = [int(v) for v in args.vpp.split(",")]
     variants = args.variants.split(",")
     for v in variants:
@@ -250,8 +270,12 @@ def main() -> None:
             from k3train.ops.triton_compile import compile_ahead
             if kernels.uses_triton(device):
                 compile_ahead(runners[0].step, label="the plain step")
-        print(f"[{variant}] timing {[r.name for r in runners]} x {args.steps} steps ...", flush=True)
-        time_runners(runners, args.steps, device)
+        if args.graph:
+            for r in runners:
+                r.use_graph(device)
+        print(f"[{variant}] timing {[r.name for r in runners]} x {args.steps} steps"
+              f"{' (CUDA graphs)' if args.graph else ''} ...", flush=True)
+        time_runners(runners, args.steps, device, untimed=3 if args.graph else 2)
         plain = runners[0]
         for r in runners:
             ms = statistics.median(r.times) * 1e3
@@ -306,7 +330,7 @@ def main() -> None:
             print(f"  {runner:<12}{summary[runner]:>7.3f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"shape": args.shape, "device": args.device, "steps": args.steps,
+            json.dump({"shape": args.shape, "device": args.device, "steps": args.steps, "graph": args.graph,
                        "results": results, "attnres_over_standard": summary}, f, indent=1)
     shutdown_distributed()
 
