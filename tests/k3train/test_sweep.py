@@ -308,7 +308,8 @@ def test_tune_tabulates_each_family_at_its_best_value(tmp_path, monkeypatch):
 
 
 def test_tuned_table_picks_the_highest_recall():
-    from k3train.sweep import Variant, tuned_table
+    from k3train.sweep import Variant
+    from k3train.sweep_results import tuned_table
 
     variants = [Variant(f"m_lr{i}", ["model.layer_pattern=M", f"optim.lr={lr}"]) for i, lr in enumerate((1, 2, 3))]
     rows = [{"recall_acc": r} for r in (0.2, 0.9, 0.5)]
