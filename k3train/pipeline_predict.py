@@ -114,7 +114,6 @@ def measure_chunk_times(cfg: RunConfig, num_chunks: int, steps: int = 3, warmup:
 
 def _profiled_busy(run_step, recorder, device, m: int) -> dict:
     """``run_step()`` under torch.profiler: per microbatch, its summed chunk spans and CUDA kernel time."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     first = len(recorder.compute)
@@ -123,9 +122,26 @@ def _profiled_busy(run_step, recorder, device, m: int) -> dict:
         run_step()
     span = sum(s.end - s.start for s in recorder.compute[first:]) / m
     events = prof.events()
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
-    kernel = sum(e.time_range.elapsed_us() for e in kernels) / 1e6 / m if kernels else None
-    return {"span_s": span, "kernel_s": kernel, "host_ops": host_ops(events, m)}
+    kernel_ms = device_work(events)["kernel_ms"]
+    return {"span_s": span, "kernel_s": kernel_ms / 1e3 / m if kernel_ms is not None else None,
+            "host_ops": host_ops(events, m)}
+
+
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def device_work(events) -> dict:
+    """From one profiled step's events: ``kernel_ms`` (CUDA kernels' durations summed; None
+    without any), ``launches`` (kernel-launch runtime calls) and ``host_ms`` (host self time of
+    every host-side event). Kernel time does not depend on how fast the host launches, so the
+    ratio of two runs' kernel_ms is the GPU work one adds over the other, free of host jitter."""
+    from torch.autograd import DeviceType
+
+    kernels = [e.time_range.elapsed_us() for e in events if e.device_type == DeviceType.CUDA]
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+    return {"kernel_ms": sum(kernels) / 1e3 if kernels else None,
+            "launches": sum(e.name in LAUNCHES for e in host),
+            "host_ms": sum(e.self_cpu_time_total for e in host) / 1e3}
 
 
 def host_ops(events, m: int = 1, top: int = 30) -> list[dict]:

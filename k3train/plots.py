@@ -45,6 +45,11 @@ def _save(fig, path: str | Path) -> Path:
     return path
 
 
+def _run_line(ax, steps, values, name: str) -> None:
+    """One run's curve: markers only when it has few points."""
+    ax.plot(steps, values, marker="o" if len(steps) < 12 else None, markersize=3, label=name)
+
+
 def plot_loss_curves(records_by_name: Mapping[str, Sequence[dict]], path: str | Path) -> Path:
     """Train loss (left) and validation loss (right) against step, one line per run; the
     validation panel is left out when no record has ``val_loss``.
@@ -61,7 +66,7 @@ def plot_loss_curves(records_by_name: Mapping[str, Sequence[dict]], path: str | 
         for ax, key in zip(axes, keys):
             steps, values = _series(records, key)
             if steps:
-                ax.plot(steps, values, marker="o" if len(steps) < 12 else None, markersize=3, label=name)
+                _run_line(ax, steps, values, name)
     for ax, title in zip(axes, ("train loss", "validation loss")):
         ax.set_title(title)
         ax.set_xlabel("step")
@@ -83,7 +88,7 @@ def plot_metric_curves(records_by_name: Mapping[str, Sequence[dict]], key: str, 
         return None
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, (steps, values) in series.items():
-        ax.plot(steps, values, marker="o" if len(steps) < 12 else None, markersize=3, label=name)
+        _run_line(ax, steps, values, name)
     if log_y:
         ax.set_yscale("log")
     ax.set_title(title)

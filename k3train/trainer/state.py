@@ -161,10 +161,11 @@ class TrainState:
             total = total * float("nan") if poison else total
         else:
             total = torch.zeros((), device=self.device)
-            # One autocast region around all microbatches, so that autocast's cache casts each
-            # fp32 weight to bf16 once per step instead of once per microbatch (on the K3 slice's
-            # 4-microbatch step, 280 copy kernels took 78 ms of 740, about its weights x 4); each backward runs
-            # with autocast off, as outside the region (the nesting keeps the cache alive).
+            # One autocast region around all microbatches, so that autocast's cache can serve a
+            # weight's bf16 cast to every microbatch (it casts leaf, non-view weights once per
+            # region); each backward runs with autocast off, as outside the region (the nesting
+            # keeps the cache alive). On the K3 slice's H200 step it changed no measured copy
+            # count or time (docs/BENCHMARKS.md#training-step).
             with self.autocast:
                 for mb in batch.chunk(m):
                     loss = self.model(mb[:, :-1], self.targets(mb))

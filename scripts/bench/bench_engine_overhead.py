@@ -54,6 +54,8 @@ import torch
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_pipeline import BASE, MEDIUM, SMALL  # noqa: E402  (the pipeline benchmark's model)
 
+from k3train.pipeline_predict import device_work  # noqa: E402
+
 warnings.filterwarnings("ignore")
 
 SHAPES = {"tiny": SMALL, "medium": MEDIUM, "pipeline": []}
@@ -199,26 +201,8 @@ def profile_host(runner, plain, rows=15):
         print(f"{dt / 1e3:>9.3f}{na:>7}{nb:>8}  {k}")
 
 
-LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
-
-
-def device_work(events) -> dict:
-    """From one profiled step's events: ``kernel_ms`` (CUDA kernels' durations summed; None
-    without any), ``launches`` (kernel-launch runtime calls) and ``host_ms`` (host self time of
-    every host-side event). Kernel time does not depend on how fast the host launches, so the
-    ratio of two runners' kernel_ms is the GPU work one adds over the other, free of the host
-    jitter that widens the step-time ratios."""
-    from torch.autograd import DeviceType
-
-    kernels = [e.time_range.elapsed_us() for e in events if e.device_type == DeviceType.CUDA]
-    host = [e for e in events if e.device_type == DeviceType.CPU]
-    return {"kernel_ms": sum(kernels) / 1e3 if kernels else None,
-            "launches": sum(e.name in LAUNCHES for e in host),
-            "host_ms": sum(e.self_cpu_time_total for e in host) / 1e3}
-
-
 def profile_work(runner) -> dict:
-    """``device_work`` of one more step of ``runner`` under torch.profiler."""
+    """``device_work`` (k3train.pipeline_predict) of one more step of ``runner`` under torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])

@@ -23,6 +23,7 @@ machine ``scripts/te_device.sh`` installs it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 
 import torch
@@ -47,8 +48,6 @@ def slice_shapes() -> dict[tuple[int, int], int]:
 
 def make(variant: str, in_f: int, out_f: int, weight: torch.Tensor):
     """(module, context factory) for one variant, holding a copy of ``weight`` [out, in] (fp32)."""
-    import contextlib
-
     if variant in ("bf16", "ours_fp8"):
         lin = nn.Linear(in_f, out_f, bias=False, device="cuda")
         lin.weight.data.copy_(weight)
