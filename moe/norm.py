@@ -59,10 +59,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Rows [N, D] and a view of the weight, so that one compiled graph serves every width and
+        # Rows [N, D] and a view of the weight, so that the compiled graphs serve every width and
         # rank: Dynamo keeps a Parameter's shape static (which pinned D, and with it x's last dim,
         # to each norm's width), and a [B, T, D] and a [N, D] input were two graphs. k3_mini's
         # norms (widths 1024 / 384 / 256, ranks 2 and 3, training and evaluation) reached Dynamo's
-        # limit of 8 graphs on an H200; now it is 2 per grad mode (tests/moe/test_norm_recompiles.py).
+        # limit of 8 graphs on an H200; now 3 per grad mode whatever the widths, one per layout of
+        # the rows (contiguous, a slice's strided rows, a view of another base), 6 on the H200 too
+        # (tests/moe/test_norm_recompiles.py).
         rows = _rms_norm(x.reshape(-1, x.shape[-1]), self.weight.view(-1), self.eps, autocast_dtype(x) or x.dtype)
         return rows.view(x.shape)

@@ -5,6 +5,12 @@
 #
 #   device: bash scripts/gpu_background.sh start NAME STAGES    # after gpu_session.sh installed the wheels
 #   device: bash scripts/gpu_background.sh wait NAME [SECONDS]  # until NAME ends or SECONDS pass (0: look now)
+#   device: bash scripts/gpu_background.sh pause NAME; ...; bash scripts/gpu_background.sh resume NAME
+#
+# pause stops (SIGSTOP) every process NAME started, so that a benchmark in the foreground has
+# the GPU to itself; resume continues them. The sweeps start their runs in sessions of their
+# own, so the process tree is walked: stopping NAME's process group missed them, and a
+# benchmark run then timed 5x slower on the shared GPU (2026-12-02).
 #
 # start copies the working tree to /tmp/bg_NAME.repo first: a later call replaces the tree it
 # was started from, and the sweeps start subprocesses that import k3train afresh. Its stages
@@ -12,8 +18,13 @@
 # wait copies that pack and the log into $OUT and says whether NAME has ended. BG_SECONDS
 # (default 1100) is the stages' whole budget (SUITE_SECONDS); STUDIES_FROM passes through.
 set -u
-name=${2:?usage: gpu_background.sh start NAME STAGES | wait NAME [SECONDS]}
+name=${2:?usage: gpu_background.sh start NAME STAGES | wait NAME [SECONDS] | pause NAME | resume NAME}
 base=/tmp/bg_$name
+# Every process below pid $1, by parent links.
+descendants() {
+  local kids; kids=$(ps -e -o pid=,ppid= | awk -v p="$1" '$2 == p {print $1}')
+  for k in $kids; do echo "$k"; descendants "$k"; done
+}
 case "${1:-}" in
 start)
   stages=${3:?usage: gpu_background.sh start NAME STAGES}
@@ -35,6 +46,12 @@ wait)
   [ -f "$base.tgz" ] && cp "$base.tgz" "$OUT/bg_$name.tgz"
   if [ -f "$base.done" ]; then echo "$name $(cat "$base.done")"; else echo "$name still running after ${limit}s"; fi
   tail -6 "$base.log" ;;
+pause|resume)
+  [ -f "$base.pid" ] || { echo "$name was not started"; exit 1; }
+  sig=STOP; [ "$1" = resume ] && sig=CONT
+  pids="$(cat "$base.pid") $(descendants "$(cat "$base.pid")")"
+  kill -"$sig" $pids 2>/dev/null
+  echo "$1d $name: $(echo $pids | wc -w) processes" ;;
 *)
-  echo "usage: bash scripts/gpu_background.sh start NAME STAGES | wait NAME [SECONDS]" >&2; exit 2 ;;
+  echo "usage: bash scripts/gpu_background.sh start NAME STAGES | wait NAME [SECONDS] | pause NAME | resume NAME" >&2; exit 2 ;;
 esac

@@ -25,6 +25,9 @@ if [ $# -ge 2 ]; then
 else
   PACK_TO="$OUT/res_0.tgz" bash scripts/gpu_suite.sh /tmp/res0 "$1"
 fi
+# TCACHE_HOME=0 leaves the cache on the machine: when a warm machine's next call must follow
+# within its 30 s, 32 MB coming back can cost it (2026-12-02, the machine went back).
+[ "${TCACHE_HOME:-1}" = 0 ] && { ls -la "$OUT"; exit 0; }
 # gzip -1, not xz: xz spent the last seconds of a call on an 87 MB cache and left it truncated.
 # Whole cache in 15 MB parts (files come back up to 16 MiB each) when it packs under 45 MB,
 # which still travels back in .whl/ (64 MiB carry limit); else only the autotune results, with

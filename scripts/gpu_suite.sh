@@ -85,8 +85,10 @@ stage fp8_slice 260 python3 scripts/bench/bench_fp8.py --preset slice --recipes 
 # host jitter), launches and host time beside the step-time ratios.
 stage engine_kernels 420 python3 scripts/bench/bench_engine_overhead.py --shape pipeline --vpp 1,2,4 --steps 4 \
   --kernels --json "$OUT/engine_kernels.json"
-# The same with every runner replayed from its own CUDA graph: the engine at P=1 without launch time.
-stage engine_graph 360 python3 scripts/bench/bench_engine_overhead.py --shape pipeline --vpp 1,2,4 --steps 8 \
+# The same with every runner replayed from its own CUDA graph: the engine at P=1 without launch
+# time. One autotune candidate per kernel: with full autotuning the AttnRes kernels' tuning took
+# the whole 360 s (2026-12-02); V=4 adds about a third to the 240 s this takes.
+stage engine_graph 320 "${FIXED[@]}" python3 scripts/bench/bench_engine_overhead.py --shape pipeline --vpp 1,2 --steps 6 \
   --graph --kernels --json "$OUT/engine_graph.json"
 # Issue 20's timing model from 4-layer chunks, with each variant's GPU-busy share of its chunk spans.
 stage predict_busy 200 python3 scripts/bench/predict_pipeline.py --layers-per-chunk 4 --json "$OUT/predict.json"
@@ -104,7 +106,8 @@ stage study_mqar_pairs 540 python3 -m k3train sweep configs/ablations/gpu/mqar_p
   --out "$OUT"/studies/study_mqar_pairs
 # Transformer Engine (issue 22), over consecutive calls on one warm machine: te_receive once per
 # carried part (.te/parts/te.tar.part-aa ... -af, from `bash scripts/te_device.sh fetch`), then
-# te_install (installs, builds the torch binding there), then te_bench.
+# te_install (installs, builds the torch binding there), then te_bench, which times: nothing else
+# may share the GPU (scripts/gpu_background.sh pause NAME around it).
 stage te_receive 60 bash scripts/te_device.sh receive
 stage te_install 540 bash scripts/te_device.sh install
 stage te_bench 300 bash scripts/te_device.sh bench

@@ -49,12 +49,21 @@ def test_without_the_switch_autocast_state_is_a_guard():
 
 
 def test_rms_norm_modules_of_every_width_and_rank_share_graphs(monkeypatch):
-    """RMSNorm modules of six widths (k3_mini's and K3's), inputs of rank 2 and 3, in training
-    and in evaluation (no grad): a fixed number of graphs, 2 per grad mode, where passing the
-    Parameter and the input as they are compiles one per width and rank and reaches Dynamo's
-    limit of 8 (as k3_mini's first step did on an H200). Outputs and weight gradients equal the
-    eager norm's bitwise."""
+    """RMSNorm modules of six widths (k3_mini's and K3's), inputs of rank 2 and 3, contiguous,
+    a slice of a wider tensor (MLA normalises a slice of its down-projection) and a view into a
+    larger base, in training and in evaluation (no grad): 3 graphs per grad mode, whatever the
+    width, where passing the Parameter and the input as they are compiles one per width and
+    rank and reaches Dynamo's limit of 8 (as k3_mini's first step did on an H200). The three
+    are Dynamo's guards on the rows' layout: contiguous rows, strided rows (a slice's row
+    stride is not its width) and rows whose view base differs; the H200 run of k3_mini at
+    97879a3 compiled the same 6. Outputs and weight gradients equal the eager norm's bitwise."""
     fn = compile_for(norm.rms_norm_eager, device_types=("cpu",), backend="eager", **norm._RMS_NORM_COMPILE)
+
+    def inputs(width):
+        yield torch.randn(2, 3, width)
+        yield torch.randn(5, width)
+        yield torch.randn(2, 3, width + 64)[..., :width]
+        yield torch.randn(2, 3, 2 * width).view(2, 3, 2, width)[:, :, 1]
 
     def graphs(call) -> int:
         torch._dynamo.reset()
@@ -65,8 +74,7 @@ def test_rms_norm_modules_of_every_width_and_rank_share_graphs(monkeypatch):
                 for width in (1024, 384, 256, 7168, 1536, 512):
                     mod = norm.RMSNorm(width)
                     mod.weight.data.uniform_(0.5, 1.5)
-                    for shape in ((2, 3, width), (5, width)):
-                        x = torch.randn(*shape)
+                    for x in inputs(width):
                         got, want = call(mod, x), norm.rms_norm_eager(x, mod.weight, mod.eps, x.dtype)
                         torch.testing.assert_close(got, want, rtol=0, atol=0)
                         if grad:
@@ -76,6 +84,6 @@ def test_rms_norm_modules_of_every_width_and_rank_share_graphs(monkeypatch):
         return counters["stats"]["unique_graphs"]
 
     monkeypatch.setattr(norm, "_rms_norm", fn)
-    assert graphs(lambda mod, x: mod(x)) == 4
+    assert graphs(lambda mod, x: mod(x)) == 6
     # The counter sees the difference: the Parameter and the input passed as they are.
     assert graphs(lambda mod, x: fn(x, mod.weight, mod.eps, x.dtype)) >= 8
