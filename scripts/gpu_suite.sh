@@ -92,7 +92,7 @@ stage engine_graph 320 "${FIXED[@]}" python3 scripts/bench/bench_engine_overhead
   --graph --kernels --json "$OUT/engine_graph.json"
 # Issue 20's timing model from 4-layer chunks, with each variant's GPU-busy share of its chunk spans.
 stage predict_busy 200 python3 scripts/bench/predict_pipeline.py --layers-per-chunk 4 --json "$OUT/predict.json"
-# Issue 27's studies (docs/ablations.md): unpack docs/results/h200-2026-12-02b/study_runs.tgz into
+# Issue 27's studies (docs/ablations.md): unpack docs/results/h200-2026-12-02c/study_runs.tgz into
 # OUTDIR/studies first (STUDIES_FROM), so each sweep trains only what is missing; the run directories
 # come back in OUTDIR (packed without checkpoints). At most 12 runs at once.
 if [ -n "${STUDIES_FROM:-}" ] && [ ! -d "$OUT/studies" ]; then mkdir -p "$OUT/studies" && tar xzf "$STUDIES_FROM" -C "$OUT/studies"; fi
