@@ -297,6 +297,11 @@ def main() -> None:
     if args.kernels:
         base = {r["variant"]: r["work"] for r in results if r["runner"] == "plain"}
         print("\n--kernels: one profiled step per runner (kernel time is free of host jitter)")
+        if args.graph:
+            # A replay issues one graph launch, no kernel launches, and the host's time is its
+            # wait for the replay: only the kernel column measures anything here.
+            print("(replayed from CUDA graphs: launches count kernel launches, none in a replay; "
+                  "host self time is the wait for the replay)")
         print(f"{'variant':<16}{'runner':<13}{'GPU kernels ms':>15}{'engine/plain':>14}{'launches':>10}"
               f"{'host self ms':>14}")
         for r in results:
