@@ -24,18 +24,31 @@ def _env(**extra):
     return env
 
 
+def _processes(pgid: int) -> str:
+    """``ps`` rows (pid, parent, state, age, command) of the launch's process group: which of
+    wrapper, torchrun, shims and workers is still alive when a launch hangs."""
+    rows = subprocess.run(["ps", "-e", "-o", "pgid=,pid=,ppid=,stat=,etime=,args="], capture_output=True,
+                          text=True).stdout.splitlines()
+    return "\n".join(r[:200] for r in rows if r.split() and r.split()[0] == str(pgid))
+
+
 def _finish(proc, timeout):
     try:
         return proc.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
+        alive = _processes(proc.pid)
         os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"the launch did not finish in {timeout} s:\n{proc.communicate()[0][-3000:]}")
+        pytest.fail(f"the launch did not finish in {timeout} s; still running:\n{alive}\n"
+                    f"output:\n{proc.communicate()[0][-6000:]}")
 
 
 @pytest.mark.slow
 def test_sigterm_to_every_process_saves_and_exits_zero(tmp_path):
+    # A worker still alive 120 s after its start (this run takes about 15) prints its threads'
+    # stacks (K3TRAIN_STACKS_AFTER), so that a hang says where it waits: once in CI (2026-12-02)
+    # one worker saved, torchrun sent the closing signals, and the launch did not end in 150 s.
     proc = subprocess.Popen([*LAUNCH, "--run-dir", str(tmp_path), *SMALL, "train.steps=100000",
-                             "train.log_interval=1"], env=_env(), stdout=subprocess.PIPE,
+                             "train.log_interval=1"], env=_env(K3TRAIN_STACKS_AFTER="120"), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.time() + 150
