@@ -10,7 +10,7 @@
 # pause stops (SIGSTOP) every process NAME started, so that a benchmark in the foreground has
 # the GPU to itself; resume continues them. The sweeps start their runs in sessions of their
 # own, so the process tree is walked: stopping NAME's process group missed them, and a
-# benchmark run then timed 5x slower on the shared GPU (2026-12-02).
+# benchmark run then timed 3-6x slower on the shared GPU (2026-12-02).
 #
 # start copies the working tree to /tmp/bg_NAME.repo first: a later call replaces the tree it
 # was started from, and the sweeps start subprocesses that import k3train afresh. Its stages

@@ -20,7 +20,7 @@ bash scripts/te_device.sh receive   # x5
 bash scripts/te_device.sh install
 STUDIES_FROM=docs/results/h200-2026-12-02b/study_runs.tgz bash scripts/gpu_background.sh start st2 study_bal_sparse,study_mqar_pairs
 # te_bench, first with the studies' process group stopped, which missed the runs (the sweeps
-# start each in its own session): contended, 5x slower (te_linear_contended.log); then with every
+# start each in its own session): contended, 3-6x slower (te_linear_contended.log); then with every
 # study process stopped (what gpu_background.sh pause does): te_linear.log.
 PYTHONPATH=/tmp/site_te:/tmp/site:$PWD python3 scripts/bench/bench_te_linear.py --json $OUT/te_linear.json
 # Waiting for the studies (400 s), then the engine benchmark from CUDA graphs with one autotune
