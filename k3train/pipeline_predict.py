@@ -112,16 +112,22 @@ def measure_chunk_times(cfg: RunConfig, num_chunks: int, steps: int = 3, warmup:
     return med["F"], med["B"]
 
 
-def _profiled_busy(run_step, recorder, device, m: int) -> dict:
-    """``run_step()`` under torch.profiler: per microbatch, its summed chunk spans and CUDA kernel time."""
+def profiled_events(run, cuda: bool):
+    """``run()`` once under torch.profiler (host activity, and CUDA's when ``cuda``): its events,
+    for :func:`device_work` and :func:`host_ops`."""
     from torch.profiler import ProfilerActivity, profile
 
-    first = len(recorder.compute)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
-        run_step()
+        run()
+    return prof.events()
+
+
+def _profiled_busy(run_step, recorder, device, m: int) -> dict:
+    """``run_step()`` under torch.profiler: per microbatch, its summed chunk spans and CUDA kernel time."""
+    first = len(recorder.compute)
+    events = profiled_events(run_step, device.type == "cuda")
     span = sum(s.end - s.start for s in recorder.compute[first:]) / m
-    events = prof.events()
     kernel_ms = device_work(events)["kernel_ms"]
     return {"span_s": span, "kernel_s": kernel_ms / 1e3 / m if kernel_ms is not None else None,
             "host_ops": host_ops(events, m)}

@@ -54,7 +54,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_pipeline import BASE, MEDIUM, SMALL  # noqa: E402  (the pipeline benchmark's model)
 
-from k3train.pipeline_predict import device_work  # noqa: E402
+from k3train.pipeline_predict import device_work, profiled_events  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -203,12 +203,7 @@ def profile_host(runner, plain, rows=15):
 
 def profile_work(runner) -> dict:
     """``device_work`` (k3train.pipeline_predict) of one more step of ``runner`` under torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=acts) as prof:
-        runner.step()
-    return device_work(prof.events())
+    return device_work(profiled_events(runner.step, torch.cuda.is_available()))
 
 
 def main() -> None:
