@@ -19,7 +19,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def _cmd_train(args) -> int:
     from k3train.config import load_config
-    from k3train.cuda_env import prepare_cuda_env
+    from k3train.runtime.cuda_env import prepare_cuda_env
 
     cfg = load_config(args.config, args.overrides)
     prepare_cuda_env(cfg)
@@ -32,7 +32,7 @@ def _cmd_train(args) -> int:
 
 def _cmd_model_info(args) -> int:
     from k3train.config import load_config
-    from k3train.distributed import init_distributed, shutdown_distributed
+    from k3train.runtime.distributed import init_distributed, shutdown_distributed
     from k3train.model.info import format_info, model_info
 
     cfg = load_config(args.config, args.overrides)
@@ -52,7 +52,7 @@ def _cmd_model_info(args) -> int:
 
 
 def _cmd_sweep(args) -> int:
-    from k3train.sweep import run_sweep
+    from k3train.sweep.runner import run_sweep
 
     run_sweep(args.ablation, args.out, args.overrides, dry_run=args.dry_run, seeds=args.seeds,
               only=args.only, jobs=args.jobs, collect=args.collect)
@@ -73,7 +73,7 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_eval(args) -> int:
-    from k3train.evaluate import evaluate_checkpoint, format_result
+    from k3train.trainer.evaluate import evaluate_checkpoint, format_result
 
     result = evaluate_checkpoint(args.checkpoint, config=args.config, overrides=args.overrides,
                                  data=args.data, batches=args.batches)
@@ -84,12 +84,12 @@ def _cmd_eval(args) -> int:
 
 def _cmd_profile_pipeline(args) -> int:
     from k3train.config import load_config
-    from k3train.cuda_env import prepare_cuda_env
+    from k3train.runtime.cuda_env import prepare_cuda_env
 
     cfg = load_config(args.config, args.overrides)
     prepare_cuda_env(cfg)
     if args.predict:
-        from k3train.pipeline_predict import H200_LINK, run_predict
+        from k3train.profiling.predict import H200_LINK, run_predict
         from pipeline.timing_model import LinkCost
 
         link = LinkCost(latency_s=(args.link_latency_us * 1e-6 if args.link_latency_us is not None
@@ -98,15 +98,15 @@ def _cmd_profile_pipeline(args) -> int:
         run_predict(cfg, args.json, costs_path=args.costs, k3_config=args.k3_config or None, link=link,
                     steps=args.steps, layers_per_chunk=args.layers_per_chunk)
         return 0
-    from k3train.profile_pipeline import profile_pipeline
+    from k3train.profiling.pipeline import profile_pipeline
 
     profile_pipeline(cfg, args.json, steps=args.steps)
     return 0
 
 
 def _cmd_env(args) -> int:
-    from k3train import kernels
-    from k3train.env_report import report
+    from k3train.ops import kernels
+    from k3train.runtime.env_report import report
 
     if args.config:
         from k3train.config import load_config
@@ -117,7 +117,7 @@ def _cmd_env(args) -> int:
 
 
 def _version_string() -> str:
-    from k3train.env_report import commit, version
+    from k3train.runtime.env_report import commit, version
 
     return f"k3train {version()} (commit {commit()})"
 
@@ -267,9 +267,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> None:
     """``k3train`` and ``python -m k3train``: ``main``, then an exit that leftover compile
-    workers, executor threads or process groups cannot delay (k3train/process_exit.py)."""
+    workers, executor threads or process groups cannot delay (k3train/runtime/process_exit.py)."""
     code = main()
-    from k3train.process_exit import finish_process
+    from k3train.runtime.process_exit import finish_process
 
     finish_process(code)
     sys.exit(code)

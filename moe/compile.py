@@ -11,7 +11,7 @@ _ENABLED = {"cuda": True}
 
 
 def set_compile(enabled: bool) -> None:
-    """Whether CUDA calls go through ``torch.compile``. Called by ``k3train.kernels.apply`` from
+    """Whether CUDA calls go through ``torch.compile``. Called by ``k3train.ops.kernels.apply`` from
     the run's ``kernels.compile`` (off for pipeline GPU runs by default); nothing else sets it."""
     _ENABLED["cuda"] = bool(enabled)
 

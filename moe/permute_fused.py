@@ -16,7 +16,7 @@ token's k rows back and reduces them with the routing weights (fp32 accumulate).
   gradient with the slot's row (dropped slots: zero).
 
 On CUDA the row passes are Triton kernels (``permute_triton``; ``kernels.moe_permute``,
-handed over by ``k3train.kernels.apply`` through ``set_kernel``); elsewhere, for other dtypes,
+handed over by ``k3train.ops.kernels.apply`` through ``set_kernel``); elsewhere, for other dtypes,
 or where the registry chose torch, they are the torch forms below (the reference: gathers of a
 zero-padded tensor, then ``weighted_sum_eager``'s fp32 reduction).
 """
@@ -37,7 +37,7 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def set_kernel(name: str) -> None:
     """The backend for CUDA tensors, ``"k3train"`` (Triton) or ``"torch"``. Called by
-    ``k3train.kernels.apply`` from the run's config; nothing else sets it."""
+    ``k3train.ops.kernels.apply`` from the run's config; nothing else sets it."""
     if name not in KERNELS:
         raise ValueError(f"moe.permute_fused kernel {name!r}: allowed values are {', '.join(KERNELS)}")
     _KERNEL["moe_permute"] = name

@@ -5,7 +5,7 @@ top-17 included), it runs one Triton kernel (``topk_triton``: several times fast
 ``torch.topk`` on k3_mini's ``[16384, 64]``; measured: see
 docs/BENCHMARKS.md#router-top-k-and-quantile-balancing; at the real router sizes:
 docs/BENCHMARKS.md#moe-at-k3s-sizes-one-h200); elsewhere, for other shapes or dtypes, or where the run's kernel registry
-chose torch (``kernels.router_topk``, handed over by ``k3train.kernels.apply`` through
+chose torch (``kernels.router_topk``, handed over by ``k3train.ops.kernels.apply`` through
 ``set_kernel``), it is ``torch.topk(scores + bias, k, dim=-1)``. Triton comes with CUDA builds of
 torch; it is imported only when a CUDA tensor arrives.
 """
@@ -24,7 +24,7 @@ KERNELS = ("k3train", "torch")
 
 def set_kernel(name: str) -> None:
     """The backend for CUDA tensors, ``"k3train"`` (ours) or ``"torch"``. Called by
-    ``k3train.kernels.apply`` from the run's config; nothing else sets it."""
+    ``k3train.ops.kernels.apply`` from the run's config; nothing else sets it."""
     if name not in KERNELS:
         raise ValueError(f"moe.topk kernel {name!r}: allowed values are {', '.join(KERNELS)}")
     _KERNEL["router_topk"] = name

@@ -54,7 +54,7 @@ KERNELS = ("k3train", "torch")
 
 def set_kernels(*, momentum: str, ns_gemm: str) -> None:
     """Choose Muon's CUDA backends, each ``"k3train"`` or ``"torch"``. Called by
-    ``k3train.kernels.apply`` from the run's config (``kernels.muon_momentum``,
+    ``k3train.ops.kernels.apply`` from the run's config (``kernels.muon_momentum``,
     ``kernels.ns_gemm``); nothing else sets them."""
     for name, value in (("momentum", momentum), ("ns_gemm", ns_gemm)):
         if value not in KERNELS:

@@ -95,7 +95,7 @@ class PipelineEngine:
         deallocate_output_tensor); the backward then runs through their grad_fn alone.
     directional_groups: (up, down), two extra process groups with pp_group's ranks, required
         on NCCL (pipeline/p2p.py says why). The caller makes them, as every rank must create
-        every group in the same order (k3train makes them in ``k3train.distributed``); the
+        every group in the same order (k3train makes them in ``k3train.runtime.distributed``); the
         engine creates no process group itself.
     """
 

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from k3train.config import load_config  # noqa: E402
-from k3train.distributed import init_distributed  # noqa: E402
+from k3train.runtime.distributed import init_distributed  # noqa: E402
 from k3train.hf.export import export_hf  # noqa: E402
 from k3train.hf.load import read_tensors  # noqa: E402
 from k3train.model.model import build_model  # noqa: E402

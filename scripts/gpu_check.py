@@ -111,7 +111,7 @@ def graph_check(tokens: torch.Tensor, steps: int = 6, recompute: str = "none") -
     ``steps`` graphed and eager steps both learn (bf16 runs drift apart step by step, so their
     losses are reported, not compared)."""
     from k3train.config import load_config
-    from k3train.distributed import init_distributed
+    from k3train.runtime.distributed import init_distributed
     from k3train.trainer.state import TrainState
 
     out, losses = {}, {}
@@ -152,7 +152,7 @@ def main() -> int:
     args = ap.parse_args()
     dev = args.device
     from k3train.config import load_config
-    from k3train.distributed import init_distributed
+    from k3train.runtime.distributed import init_distributed
     from k3train.model.kda_layer import KimiDeltaAttention
     from k3train.model.model import build_model
     from k3train.ops.attnres import attnres_backend, depth_mix, depth_mix_torch

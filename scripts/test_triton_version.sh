@@ -10,5 +10,5 @@ trap 'rm -rf "$target"' EXIT
 python -m pip install -q --no-deps --target "$target" "triton==$version"
 export PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}"
 python -c "import triton, sys; print('triton', triton.__version__, 'from', triton.__file__); sys.exit(triton.__version__ != '$version')"
-python -m pytest -q tests/k3train/test_short_conv_triton.py tests/moe/test_topk_triton.py \
+python -m pytest -q tests/ops/test_short_conv_triton.py tests/moe/test_topk_triton.py \
   tests/optim/test_momentum_triton.py tests/optim/test_ns_gemm_triton.py

@@ -333,7 +333,7 @@ class LoggingConfig(_Strict):
 
 
 class KernelsConfig(_Strict):
-    """Which implementation each op family runs (``k3train/kernels.py`` resolves these once per
+    """Which implementation each op family runs (``k3train/ops/kernels.py`` resolves these once per
     run and writes the resolved choices to ``RUN_DIR/kernels.json``). Off CUDA every family runs
     its pure-torch form; the choices below apply to CUDA tensors."""
 

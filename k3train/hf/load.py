@@ -154,7 +154,7 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike,
     """Write ``out_dir/config.yaml`` (``config`` or the defaults, with the HF model's model/moe/
     tokenizer) and the weights-only checkpoint ``out_dir/checkpoints/step_00000000``."""
     from k3train.config.load import save_config
-    from k3train.distributed import init_distributed, shutdown_distributed
+    from k3train.runtime.distributed import init_distributed, shutdown_distributed
     from k3train.trainer.checkpoint import save_checkpoint
 
     base = load_config(config)

@@ -40,7 +40,7 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, gen: tor
 def load_model(checkpoint, config: str | None, overrides: list[str], device: str):
     """(one-process model with the checkpoint's weights, run config). Any layout's checkpoint."""
     from k3train.config.schema import ParallelConfig
-    from k3train.evaluate import eval_config
+    from k3train.trainer.evaluate import eval_config
     from k3train.model.model import build_model
     from k3train.quant.export import resolve_checkpoint
     from k3train.trainer.checkpoint import verify_checkpoint
@@ -93,9 +93,9 @@ def generate_ids(cached, prompt: list[int], max_new_tokens: int, temperature: fl
 
 
 def run_generate(args) -> int:
-    from k3train.distributed import init_distributed, shutdown_distributed
+    from k3train.runtime.distributed import init_distributed, shutdown_distributed
     from k3train.infer.cache import CachedModel
-    from k3train import kernels
+    from k3train.ops import kernels
     from k3train.ops import triton_compile
     from k3train.trainer.loop import pick_device
 

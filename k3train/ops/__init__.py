@@ -1,4 +1,4 @@
-"""Kernels with backend dispatch: each op asks ``k3train.kernels`` which backend its family runs
+"""Kernels with backend dispatch: each op asks ``k3train.ops.kernels`` which backend its family runs
 (Triton kernels on CUDA when installed, fla's or our own; torch elsewhere), as chosen by the
 run's ``kernels:`` config section.
 """
@@ -9,7 +9,7 @@ import importlib
 
 import torch
 
-from k3train import kernels
+from k3train.ops import kernels
 
 
 @functools.cache

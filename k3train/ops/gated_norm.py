@@ -6,7 +6,7 @@ import functools
 import torch
 
 from k3train.model.common import rms_norm
-from k3train import kernels
+from k3train.ops import kernels
 from moe.compile import autocast_free
 
 __all__ = ["head_norm_gate", "head_norm_gate_torch"]

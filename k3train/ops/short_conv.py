@@ -11,7 +11,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from k3train import kernels
+from k3train.ops import kernels
 from k3train.ops import fla_kernel
 
 __all__ = ["short_conv_silu", "short_conv_silu_torch"]

@@ -68,9 +68,9 @@ def configure_autotune() -> str:
     the mode in force.
 
     Patches the ``Autotuner`` class once per process, so it covers kernels imported before and
-    after the call; the patch asks ``k3train.kernels.autotune_mode()`` at each pruning, so the
+    after the call; the patch asks ``k3train.ops.kernels.autotune_mode()`` at each pruning, so the
     run's config decides (``full`` leaves the candidates as their authors set them)."""
-    from k3train import kernels
+    from k3train.ops import kernels
 
     mods = _triton()
     if mods is None or _state["configured"]:
@@ -278,7 +278,7 @@ def compile_ahead(fn, threads: int | None = None, label: str = "") -> dict:
 
     threads = threads or os.cpu_count() or 4
     t0 = time.perf_counter()
-    from k3train import kernels
+    from k3train.ops import kernels
 
     mode_name = configure_autotune()
     picks = autotune_picks.source(kernels.autotune_picks_spec()) if mode_name == "full" else None

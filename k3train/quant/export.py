@@ -50,7 +50,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 @contextlib.contextmanager
 def _model_parallel_groups():
     """Building layers needs megatron's groups; create one-process groups only if absent."""
-    from k3train.distributed import init_distributed, shutdown_distributed
+    from k3train.runtime.distributed import init_distributed, shutdown_distributed
 
     if parallel_state.model_parallel_is_initialized():
         yield

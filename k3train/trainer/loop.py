@@ -12,16 +12,16 @@ import torch
 from megatron.core import parallel_state
 from tqdm import tqdm
 
-from k3train import kernels
+from k3train.ops import kernels
 from k3train.config import RunConfig, save_config
-from k3train.cuda_env import prepare_cuda_env
-from k3train.distributed import init_distributed
+from k3train.runtime.cuda_env import prepare_cuda_env
+from k3train.runtime.distributed import init_distributed
 from k3train.errors import TrainingStopped, UsageError
 from k3train.trainer import faults
 from k3train.trainer.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
 from k3train.trainer.data import build_data
 from k3train.trainer.guards import last_checkpoint_note, params_finite
-from k3train.flops import flops_per_token
+from k3train.model.flops import flops_per_token
 from k3train.trainer.metrics import MetricsLogger
 from k3train.trainer.report import measure_peak_flops, write_end_of_run_plots
 from k3train.trainer.run_lock import RunDirLock

@@ -38,7 +38,7 @@ class MetricsLogger:
             self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 
     def log_images(self, paths: dict[str, str | Path], step: int) -> None:
-        """Log PNGs (e.g. from ``k3train.plots``) as ``plots/<key>`` in one wandb step; files
+        """Log PNGs (e.g. from ``k3train.trainer.plots``) as ``plots/<key>`` in one wandb step; files
         that do not exist are skipped, so a plot that could not be drawn never stops a run."""
         if self._wandb is None:
             return

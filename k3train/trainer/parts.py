@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 from k3train.config import RunConfig
-from k3train.distributed import ParallelContext
+from k3train.runtime.distributed import ParallelContext
 from k3train.model.model import K3Chunk, build_model, produced_blocks
 from pipeline import CommRecorder, PipelineEngine, PipelineLayout
 
@@ -24,7 +24,7 @@ class LocalChunks(nn.ModuleDict):
 def build_parts(cfg: RunConfig, device: torch.device, parallel: ParallelContext,
                 recorder: CommRecorder | None = None):
     """Returns (module holding this rank's parameters, engine or None); the engine gets its
-    groups from ``parallel`` (k3train.distributed makes them)."""
+    groups from ``parallel`` (k3train.runtime.distributed makes them)."""
     if cfg.parallel.pp == 1 and cfg.parallel.vpp == 1:
         return build_model(cfg).to(device), None
     return build_pipeline_parts(cfg, device, parallel, recorder)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from k3train.model.attnres import DepthAttention
 from k3train.model.layer import K3Layer
 from k3train.model.model import K3Chunk
-from k3train.plots import plot_attnres_depth_heatmap, plot_expert_load_heatmap, write_run_plots
+from k3train.trainer.plots import plot_attnres_depth_heatmap, plot_expert_load_heatmap, write_run_plots
 
 
 def measure_peak_flops(device: torch.device) -> float:

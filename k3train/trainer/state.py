@@ -7,9 +7,9 @@ import torch
 
 from k3train.errors import LayoutError, UsageError
 from k3train.config import RunConfig
-from k3train.distributed import ParallelContext, ParallelInfo, parallel_context
+from k3train.runtime.distributed import ParallelContext, ParallelInfo, parallel_context
 from k3train.model.info import count_parameters
-from k3train import kernels
+from k3train.ops import kernels
 from k3train.model.model import moe_layer_indices
 from k3train.ops.triton_compile import compile_ahead
 from k3train.trainer.cuda_graph import GraphedForwardBackward
@@ -66,7 +66,7 @@ class TrainState:
                  parallel: ParallelContext | None = None):
         """targets: windows [B, T+1] -> loss targets [B, T] (default: every next token; MQAR
         masks all but the recalled values with -100). parallel: this rank's groups (default:
-        made from ``info`` by ``k3train.distributed.parallel_context``, collective)."""
+        made from ``info`` by ``k3train.runtime.distributed.parallel_context``, collective)."""
         if info.ep > 1 and info.tp > 1:
             raise LayoutError("parallel.ep > 1 together with parallel.tp > 1 is not supported yet "
                              "(experts would need expert-tensor-parallel groups); use tp=1 with ep")

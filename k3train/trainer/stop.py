@@ -9,7 +9,7 @@ So after each step every rank contributes its flag to an all-reduce MAX over the
 the same step as soon as any one of them has seen a signal.
 
 Cost: one 8-byte all-reduce per step. Measured on this project's 2-core CPU test machine
-(gloo, 2 ranks on localhost, other jobs sharing the cores): 0.4 ms per call (tests/k3train/test_stop_agreement.py
+(gloo, 2 ranks on localhost, other jobs sharing the cores): 0.4 ms per call (tests/trainer/test_stop_agreement.py
 prints the figure), against 50+ ms for the tiniest training step; on NCCL it is a few tens of
 microseconds, and the step already waits for its loss on the host (``loss.item()``), so the
 read of the flag adds no new synchronisation. It runs every step: checking every N steps would

@@ -5,7 +5,7 @@ with the timing model; runs on CPU in seconds, nothing is measured here.
 
 Per-op costs come from the one-GPU step of docs/BENCHMARKS.md (`ours_dense`: k3_mini's width,
 16 KDA layers with dense FFN, 8 x 2048 tokens, 100.6 ms of which 3.0 ms optimizer; with AttnRes
-104.9 / 3.1 ms), as a FLOP rate, scaled by FLOPs (``k3train.flops``) to the pipeline benchmark's
+104.9 / 3.1 ms), as a FLOP rate, scaled by FLOPs (``k3train.model.flops``) to the pipeline benchmark's
 model (scripts/bench/bench_pipeline.py: hidden 2048, seq 4096, 16 layers KKKM); backward = 2 x
 forward. The p2p curve is the 2x H200 one (32 us + bytes / 315 GB/s); the bytes per hop are the
 engine's prediction at the wire dtype of the run (fp32: the measured forward bytes agree).
@@ -40,8 +40,8 @@ def main() -> None:
     from bench_pipeline import BASE
 
     from k3train.config import load_config
-    from k3train.flops import flops_per_token
-    from k3train.pipeline_predict import (H200_LINK, chunk_costs, flop_scaled_layer_costs, format_table,
+    from k3train.model.flops import flops_per_token
+    from k3train.profiling.predict import (H200_LINK, chunk_costs, flop_scaled_layer_costs, format_table,
                                           layout_messages, predict_table, variant_config)
     from pipeline.timing_model import predict_step
 

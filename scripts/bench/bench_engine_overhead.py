@@ -54,7 +54,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_pipeline import BASE, MEDIUM, SMALL  # noqa: E402  (the pipeline benchmark's model)
 
-from k3train.pipeline_predict import device_work, profiled_events  # noqa: E402
+from k3train.profiling.predict import device_work, profiled_events  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -202,7 +202,7 @@ def profile_host(runner, plain, rows=15):
 
 
 def profile_work(runner) -> dict:
-    """``device_work`` (k3train.pipeline_predict) of one more step of ``runner`` under torch.profiler."""
+    """``device_work`` (k3train.profiling.predict) of one more step of ``runner`` under torch.profiler."""
     return device_work(profiled_events(runner.step, torch.cuda.is_available()))
 
 
@@ -229,8 +229,8 @@ def main() -> None:
         if v not in VARIANTS:
             ap.error(f"--variants: unknown {v!r}; choose from {list(VARIANTS)}")
     from k3train.config import load_config
-    from k3train.cuda_env import prepare_cuda_env
-    from k3train.distributed import init_distributed, parallel_context, shutdown_distributed
+    from k3train.runtime.cuda_env import prepare_cuda_env
+    from k3train.runtime.distributed import init_distributed, parallel_context, shutdown_distributed
 
     def cfg_for(variant):
         return lambda v: load_config("configs/k3_tiny.yaml", [
@@ -245,7 +245,7 @@ def main() -> None:
     for variant in variants:
         runners = build_runners(cfg_for(variant), vpps, device, parallel)
         if device.type == "cuda":
-            from k3train import kernels
+            from k3train.ops import kernels
             from k3train.ops.triton_compile import compile_ahead
             if kernels.uses_triton(device):
                 compile_ahead(runners[0].step, label="the plain step")

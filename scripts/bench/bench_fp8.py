@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from k3train.config import load_config
-from k3train.distributed import init_distributed
+from k3train.runtime.distributed import init_distributed
 from k3train.quant.recipes import validate_precision
 from k3train.trainer.data import build_data
 from k3train.trainer.state import TrainState
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
                 print(f"\n{name}: one step profiled, {row['ms']:.1f} ms of {'device' if device.type == 'cuda' else 'CPU'} self time")
                 continue
             print(f"  {row['ms']:>9.2f} ms {row['calls']:>6}x  {row['name'][:110]}")
-    from k3train.plots import plot_loss_curves
+    from k3train.trainer.plots import plot_loss_curves
 
     curves = {name: [{"step": i + 1, "loss": v} for i, v in enumerate(r["losses"])]
               for name, r in results.items() if "losses" in r}

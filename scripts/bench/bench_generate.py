@@ -36,9 +36,9 @@ from pathlib import Path
 import torch
 
 from k3train.config import load_config
-from k3train.distributed import init_distributed
+from k3train.runtime.distributed import init_distributed
 from k3train.infer.cache import CachedModel, cache_bytes_per_token
-from k3train.kernels import apply as apply_kernels
+from k3train.ops.kernels import apply as apply_kernels
 from k3train.model.model import build_model
 from k3train.ops.triton_compile import compile_ahead
 

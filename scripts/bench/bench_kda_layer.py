@@ -42,7 +42,7 @@ def main() -> None:
     args = ap.parse_args()
     from fla.ops.kda import chunk_kda
 
-    from k3train.distributed import init_distributed
+    from k3train.runtime.distributed import init_distributed
     from k3train.model.kda_layer import KimiDeltaAttention
     from k3train.ops.triton_compile import compile_ahead
 
@@ -77,7 +77,7 @@ def main() -> None:
     def run_ours():
         ours(x).backward(dy)
 
-    from k3train import kernels
+    from k3train.ops import kernels
     from k3train.ops import short_conv as sc
 
     def run_ours_fla_conv():

@@ -51,9 +51,9 @@ def _row(mode: str, peak: float, plan, *, stored: float | None, **extra) -> dict
 
 
 def measure(config: str, overrides: list[str], mode: str, steps: int, timeline: bool = False) -> dict:
-    from k3train import kernels
+    from k3train.ops import kernels
     from k3train.config import load_config
-    from k3train.distributed import init_distributed
+    from k3train.runtime.distributed import init_distributed
     from k3train.model.memory_plan import plan_memory
     from k3train.trainer.state import TrainState
 
@@ -102,7 +102,7 @@ def measure_cpu(config: str, overrides: list[str], mode: str) -> dict:
     from memory_timeline import format_peak, profile_peak
 
     from k3train.config import load_config
-    from k3train.distributed import init_distributed
+    from k3train.runtime.distributed import init_distributed
     from k3train.model.memory_plan import plan_memory
     from k3train.trainer.state import TrainState
 

@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from k3train import kernels  # noqa: E402
+from k3train.ops import kernels  # noqa: E402
 from moe import GroupedAllToAllDispatcher, LatentMoE  # noqa: E402
 from moe.host_reads import count_host_reads  # noqa: E402
 from moe.permute_fused import combine_rows, dispatch_rows  # noqa: E402

@@ -34,7 +34,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import graph_ms, save_json, timeit  # noqa: E402
 
 import optim.muon as muon  # noqa: E402
-from k3train import kernels  # noqa: E402
+from k3train.ops import kernels  # noqa: E402
 from optim.ns_gemm_triton import baddbmm_triton  # noqa: E402
 
 # (stack size, rows, cols) of k3_mini's Muon batches: expert stacks, attention and dense FFN.
@@ -65,7 +65,7 @@ def slice_muon(args) -> dict:
     from collections import Counter
 
     from k3train.config import load_config
-    from k3train.distributed import init_distributed
+    from k3train.runtime.distributed import init_distributed
     from k3train.model.model import build_model
     from k3train.trainer.optimizer import _EXPERTS, k3_param_rules
     from optim import build_param_table

@@ -55,8 +55,8 @@ def main() -> None:
     from megatron.core import parallel_state
 
     from k3train.config import load_config
-    from k3train.cuda_env import prepare_cuda_env
-    from k3train.distributed import init_distributed
+    from k3train.runtime.cuda_env import prepare_cuda_env
+    from k3train.runtime.distributed import init_distributed
     from k3train.trainer.data import build_data
     from k3train.trainer.state import TrainState
     from pipeline import CommRecorder
@@ -70,7 +70,7 @@ def main() -> None:
                                                              f"parallel.vpp={vpp}", f"train.device={args.device}"])
                 for name, extra in VARIANTS.items()}
         first = next(iter(cfgs.values()))
-        prepare_cuda_env(first)  # before CUDA starts (the first V): see k3train/cuda_env.py
+        prepare_cuda_env(first)  # before CUDA starts (the first V): see k3train/runtime/cuda_env.py
         info = init_distributed(1, 2, vpp, 1, args.device)  # one set of groups for the V's variants
         dev = torch.device(args.device, info.local_rank) if args.device == "cuda" else torch.device("cpu")
         if not compiled:
@@ -116,7 +116,7 @@ def main() -> None:
                 json.dump(results, f, indent=1)
     # Tear the groups down explicitly: on 2x H200 the process printed its results, then did not
     # exit until killed (NCCL communicators with p2p history left to interpreter exit).
-    from k3train.distributed import shutdown_distributed
+    from k3train.runtime.distributed import shutdown_distributed
 
     torch.distributed.barrier()
     shutdown_distributed()

@@ -10,7 +10,7 @@ matmul rate measured in it (not the datasheet):
 
 * ``fwd_bwd_ms``: the forward and backward of every microbatch of one update (``mbs x seq x
   microbatches`` tokens, 64K by default), no optimizer; ``mfu_fwd_bwd`` is its model FLOPs
-  (``k3train.flops``) over the matmul rate.
+  (``k3train.model.flops``) over the matmul rate.
 * ``optimizer_ms``: the update alone (clip, Muon's Newton-Schulz on every matrix / AdamW).
 * ``step_ms`` and ``mfu_step``: ``TrainState.train_step``, what ``k3train train`` runs.
 * ``extrapolated_256k``: the optimizer's share of a step at 256K tokens per update, from the
@@ -48,8 +48,8 @@ def fwd_bwd_ms(state, batch, device: str, iters: int) -> float:
 
 def slice_row(args, optim: str, peak_tflops: float) -> dict:
     from k3train.config import load_config
-    from k3train.distributed import init_distributed
-    from k3train.flops import flops_per_token
+    from k3train.runtime.distributed import init_distributed
+    from k3train.model.flops import flops_per_token
     from k3train.trainer.state import TrainState
 
     overrides = [*(SMALL + ["model.dense_layers=0"] if args.small else []), f"optim.name={optim}",

@@ -6,7 +6,7 @@
 Rows, all measured in this one run:
 * ``k3_mini``: the config as shipped (hybrid KDA/MLA, Stable LatentMoE, AttnRes, Muon), stepped by
   ``TrainState.train_step``, exactly what ``k3train train`` runs. MFU = tokens/s x
-  ``k3train.flops.flops_per_token`` / peak, where the peak is a bf16 8192^3 matmul timed in this
+  ``k3train.model.flops.flops_per_token`` / peak, where the peak is a bf16 8192^3 matmul timed in this
   run (not the datasheet), so MFU is relative to what this GPU really sustains.
 * ``k3_mini_accum4`` (row ``k3_mini_accum``): the same with 4 microbatches accumulated per
   update, a 4x global batch; the optimizer update, a fixed cost per step (Muon's Newton-Schulz
@@ -74,8 +74,8 @@ def ours(config: str, overrides: list[str], args, peak_tflops: float, microbatch
     """Step time, tokens/s and MFU of our trainer on ``config`` + ``overrides``, each step
     ``microbatches`` forward/backward passes of ``mbs x seq`` tokens and one optimizer update."""
     from k3train.config import load_config
-    from k3train.distributed import init_distributed
-    from k3train.flops import mfu
+    from k3train.runtime.distributed import init_distributed
+    from k3train.model.flops import mfu
     from k3train.trainer.state import TrainState
 
     cpu = ["train.cuda_graph=false"] if args.device == "cpu" else []  # graphs are CUDA-only

@@ -35,7 +35,7 @@ VARIANTS = ["bf16", "ours_fp8", "te_bf16", "te_delayed", "te_current", "te_block
 def slice_shapes() -> dict[tuple[int, int], int]:
     """``{(in, out): modules}`` of the slice's fp8 scope at top-1 (bench_fp8's --preset slice)."""
     from k3train.config import load_config
-    from k3train.distributed import init_distributed
+    from k3train.runtime.distributed import init_distributed
     from k3train.model.model import build_model
     from k3train.quant.recipes import fp8_gemm_shapes
 

@@ -44,7 +44,7 @@ def measure_worker(args) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from k3train.pipeline_predict import measure_chunk_times
+    from k3train.profiling.predict import measure_chunk_times
 
     f, b = measure_chunk_times(_cfg(args, 1, 1), args.chunks, steps=args.steps, warmup=2)
     Path(args.out).write_text(json.dumps({"fwd_s": f, "bwd_s": b}))
@@ -55,7 +55,7 @@ def engine_worker(args) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from k3train.distributed import init_distributed, parallel_context
+    from k3train.runtime.distributed import init_distributed, parallel_context
     from k3train.trainer.parts import build_parts
     from pipeline import CommRecorder
 
@@ -151,7 +151,7 @@ def main() -> None:
     if args.engine_worker:
         return engine_worker(args)
 
-    from k3train.pipeline_predict import layout_messages
+    from k3train.profiling.predict import layout_messages
     from pipeline.timing_model import LinkCost, OpCosts, predict_step
 
     # gloo on localhost: a few tens of microseconds and ~1-2 GB/s through the host; the

@@ -39,8 +39,8 @@ def main() -> None:
     from bench_pipeline import BASE, SMALL
 
     from k3train.config import load_config
-    from k3train.cuda_env import prepare_cuda_env
-    from k3train.pipeline_predict import run_predict
+    from k3train.runtime.cuda_env import prepare_cuda_env
+    from k3train.profiling.predict import run_predict
 
     cfg = load_config(str(ROOT / "configs/k3_tiny.yaml"),
                       [*BASE, *(SMALL if args.small else []), f"train.device={args.device}", *args.overrides])

@@ -2,7 +2,7 @@
 import pytest
 
 from tests.distributed.test_pipeline_train import STEPS, _losses, _train_rank
-from tests.k3train.test_train import _cfg
+from tests.trainer.test_train import _cfg
 from k3train.trainer.loop import train
 from tests.multiproc import run_multiprocess
 

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from k3train.trainer.loop import train
-from tests.k3train.test_train import _cfg
+from tests.trainer.test_train import _cfg
 from tests.multiproc import run_multiprocess
 
 STEPS = ["train.steps=3", "train.log_interval=1", "train.eval_interval=3", "model.num_layers=8"]

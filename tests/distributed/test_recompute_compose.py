@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from k3train.config import load_config
-from k3train.distributed import init_distributed
+from k3train.runtime.distributed import init_distributed
 from k3train.trainer.state import TrainState
 from tests.multiproc import run_multiprocess
 

@@ -13,7 +13,7 @@ import torch
 
 from k3train.trainer.loop import train
 from k3train.trainer.state_io import consolidated_state
-from tests.k3train.test_train import _cfg
+from tests.trainer.test_train import _cfg
 from tests.multiproc import run_multiprocess
 
 STEPS = ["train.steps=4", "train.log_interval=1", "train.eval_interval=100", "checkpoint.interval=2",
@@ -88,7 +88,7 @@ def _export_matches(tmp_path, model):
 
 
 def _eval_rank(rank, world_size, ckpt, overrides, out):
-    from k3train.evaluate import evaluate_checkpoint
+    from k3train.trainer.evaluate import evaluate_checkpoint
 
     result = evaluate_checkpoint(ckpt, overrides=overrides, batches=4, progress=False)
     if rank == 0:
@@ -99,7 +99,7 @@ def _eval_rank(rank, world_size, ckpt, overrides, out):
 def test_eval_under_tensor_and_data_parallel_equals_one_process(tmp_path):
     """A one-process checkpoint evaluated by two gloo ranks at TP=2, and at DP=2, gives the
     one-process loss (fp32)."""
-    from k3train.evaluate import evaluate_checkpoint
+    from k3train.trainer.evaluate import evaluate_checkpoint
 
     _launch(1, tmp_path / "run", [], stop_at=2)
     ckpt = tmp_path / "run" / "checkpoints"

@@ -3,9 +3,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from k3train.distributed import init_distributed
+from k3train.runtime.distributed import init_distributed
 from k3train.model.model import build_model
-from tests.k3train.test_model import _tiny_cfg
+from tests.model.test_model import _tiny_cfg
 from tests.multiproc import run_multiprocess
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.k3train.test_train import SMALL
+from tests.trainer.test_train import SMALL
 
 KEYS = ("loss", "lr", "tokens_per_s")
 

@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from k3train.distributed import init_distributed, shutdown_distributed
+from k3train.runtime.distributed import init_distributed, shutdown_distributed
 from k3train.infer.cache import CachedModel, cache_bytes_per_token
 from k3train.infer.generate import sample_next
 from k3train.model.model import build_model
-from tests.k3train.test_train import _cfg
+from tests.trainer.test_train import _cfg
 
 
 @pytest.fixture(params=["channel", "head"], ids=["kda_gate", "head_gate"])
@@ -83,7 +83,7 @@ def test_generate_command_greedy_equals_argmax_of_full_forwards(tmp_path, capsys
     assert text == want
     # Where Triton kernels run, a compile-ahead pass (here with real arithmetic, as on CPU it
     # is) goes first and must leave the generated text unchanged.
-    from k3train import kernels
+    from k3train.ops import kernels
     from k3train.ops import triton_compile
 
     passes = []

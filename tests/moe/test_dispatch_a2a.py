@@ -216,7 +216,7 @@ def test_argument_errors():
 
 def _ep1_dp2_keeps_every_expert(rank, world_size):
     from k3train.config import load_config
-    from k3train.distributed import init_distributed
+    from k3train.runtime.distributed import init_distributed
     from k3train.model.model import build_dispatcher
 
     init_distributed()  # DP=2, EP=1

@@ -1,0 +1,135 @@
+"""The kernel backend registry: config fields -> one resolved backend per op family, handed to
+moe and optim; the documented environment overrides; the run directory's record; and the rule
+that no other module reads a behaviour-steering environment variable."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from k3train.ops import kernels
+from k3train.config import ConfigError, load_config
+from k3train.config.schema import KernelsConfig
+from k3train.errors import K3TrainError
+from moe import compile as moe_compile
+from moe import permute_fused, topk
+from optim import muon
+
+FAMILIES = ("kda", "attnres", "short_conv", "router_topk", "moe_permute", "muon_momentum", "ns_gemm")
+
+
+@pytest.fixture(autouse=True)
+def _no_env_overrides(monkeypatch):
+    for var in kernels.ENV_OVERRIDES:
+        monkeypatch.delenv(var, raising=False)
+    kernels.apply(KernelsConfig(), pipeline_gpu=False)
+    yield
+    kernels.apply(KernelsConfig(), pipeline_gpu=False)
+
+
+def _installed(monkeypatch, **have):
+    monkeypatch.setattr(kernels, "installed", lambda b: b == "torch" or have.get(b, False))
+
+
+def test_every_family_is_torch_off_cuda(monkeypatch):
+    _installed(monkeypatch, fla=True, k3train=True)
+    assert set(kernels.FAMILIES) == set(FAMILIES)
+    assert all(kernels.backend(f, "cpu") == "torch" for f in FAMILIES)
+    assert not kernels.compile_enabled("cpu") and not kernels.uses_triton("cpu")
+
+
+def test_auto_picks_the_first_installed_backend_on_cuda(monkeypatch):
+    _installed(monkeypatch, fla=True, k3train=True)
+    got = {f: kernels.backend(f, "cuda") for f in FAMILIES}
+    assert got == {"kda": "fla", "attnres": "fla", "short_conv": "k3train", "router_topk": "k3train",
+                   "moe_permute": "k3train", "muon_momentum": "k3train", "ns_gemm": "k3train"}
+    _installed(monkeypatch, k3train=True)  # no fla: fla's families fall back, ours stay
+    assert kernels.backend("kda", "cuda") == "torch" and kernels.backend("short_conv", "cuda") == "k3train"
+    _installed(monkeypatch)  # neither Triton nor fla
+    assert all(kernels.backend(f, "cuda") == "torch" for f in FAMILIES)
+
+
+def test_config_fields_choose_and_reach_moe_and_optim(monkeypatch):
+    _installed(monkeypatch, fla=True, k3train=True)
+    kernels.apply(KernelsConfig(short_conv="fla", router_topk="torch", ns_gemm="torch", compile=False))
+    assert kernels.backend("short_conv", "cuda") == "fla" and kernels.backend("router_topk", "cuda") == "torch"
+    assert topk._KERNEL["router_topk"] == "torch"
+    assert muon._KERNELS == {"momentum": "k3train", "ns_gemm": "torch"}
+    assert moe_compile._ENABLED["cuda"] is False and not kernels.compile_enabled("cuda")
+    kernels.apply(KernelsConfig(backend="torch"))
+    assert all(kernels.backend(f, "cuda") == "torch" for f in FAMILIES)
+    assert topk._KERNEL["router_topk"] == "torch" and muon._KERNELS == {"momentum": "torch", "ns_gemm": "torch"}
+    assert permute_fused._KERNEL["moe_permute"] == "torch"
+    assert not kernels.uses_triton("cuda")
+
+
+def test_compile_auto_is_off_exactly_for_pipeline_gpu_runs():
+    assert kernels.compile_enabled("cuda")
+    kernels.apply(load_config("configs/k3_tiny.yaml", ["parallel.pp=2", "train.device=cuda"]))
+    assert not kernels.compile_enabled("cuda") and moe_compile._ENABLED["cuda"] is False
+    kernels.apply(load_config("configs/k3_tiny.yaml", ["parallel.pp=2", "train.device=cuda", "kernels.compile=true"]))
+    assert kernels.compile_enabled("cuda")
+    kernels.apply(load_config("configs/k3_tiny.yaml", ["parallel.pp=2", "train.device=cpu"]))
+    assert kernels.compile_enabled("cuda")  # a CPU pipeline run: nothing to guard
+
+
+def test_a_backend_that_is_not_installed_is_refused_in_one_line(monkeypatch):
+    _installed(monkeypatch, k3train=True)
+    with pytest.raises(K3TrainError, match=r"^kernels.kda=fla but the gpu extra .* is not installed here; .*"
+                                           r"allowed: auto, fla, torch\)$"):
+        kernels.apply(KernelsConfig(kda="fla"))
+    assert kernels.backend("kda", "cuda") == "torch"  # the refused settings did not stick
+    with pytest.raises(ConfigError, match="kernels.short_conv"):
+        load_config("configs/k3_tiny.yaml", ["kernels.short_conv=cudnn"])
+
+
+def test_environment_overrides_one_field_each(monkeypatch):
+    _installed(monkeypatch, fla=True, k3train=True)
+    monkeypatch.setenv("K3TRAIN_KERNELS", "torch")
+    monkeypatch.setenv("K3TRAIN_COMPILE", "0")
+    monkeypatch.setenv("K3TRAIN_AUTOTUNE", "fixed")
+    assert kernels.backend("kda", "cuda") == "torch" and not kernels.compile_enabled("cuda")
+    assert kernels.autotune_mode() == "fixed"
+    rec = kernels.resolved("cuda")
+    assert rec["env_overrides"] == {"K3TRAIN_KERNELS": "torch", "K3TRAIN_COMPILE": "0", "K3TRAIN_AUTOTUNE": "fixed"}
+    monkeypatch.setenv("K3TRAIN_COMPILE", "maybe")
+    with pytest.raises(K3TrainError, match=r"K3TRAIN_COMPILE='maybe' \(overrides kernels.compile\)"):
+        kernels.compile_enabled("cuda")
+    monkeypatch.delenv("K3TRAIN_COMPILE")
+
+
+def test_using_restores_the_settings(monkeypatch):
+    _installed(monkeypatch, fla=True, k3train=True)
+    with kernels.using(short_conv="torch", ns_gemm="torch"):
+        assert kernels.backend("short_conv", "cuda") == "torch" and muon._KERNELS["ns_gemm"] == "torch"
+    assert kernels.backend("short_conv", "cuda") == "k3train" and muon._KERNELS["ns_gemm"] == "k3train"
+
+
+def test_resolved_record_round_trips(tmp_path):
+    kernels.apply(KernelsConfig(autotune="fixed", router_topk="torch"))
+    rec = kernels.write_resolved(tmp_path, "cpu")
+    assert json.loads((tmp_path / "kernels.json").read_text()) == rec
+    assert rec["families"] == {f: "torch" for f in FAMILIES} and rec["autotune"] == "fixed"
+    assert rec["requested"]["router_topk"] == "torch" and rec["compile"] is False
+
+
+# Environment variables that are not a config field's override, and why they may stay.
+_NOT_STEERING = {
+    "K3TRAIN_FAULTS": "fault injection for the reliability tests (k3train/trainer/faults.py)",
+    "K3TRAIN_STACKS_AFTER": "a debugging stack dump of a hung run (k3train/cli.py)",
+}
+
+
+def test_no_behaviour_steering_variable_is_read_outside_the_registry():
+    root = Path(__file__).resolve().parents[2]
+    offenders = []
+    for path in [p for pkg in ("k3train", "moe", "optim", "pipeline") for p in (root / pkg).rglob("*.py")]:
+        if path.name == "kernels.py" and path.parent.name == "k3train":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            for var in re.findall(r"environ(?:\.get)?\(?\[?\s*[\"'](K3TRAIN_\w+)", line):
+                if var not in _NOT_STEERING:
+                    offenders.append(f"{path.relative_to(root)}:{n}: {var}")
+    assert not offenders, offenders

@@ -1,0 +1,102 @@
+"""Reliability: non-finite steps, signals, a kill during a save, elastic restart, bad input."""
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from k3train.cli import main as cli_main
+from k3train.runtime.distributed import check_layout
+from k3train.trainer.checkpoint import latest_checkpoint, verify_checkpoint
+from k3train.trainer.loop import TrainingStopped, train
+from tests.cli_runs import CLI, cli_env as _env, wait_for as _wait_for
+from tests.trainer.test_train import SMALL, _cfg, _records
+
+
+
+def test_injected_nan_step_is_skipped(tmp_path, monkeypatch):
+    monkeypatch.setenv("K3TRAIN_FAULTS", "nan@2")
+    train(_cfg("train.steps=4", "train.log_interval=1"), tmp_path)
+    recs = _records(tmp_path)
+    assert [r["skipped"] for r in recs] == [0, 1, 0, 0]
+    manifest = json.loads((latest_checkpoint(tmp_path / "checkpoints") / "manifest.json").read_text())
+    assert manifest["optim_step"] == 3, "the poisoned step must not reach the optimizer"
+
+
+def test_repeated_nan_stops_with_a_clear_message(tmp_path, monkeypatch):
+    monkeypatch.setenv("K3TRAIN_FAULTS", "nan@2,nan@3")
+    with pytest.raises(TrainingStopped, match="2 consecutive steps had a non-finite loss"):
+        train(_cfg("train.steps=6", "train.max_consecutive_skips=2"), tmp_path)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_exits_zero(tmp_path):
+    proc = subprocess.Popen([*CLI, "--run-dir", str(tmp_path), "train.steps=100000", "train.log_interval=1"],
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert _wait_for(lambda: (tmp_path / "metrics.jsonl").exists())
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    ckpt = latest_checkpoint(tmp_path / "checkpoints")
+    manifest = verify_checkpoint(ckpt, world_size=1)
+    assert 1 <= manifest["step"] < 100000 and "signal received" in out
+
+
+@pytest.mark.slow
+def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
+    proc = subprocess.Popen([*CLI, "--run-dir", str(tmp_path), "train.steps=8", "checkpoint.interval=2"],
+                            env=_env(K3TRAIN_FAULTS="slow_save@4"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    tmp_ckpt = tmp_path / "checkpoints" / ".tmp-step_00000004" / "rank_00000.pt"
+    assert _wait_for(tmp_ckpt.exists)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    ckpt = latest_checkpoint(tmp_path / "checkpoints")
+    assert ckpt.name == "step_00000002"
+    verify_checkpoint(ckpt, world_size=1)
+    # The half-written save is ignored and replaced on resume.
+    train(_cfg("train.steps=4", "checkpoint.interval=2"), tmp_path, resume=True)
+    assert latest_checkpoint(tmp_path / "checkpoints").name == "step_00000004"
+
+
+@pytest.mark.slow
+def test_elastic_restart_matches_uninterrupted_run(tmp_path):
+    args = ["train.steps=6", "checkpoint.interval=2", "train.log_interval=1"]
+    ref = tmp_path / "ref"
+    train(_cfg(*args), ref)
+    run = tmp_path / "elastic"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+           "--max-restarts", "1", "-m", "k3train", "train", "--config", "configs/k3_tiny.yaml",
+           "--run-dir", str(run), "--resume", *SMALL, *args]
+    done = subprocess.run(cmd, env=_env(K3TRAIN_FAULTS="crash@5"), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "crashing at step 5" in done.stdout and "resumed from" in done.stdout
+    final = {r["step"]: r["loss"] for r in _records(run)}
+    assert final[6] == _records(ref)[-1]["loss"]
+
+
+@pytest.mark.parametrize("world, tp, pp, ep, message", [
+    (3, 2, 1, 1, "world size 3 is not divisible by parallel.tp*parallel.pp = 2*1"),
+    (4, 1, 1, 3, "parallel.ep=3 must divide data-parallel x tensor-parallel size 4"),
+])
+def test_impossible_parallel_layout(world, tp, pp, ep, message):
+    with pytest.raises(ValueError, match=message.replace("*", r"\*")):
+        check_layout(world, tp, pp, ep)
+
+
+def test_heads_not_divisible_by_tp_is_named(world1):
+    from k3train.model.common import divide
+
+    with pytest.raises(ValueError, match=r"model.kda.num_heads \(3\) must be divisible by parallel.tp \(2\)"):
+        divide(3, 2, "model.kda.num_heads")
+
+
+def test_missing_dataset_is_one_clear_line(tmp_path, capsys):
+    rc = cli_main(["train", "--config", "configs/k3_tiny.yaml", "--run-dir", str(tmp_path), *SMALL,
+                   f"data.source={tmp_path}/missing"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "missing" in err and "Traceback" not in err
+    assert not (tmp_path / "checkpoints").exists()

@@ -1,0 +1,126 @@
+"""Multi-rank run lifecycle at DP=2 on CPU (gloo): a stop signal that reaches one rank only,
+``torchrun --max-restarts`` after a dying worker, and the cost of the per-step stop agreement.
+
+Every run is compared with one uninterrupted DP=2 run of the same config (the reference):
+losses must match bit for bit."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from k3train.trainer.checkpoint import latest_checkpoint, verify_checkpoint
+from tests.trainer.test_train import SMALL, _records
+from tests.multiproc import run_multiprocess
+
+ARGS = [*SMALL, "train.steps=4", "train.log_interval=1", "checkpoint.interval=2"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+TRAIN = ["train", "--config", "configs/k3_tiny.yaml"]
+
+
+def _env(**extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    env.pop("K3TRAIN_FAULTS", None)
+    env.update(extra)
+    return env
+
+
+def _run(cmd, timeout, **env):
+    """Run ``cmd`` in its own session; on timeout kill the whole group (torchrun and its
+    workers) and fail, so a deadlocked run cannot outlive the test."""
+    proc = subprocess.Popen(cmd, env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd[:8])} ... did not finish in {timeout} s (deadlock?):\n{out[-3000:]}")
+    return proc.returncode, out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted DP=2 run: {step: loss} and its final model state (rank 0)."""
+    run = tmp_path_factory.mktemp("reference")
+    rc, out = _run([*TORCHRUN, "-m", "k3train", *TRAIN, "--run-dir", str(run), *ARGS], timeout=240)
+    assert rc == 0, out[-3000:]
+    return {r["step"]: r["loss"] for r in _records(run)}, _model(run)
+
+
+def _model(run):
+    from k3train.trainer.state_io import consolidated_state
+
+    return consolidated_state(latest_checkpoint(run / "checkpoints"))["model"]
+
+
+def _assert_matches(run, reference):
+    losses, model = reference
+    assert {r["step"]: r["loss"] for r in _records(run)} == losses
+    mine = _model(run)
+    assert mine.keys() == model.keys()
+    for name, value in model.items():
+        assert torch.equal(value, mine[name]), name
+
+
+@pytest.mark.slow
+def test_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, reference):
+    # Rank 1 alone gets SIGTERM, at the start of step 2 (rank 0 would get one at step 3, too
+    # late: it must already have stopped with rank 1). Before the agreement, rank 1 waited in
+    # the save's barrier while rank 0 waited in step 3's gradient all-reduce: a deadlock.
+    run = tmp_path / "run"
+    rc, out = _run([*TORCHRUN, "tests/trainer/signal_worker.py", "1@2,0@3", *TRAIN, "--run-dir", str(run),
+                    *ARGS], timeout=150)
+    assert rc == 0, out[-3000:]
+    assert "signal received: saved step 2" in out
+    ckpt = latest_checkpoint(run / "checkpoints")
+    manifest = verify_checkpoint(ckpt, world_size=2)
+    assert manifest["step"] == 2 and sorted(manifest["files"]) == ["rank_00000.pt", "rank_00001.pt"]
+    # Both ranks saved the same step: each rank file records step 2.
+    for name in manifest["files"]:
+        assert torch.load(ckpt / name, weights_only=False)["step"] == 2
+    rc, out = _run([*TORCHRUN, "-m", "k3train", *TRAIN, "--run-dir", str(run), "--resume", *ARGS], timeout=240)
+    assert rc == 0, out[-3000:]
+    _assert_matches(run, reference)
+
+
+@pytest.mark.slow
+def test_elastic_restart_two_processes_matches_uninterrupted_run(tmp_path, reference):
+    # Both workers die at the start of step 3 (first attempt only); torchrun restarts them,
+    # they resume from step 2. Before the per-attempt store prefix, the restarted ranks failed
+    # in gloo's connectFullMesh ("Connection refused"): they read the dead attempt's addresses.
+    run = tmp_path / "elastic"
+    cmd = [*TORCHRUN, "--max-restarts", "1", "-m", "k3train", *TRAIN, "--run-dir", str(run), "--resume", *ARGS]
+    rc, out = _run(cmd, timeout=300, K3TRAIN_FAULTS="crash@3")
+    assert rc == 0, out[-3000:]
+    assert "crashing at step 3" in out and "resumed from" in out and "connectFullMesh" not in out
+    _assert_matches(run, reference)
+
+
+def _time_agreement(rank, world_size, calls, out_file):
+    from k3train.trainer.stop import stop_agreed
+
+    cpu = torch.device("cpu")
+    # Rank 1 requests a stop on the last call only: every rank must see it there, and only there.
+    seen = [stop_agreed(rank == 1 and i == calls - 1, cpu) for i in range(calls)]
+    assert seen == [False] * (calls - 1) + [True]
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        stop_agreed(False, cpu)
+    per_call = (time.perf_counter() - t0) / calls
+    if rank == 0:
+        out_file.write_text(json.dumps({"ms_per_call": per_call * 1e3}))
+
+
+@pytest.mark.slow
+def test_stop_agreement_is_a_max_over_ranks_and_cheap(tmp_path):
+    out_file = tmp_path / "timing.json"
+    run_multiprocess(_time_agreement, 2, 200, out_file)
+    ms = json.loads(out_file.read_text())["ms_per_call"]
+    print(f"stop agreement: {ms:.3f} ms per step (gloo, 2 ranks)")
+    # The tiniest CPU training step takes tens of milliseconds; 5 ms would be visible.
+    assert ms < 5.0
