@@ -61,7 +61,7 @@ def _cmd_sweep(args) -> int:
 
 def _cmd_export(args) -> int:
     from k3train.hf.commands import refuse_hf_options, run_export_hf
-    from k3train.quant.export import export_mxfp4
+    from k3train.trainer.export import export_mxfp4
 
     if args.format == "hf":
         return run_export_hf(args)

@@ -24,7 +24,8 @@ def refuse_hf_options(args) -> None:
 
 
 def run_export_hf(args) -> int:
-    from k3train.hf.export import export_hf_checkpoint, parse_size
+    from k3train.hf.export import parse_size
+    from k3train.trainer.export import export_hf_checkpoint
 
     out = export_hf_checkpoint(args.checkpoint, args.out, args.config, shard_bytes=parse_size(args.shard_size or "5GB"),
                                dtype=args.dtype, mxfp4=args.mxfp4)
@@ -43,7 +44,7 @@ def add_import_parser(sub) -> None:
 
 
 def run_import(args) -> int:
-    from k3train.hf.load import import_hf
+    from k3train.trainer.hf_import import import_hf
 
     step_dir = import_hf(args.hf_dir, args.out, args.config)
     print(f"wrote {step_dir} and {step_dir.parent.parent / 'config.yaml'}")

@@ -27,10 +27,13 @@ import torch
 from safetensors.torch import save_file
 
 from k3train.config import RunConfig
+from k3train.data.tokenizer import ByteTokenizer, load_tokenizer
 from k3train.errors import UsageError
 from k3train.hf.names import to_hf
 from k3train.model.layout import expand_layer_pattern
+from k3train.model.model import moe_layer_indices
 from k3train.quant.mx import pack_fp4, quantize_mx
+from k3train.runtime.files import default_file_mode, output_dir
 
 ARCHITECTURE, MODEL_TYPE = "K3ForCausalLM", "k3train_k3"
 MX_ELEM, MX_BLOCK = "e2m1", 32
@@ -109,14 +112,16 @@ def _shards(tensors: dict[str, torch.Tensor], limit: int) -> list[dict[str, torc
 
 
 def export_hf(state: dict, cfg: RunConfig, out_dir: str | os.PathLike, *, shard_bytes: int = 5 * 10**9,
-              dtype: str | None = None, mxfp4: bool = False, log=print) -> Path:
+              dtype: str | None = None, mxfp4: bool = False, tokenizer=None, overwrite: bool = False,
+              log=print) -> Path:
     """Write ``out_dir`` from our full (one-process) model state dict ``state`` and its config.
 
     dtype: None keeps every tensor's dtype (bitwise round trip), or "bfloat16"/"float32" for the
-    floating-point tensors. Returns the directory.
+    floating-point tensors. tokenizer: the run's tokenizer (``k3train.trainer.data.run_tokenizer``
+    resolves it; default: ``data.tokenizer``, else the byte tokenizer). overwrite: replace a
+    previous HF export in ``out_dir`` (never a run directory or another directory: see
+    ``k3train.runtime.files.output_dir``). Returns the directory.
     """
-    from k3train.model.model import moe_layer_indices
-
     if dtype is not None and dtype not in _DTYPES:
         raise UsageError(f"--dtype {dtype!r} is not supported; allowed: {', '.join(_DTYPES)}")
     if cfg.model.kda.gate != "channel":
@@ -140,44 +145,30 @@ def export_hf(state: dict, cfg: RunConfig, out_dir: str | os.PathLike, *, shard_
             "modules": "model.layers.*.mlp.experts.*", "suffixes": [".mx_codes", ".mx_scales"],
             "dequantized_dtype": expert_dtype}
 
+    if tokenizer is None:
+        tokenizer = load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else ByteTokenizer()
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".tmp-{out.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    shards = _shards(tensors, shard_bytes)
-    umask = os.umask(0)
-    os.umask(umask)
-    weight_map, total = {}, 0
-    for k, shard in enumerate(shards, 1):
-        fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        # clone: safetensors refuses tensors that share storage (views of one expert stack)
-        save_file({n: t.clone() for n, t in shard.items()}, str(tmp / fname), metadata={"format": "pt"})
-        os.chmod(tmp / fname, 0o666 & ~umask)  # safetensors writes 0600; shards are shared like the JSON files
-        weight_map.update({n: fname for n in shard})
-        total += sum(t.numel() * t.element_size() for t in shard.values())
-        log(f"[k3train] wrote shard {k}/{len(shards)} ({fname}, {len(shard)} tensors)")
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1, sort_keys=True))
-    (tmp / "config.json").write_text(json.dumps(config, indent=1))
-    _write_tokenizer(cfg, tmp)
-    from k3train.quant.export import replace_dir
-
-    replace_dir(tmp, out)
+    with output_dir(out, command="export-hf", overwrite=overwrite) as tmp:
+        shards = _shards(tensors, shard_bytes)
+        mode = default_file_mode()
+        weight_map, total = {}, 0
+        for k, shard in enumerate(shards, 1):
+            fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+            # clone: safetensors refuses tensors that share storage (views of one expert stack)
+            save_file({n: t.clone() for n, t in shard.items()}, str(tmp / fname), metadata={"format": "pt"})
+            os.chmod(tmp / fname, mode)  # safetensors writes 0600; shards are shared like the JSON files
+            weight_map.update({n: fname for n in shard})
+            total += sum(t.numel() * t.element_size() for t in shard.values())
+            log(f"[k3train] wrote shard {k}/{len(shards)} ({fname}, {len(shard)} tensors)")
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1, sort_keys=True))
+        (tmp / "config.json").write_text(json.dumps(config, indent=1))
+        _write_tokenizer(tokenizer, tmp)
     return out
 
 
-def _write_tokenizer(cfg: RunConfig, out: Path) -> None:
-    """``tokenizer_config.json``, plus a copy of the tokenizer's own files when it has any (the
-    run's tokenizer: ``data.tokenizer``, else the one its dataset's meta file records)."""
-    from k3train.data.tokenizer import ByteTokenizer
-    from k3train.errors import DataError
-    from k3train.trainer.data import run_tokenizer
-
-    try:
-        tokenizer = run_tokenizer(cfg)
-    except DataError as exc:  # the dataset is not on this machine: say so rather than guess
-        raise DataError(f"export --format hf needs the run's tokenizer: {exc}") from None
+def _write_tokenizer(tokenizer, out: Path) -> None:
+    """``tokenizer_config.json``, plus a copy of the tokenizer's own files when it has any."""
     tok = {"tokenizer_class": type(tokenizer).__name__, "k3train_tokenizer": tokenizer.name,
            "k3train_tokenizer_kind": tokenizer.kind, "k3train_tokenizer_hash": tokenizer.files_hash,
            "vocab_size": tokenizer.vocab_size, "eos_token_id": tokenizer.eod_id}
@@ -190,12 +181,3 @@ def _write_tokenizer(cfg: RunConfig, out: Path) -> None:
             shutil.copy2(f, out / f.name)
         tok["tokenizer_file"] = files[0].name if not src.is_dir() else "tokenizer.json"
     (out / "tokenizer_config.json").write_text(json.dumps(tok, indent=1))
-
-
-def export_hf_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
-                         config: str | os.PathLike | None = None, **kwargs) -> Path:
-    """``export_hf`` from a k3train checkpoint of any layout (step dir or checkpoints/ dir)."""
-    from k3train.quant.export import read_checkpoint_weights
-
-    state, cfg, _, _ = read_checkpoint_weights(checkpoint, config)
-    return export_hf(state, cfg, out_dir, **kwargs)

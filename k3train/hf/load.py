@@ -5,9 +5,8 @@ which ``merge_model_config`` puts into any run config, and the full one-process
 state dict in our names, ready for ``build_model(cfg).load_state_dict``). MXFP4-packed experts
 (``NAME.mx_codes`` + ``NAME.mx_scales``, uint8) are dequantised to ``quantization_config``'s dtype.
 
-``import_hf(dir, out)`` writes a k3train run directory: ``config.yaml`` and a weights-only
-checkpoint ``checkpoints/step_00000000`` (via the trainer's own save path), which
-``train.init_from`` and ``export`` read.
+This module only translates the format (tensor names, safetensors, config.json); it sits below
+the trainer. ``k3train.trainer.hf_import.import_hf`` writes what it reads as a run directory.
 """
 from __future__ import annotations
 
@@ -18,11 +17,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from k3train.config import RunConfig, load_config
+from k3train.config import RunConfig
 from k3train.errors import CheckpointError
 from k3train.hf.names import from_hf
 from k3train.model.layout import expand_layer_pattern
+from k3train.model.model import build_model, moe_layer_indices
 from k3train.quant.mx import dequantize_mx, unpack_fp4
+from k3train.runtime.one_process import process_groups
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 
@@ -116,20 +117,15 @@ def merge_model_config(base: RunConfig, model_cfg: dict) -> RunConfig:
 def expected_state(cfg: RunConfig) -> dict:
     """Our state dict's entries for ``cfg``: shapes of tensors, None for megatron's extra state.
     Built on the meta device: no memory, no init."""
-    from k3train.model.model import build_model
-    from k3train.quant.export import _model_parallel_groups
-
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"device": "cpu"}),
                                  "precision": cfg.precision.model_copy(update={"recipe": "fp32"})})
-    with _model_parallel_groups(), torch.device("meta"):
+    with process_groups(reuse_existing=True), torch.device("meta"):
         model = build_model(cfg)
     return {k: (v.shape if isinstance(v, torch.Tensor) else v) for k, v in model.state_dict().items()}
 
 
 def load_hf(hf_dir: str | os.PathLike, base: RunConfig | None = None) -> tuple[dict, dict]:
     """(model config dict, full state dict in our names) of an HF directory; see the module doc."""
-    from k3train.model.model import moe_layer_indices
-
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
         raise CheckpointError(f"{hf_dir} is not a directory")
@@ -147,42 +143,3 @@ def load_hf(hf_dir: str | os.PathLike, base: RunConfig | None = None) -> tuple[d
     state = from_hf(tensors, kinds, set(moe_layer_indices(cfg)), cfg.model.tie_embeddings, shapes)
     state.update({k: None for k, v in expected.items() if v is None})  # megatron's _extra_state
     return model_cfg, {k: state[k] for k in expected}
-
-
-def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike,
-              config: str | os.PathLike | None = None) -> Path:
-    """Write ``out_dir/config.yaml`` (``config`` or the defaults, with the HF model's model/moe/
-    tokenizer) and the weights-only checkpoint ``out_dir/checkpoints/step_00000000``."""
-    from k3train.config.load import save_config
-    from k3train.runtime.distributed import init_distributed, shutdown_distributed
-    from k3train.trainer.checkpoint import save_checkpoint
-
-    base = load_config(config)
-    model_cfg, state = load_hf(hf_dir, base)
-    cfg = merge_model_config(base, model_cfg)
-    out = Path(out_dir)
-    if (out / "checkpoints").exists():
-        raise CheckpointError(f"{out / 'checkpoints'} already exists; import into a new directory")
-    save_config(cfg, out / "config.yaml")
-    initialized = torch.distributed.is_initialized()
-    info = init_distributed()
-    try:
-        # the trainer's checkpoint format (tensors by global name), so that train.init_from and
-        # export read it like any other
-        from k3train.model.model import build_model
-        from k3train.trainer.state_io import weights_state
-
-        model = build_model(cfg)
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        bad = [k for k in [*missing, *unexpected] if not k.endswith("_extra_state")]
-        if bad:
-            raise CheckpointError(f"{hf_dir} does not hold the model its config.json describes "
-                                  f"(e.g. {sorted(bad)[:3]})")
-        content, index = weights_state(model, 0, str(Path(hf_dir).resolve()))
-        layout = {**info.__dict__, "zero1": cfg.optim.zero1}
-        coords = {"pp": 0, "tp": 0, "ep": 0, "dp": 0}
-        step_dir = save_checkpoint(out / "checkpoints", 0, content, layout=layout, coords=coords, index=index)
-    finally:
-        if not initialized:
-            shutdown_distributed()
-    return step_dir

@@ -12,13 +12,17 @@ import time
 import torch
 
 from k3train.errors import UsageError
+from k3train.infer.cache import CachedModel
+from k3train.ops import kernels, triton_compile
+from k3train.runtime.device import resolve_device
+from k3train.runtime.one_process import process_groups
+from k3train.trainer.data import run_tokenizer
+from k3train.trainer.restore import load_model
 
 
 def text_codec(cfg):
     """(encode: str -> list[int], decode: list[int] -> str, vocabulary size) of the run's
     tokenizer: the one place generation asks about the tokenizer."""
-    from k3train.trainer.data import run_tokenizer
-
     tok = run_tokenizer(cfg)  # data.tokenizer, else what the dataset's meta file records, else byte
     return tok.encode, tok.decode, tok.vocab_size
 
@@ -35,32 +39,6 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, gen: tor
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
     return torch.multinomial(probs.cpu(), 1, generator=gen).squeeze(-1).to(logits.device)
-
-
-def load_model(checkpoint, config: str | None, overrides: list[str], device: str):
-    """(one-process model with the checkpoint's weights, run config). Any layout's checkpoint."""
-    from k3train.config.schema import ParallelConfig
-    from k3train.trainer.evaluate import eval_config
-    from k3train.model.model import build_model
-    from k3train.quant.export import resolve_checkpoint
-    from k3train.trainer.checkpoint import verify_checkpoint
-    from k3train.trainer.state_io import load_weights
-
-    step_dir = resolve_checkpoint(checkpoint)
-    cfg = eval_config(step_dir, config, list(overrides), None)
-    # One process holds the whole model; the dispatcher is the local one. The compiled pieces
-    # are shape-specialised (fullgraph, dynamic=False): a sequence that grows by one token per
-    # call would compile once per length and stop at Dynamo's recompile limit (seen on an H200).
-    cfg = cfg.model_copy(update={"parallel": ParallelConfig(),
-                                 "kernels": cfg.kernels.model_copy(update={"compile": False}),
-                                 "moe": cfg.moe.model_copy(update={"dispatcher": "local"}),
-                                 "train": cfg.train.model_copy(update={"device": device})})
-    manifest = verify_checkpoint(step_dir, 1, None)
-    if "tensors" not in manifest:
-        raise UsageError(f"{step_dir} is a checkpoint of the older per-rank format; resume it once to convert it")
-    model = build_model(cfg).to(device)
-    load_weights(model, step_dir, manifest, 1, 0)
-    return model, cfg, step_dir
 
 
 @torch.no_grad()
@@ -93,20 +71,15 @@ def generate_ids(cached, prompt: list[int], max_new_tokens: int, temperature: fl
 
 
 def run_generate(args) -> int:
-    from k3train.runtime.distributed import init_distributed, shutdown_distributed
-    from k3train.infer.cache import CachedModel
-    from k3train.ops import kernels
-    from k3train.ops import triton_compile
-    from k3train.trainer.loop import pick_device
-
+    """``k3train generate``: ``args.checkpoint`` (a run, checkpoints/ or step directory of any
+    layout) opened in one process by ``k3train.trainer.restore.load_model``."""
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens}: expected at least 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise UsageError(f"--temperature {args.temperature} --top-p {args.top_p}: need temperature >= 0 "
                          f"and 0 < top-p <= 1")
-    init_distributed()
-    try:
-        device = pick_device(args.device)
+    with process_groups():
+        device = resolve_device(args.device, setting="--device").type
         model, cfg, step_dir = load_model(args.checkpoint, args.config, args.overrides, device)
         kernels.apply(cfg)
         encode, decode, vocab = text_codec(cfg)
@@ -122,8 +95,6 @@ def run_generate(args) -> int:
                                          label="generation")
         ids, timing = generate_ids(cached, prompt, args.max_new_tokens, args.temperature,
                                    args.top_p, args.seed, device, vocab)
-    finally:
-        shutdown_distributed()
     sys.stdout.write(args.prompt + decode(ids) + "\n")
     print(f"[k3train] {len(ids)} tokens from {step_dir} in {timing['prefill_s'] + timing['decode_s']:.2f} s "
           f"(decode {timing['decode_tokens_per_s']:.1f} tok/s, {device})", file=sys.stderr)

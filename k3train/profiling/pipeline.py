@@ -17,7 +17,7 @@ from k3train.errors import LayoutError
 from k3train.config import RunConfig
 from k3train.runtime.distributed import init_distributed
 from k3train.trainer.data import build_data
-from k3train.trainer.loop import pick_device
+from k3train.runtime.device import resolve_device
 from k3train.trainer.state import TrainState
 from pipeline import CommRecorder
 
@@ -45,7 +45,7 @@ def profile_pipeline(cfg: RunConfig, json_path: str | Path, steps: int = 3) -> d
     p = cfg.parallel
     if p.pp * p.vpp < 2:
         raise LayoutError("profile-pipeline needs parallel.pp * parallel.vpp >= 2 (e.g. parallel.pp=2)")
-    device_name = pick_device(cfg.train.device)
+    device_name = resolve_device(cfg.train.device).type
     info = init_distributed(p.tp, p.pp, p.vpp, p.ep, device_name)
     device = torch.device("cuda", info.local_rank) if device_name == "cuda" else torch.device("cpu")
     out_dir = Path(json_path).parent

@@ -57,13 +57,13 @@ def measure_chunk_times(cfg: RunConfig, num_chunks: int, steps: int = 3, warmup:
     host cannot keep the GPU fed they time the host's launches: kernel_s / span_s is how busy
     the GPU was inside them, and host_ops says what the host spent the time on."""
     from k3train.runtime.distributed import init_distributed
-    from k3train.trainer.loop import pick_device
+    from k3train.runtime.device import resolve_device
     from k3train.trainer.state import autocast_for
     from pipeline import CommRecorder, PipelineEngine, PipelineLayout
 
     from k3train.ops import kernels
 
-    device_name = pick_device(cfg.train.device)
+    device_name = resolve_device(cfg.train.device).type
     kernels.apply(cfg, pipeline_gpu=device_name == "cuda")   # the kernels a pipeline run would use
     init_distributed(1, 1, 1, 1, device_name)      # megatron's (size-1) groups, as a P=1 run has
     device = torch.device("cuda", torch.cuda.current_device()) if device_name == "cuda" else torch.device("cpu")

@@ -1,4 +1,5 @@
-"""``k3train export --format mxfp4-packed``: a training checkpoint -> packed MXFP4 safetensors.
+"""The packed MXFP4 export format: a one-process state dict -> packed MXFP4 safetensors, and back.
+(``k3train.trainer.export.export_mxfp4`` writes one from a checkpoint.)
 
 Output directory:
     model.safetensors   for each quantised parameter P: ``P.mx_codes`` uint8, two E2M1 codes per
@@ -16,50 +17,23 @@ loaded weights equal the QAT forward's fake-quantised weights bit for bit.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
-from megatron.core import parallel_state
 from safetensors.torch import load_file, save_file
 
-from k3train.errors import CheckpointError, UsageError
-from k3train.config import RunConfig, load_config
+from k3train.config import RunConfig
 from k3train.config.schema import ParallelConfig, PrecisionConfig
+from k3train.errors import UsageError
+from k3train.model.model import build_model
 from k3train.quant.mx import dequantize_mx, pack_fp4, quantize_mx, unpack_fp4
+from k3train.runtime.files import default_file_mode
+from k3train.runtime.one_process import process_groups
+from moe import GroupedExperts
 
 FORMAT, ELEM, BLOCK = "mxfp4-packed", "e2m1", 32
-
-
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A ``step_XXXXXXXX`` directory, or a ``checkpoints/`` directory whose ``latest`` names one."""
-    from k3train.trainer.checkpoint import latest_checkpoint
-
-    p = Path(path)
-    if (p / "manifest.json").is_file():
-        return p
-    if (p / "latest").is_file():
-        return latest_checkpoint(p)
-    raise CheckpointError(f"{p} is neither a checkpoint step directory (no manifest.json) nor a "
-                            f"checkpoints/ directory (no 'latest' file)")
-
-
-@contextlib.contextmanager
-def _model_parallel_groups():
-    """Building layers needs megatron's groups; create one-process groups only if absent."""
-    from k3train.runtime.distributed import init_distributed, shutdown_distributed
-
-    if parallel_state.model_parallel_is_initialized():
-        yield
-        return
-    init_distributed()
-    try:
-        yield
-    finally:
-        shutdown_distributed()
 
 
 def quantized_params(cfg: RunConfig) -> dict[str, int]:
@@ -68,9 +42,6 @@ def quantized_params(cfg: RunConfig) -> dict[str, int]:
     Found by building the model with the same scope selection the trainer uses, on the meta
     device (no memory, no init cost), so export and training can never disagree on the scope.
     """
-    from k3train.model.model import build_model
-    from moe import GroupedExperts
-
     if cfg.precision.recipe not in ("mxfp4_qat", "bf16", "fp32"):
         raise UsageError(f"mxfp4-packed export needs a checkpoint trained with precision.recipe=mxfp4_qat "
                          f"(or bf16/fp32, quantised after training); this one used {cfg.precision.recipe}")
@@ -78,7 +49,7 @@ def quantized_params(cfg: RunConfig) -> dict[str, int]:
     # The one-process model: export works on the consolidated tensors whatever layout trained them.
     cfg = cfg.model_copy(update={"precision": precision, "parallel": ParallelConfig(),
                                  "train": cfg.train.model_copy(update={"device": "cpu"})})
-    with _model_parallel_groups(), torch.device("meta"):
+    with process_groups(reuse_existing=True), torch.device("meta"):
         model = build_model(cfg)
     out: dict[str, int] = {}
     for name in model.quantized:
@@ -92,31 +63,14 @@ def quantized_params(cfg: RunConfig) -> dict[str, int]:
     return out
 
 
-def read_checkpoint_weights(checkpoint: str | os.PathLike, config: str | os.PathLike | None = None,
-                            ) -> tuple[dict, RunConfig, Path, Path]:
-    """(the one-process model's state dict, run config, step dir, config path) of a checkpoint of
-    any parallel layout (its pieces assembled by global name); the config defaults to the run
-    directory's config.yaml."""
-    from k3train.trainer.state_io import consolidated_state
-
-    step_dir = resolve_checkpoint(checkpoint)
-    whole = consolidated_state(step_dir, optimizer=False)
-    cfg_path = Path(config) if config is not None else step_dir.parent.parent / "config.yaml"
-    if not cfg_path.is_file():
-        raise CheckpointError(f"no run config at {cfg_path}; pass --config")
-    return whole["model"], load_config(cfg_path), step_dir, cfg_path
-
-
-def export_mxfp4(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
-                 config: str | os.PathLike | None = None) -> Path:
-    """Write ``out_dir`` (atomically: temp dir + rename) from a checkpoint of any parallel
-    layout (its pieces are assembled into the one-process model's tensors)."""
-    state, cfg, step_dir, cfg_path = read_checkpoint_weights(checkpoint, config)
+def pack_mxfp4(state: dict, cfg: RunConfig) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors to store, ``quantized`` entries of export.json) for the one-process model's
+    state dict ``state`` of config ``cfg``: each quantised parameter as packed codes and scales,
+    every other tensor in bf16 (integer tensors unchanged). See the module doc for the layout."""
     axes = quantized_params(cfg)
     missing = sorted(set(axes) - set(state))
     if missing:
-        raise UsageError(f"checkpoint {step_dir} lacks {missing[:3]}: does {cfg_path} describe this model?")
-
+        raise UsageError(f"the checkpoint lacks {missing[:3]}: does its config describe this model?")
     tensors, entries = {}, {}
     for name, value in state.items():
         if not isinstance(value, torch.Tensor):  # megatron layers store a None _extra_state
@@ -134,34 +88,16 @@ def export_mxfp4(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
             # clone: safetensors refuses tensors sharing storage (a tied head and embedding).
             cast = value.to(torch.bfloat16) if value.is_floating_point() else value
             tensors[name] = cast.clone().contiguous()
-
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".tmp-{out.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": FORMAT})
-    meta = {"format": FORMAT, "element_format": ELEM, "scale_format": "e8m0", "block_size": BLOCK,
-            "nibble_order": "element 2k in the low nibble of byte k", "source": str(step_dir),
-            "step": json.loads((step_dir / "manifest.json").read_text())["step"],
-            "trained_recipe": cfg.precision.recipe, "quantized": entries}
-    (tmp / "export.json").write_text(json.dumps(meta, indent=1))
-    replace_dir(tmp, out)
-    return out
+    return tensors, entries
 
 
-def replace_dir(tmp: Path, out: Path) -> None:
-    """Make the finished ``tmp`` directory ``out``: its files synced, then swapped in by renames,
-    so a reader sees the old export or the new one, never half of either."""
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    old = out.parent / f".old-{out.name}"
-    if out.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
+def write_mxfp4(tensors: dict[str, torch.Tensor], meta: dict, out: Path) -> None:
+    """``out/model.safetensors`` (mode 0666 minus the umask, like the JSON) and ``out/export.json``."""
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": FORMAT})
+    os.chmod(out / "model.safetensors", default_file_mode())  # safetensors writes 0600
+    (out / "export.json").write_text(json.dumps({"format": FORMAT, "element_format": ELEM, "scale_format": "e8m0",
+                                                 "block_size": BLOCK, "nibble_order": "element 2k in the low "
+                                                 "nibble of byte k", **meta}, indent=1))
 
 
 def load_mxfp4_export(path: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from k3train.errors import UsageError
+from k3train.runtime import device as runtime_device
 from k3train.config.schema import PrecisionConfig
 from k3train.model.common import ColumnLinear, RowLinear, tp_size
 from k3train.quant.spec import MX_SPECS, MXLinear, QuantSpec
@@ -43,12 +44,9 @@ _FP8_INSTALL = ('precision.recipe=fp8 needs a CUDA GPU with compute capability >
 
 
 def resolve_device(choice: str | torch.device) -> torch.device:
-    """``train.device`` ("auto" | "cpu" | "cuda") or a device -> torch.device."""
-    if isinstance(choice, torch.device):
-        return choice
-    if choice == "auto":
-        choice = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(choice)
+    """``train.device`` or a device -> torch.device (``k3train.runtime.device.resolve_device``,
+    without its availability check: a CUDA config builds on the meta device on any machine)."""
+    return runtime_device.resolve_device(choice, check_available=False)
 
 
 def scope_patterns(precision: PrecisionConfig) -> list[str]:

@@ -30,7 +30,7 @@ def _final_recall_accuracy(cfg: RunConfig, run_dir: Path) -> float | None:
     from k3train.runtime.distributed import init_distributed
     from k3train.model.model import build_model
     from k3train.trainer.checkpoint import latest_checkpoint
-    from k3train.trainer.loop import pick_device
+    from k3train.runtime.device import resolve_device
     from k3train.trainer.state_io import consolidated_state
 
     p = cfg.parallel
@@ -51,7 +51,7 @@ def _final_recall_accuracy(cfg: RunConfig, run_dir: Path) -> float | None:
         return None
     init_distributed(p.tp, p.pp, p.vpp, p.ep)
     # on the run's device: on CPU the naive KDA recurrence makes this minutes for a dozen variants
-    device = torch.device(pick_device(cfg.train.device))
+    device = resolve_device(cfg.train.device)
     model = build_model(cfg)
     missing, unexpected = model.load_state_dict(consolidated_state(ckpt, optimizer=False)["model"], strict=False)
     bad = [k for k in [*missing, *unexpected] if not k.endswith("_extra_state")]  # megatron's, never saved

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from k3train.errors import CheckpointError
+from k3train.runtime.files import fsync_dir, write_text_atomic
 from k3train.trainer import faults
 
 __all__ = ["CheckpointError", "latest_checkpoint", "load_checkpoint", "save_checkpoint", "verify_checkpoint"]
@@ -36,23 +37,6 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _step_name(step: int) -> str:
@@ -153,13 +137,13 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, state: dict[str, Any
         if index is not None:
             manifest.update(format=state["format"], optim_step=state["optim_step"],
                             tensors=_merge_index(all_index))
-        _write_atomic_text(tmp / "manifest.json", json.dumps(manifest, indent=1))
-        _fsync_dir(tmp)
+        write_text_atomic(tmp / "manifest.json", json.dumps(manifest, indent=1))
+        fsync_dir(tmp)
         if final.exists():  # an earlier save of the same step (e.g. after a resume) is replaced whole
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(ckpt_dir)
-        _write_atomic_text(ckpt_dir / "latest", final.name)
+        fsync_dir(ckpt_dir)
+        write_text_atomic(ckpt_dir / "latest", final.name)
         _prune(ckpt_dir, keep_last, step)
 
     stage(prepare)

@@ -1,0 +1,214 @@
+"""The one way into a checkpoint: find it, build its run config, refuse what cannot be read,
+and put its weights (or its whole training state) into a model.
+
+Every command that opens a checkpoint comes through here: ``train`` (``--resume`` and
+``train.init_from``), ``eval``, ``generate``, ``export`` (both formats) and the tests.
+
+* ``resolve_checkpoint``: a run directory, its ``checkpoints/`` directory or one
+  ``step_XXXXXXXX`` directory, alike -> the step directory (``latest`` where there is a choice).
+* ``run_config``: the config the checkpoint was trained with (``config.yaml`` of its run
+  directory, or ``--config``) with the user's overrides; in a one-process world the parallel
+  layout defaults to one process, so a checkpoint of any layout opens without
+  ``parallel.*=1`` overrides (checkpoints are stored by global tensor name).
+* ``open_checkpoint``: verify every checksum; refuse the older per-rank format.
+* ``load_weights_into``, ``read_weights``, ``load_model``: weights into a (possibly sharded)
+  model, the whole one-process state dict, a one-process model.
+* ``restore_training``, ``init_from``: the trainer's resume and fine-tuning start.
+
+See docs/checkpoints.md for the format.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from k3train.config import RunConfig, load_config
+from k3train.config.schema import ParallelConfig
+from k3train.errors import CheckpointError, UsageError
+from k3train.hf.load import INDEX as HF_INDEX, load_hf, merge_model_config
+from k3train.model.model import build_model
+from k3train.trainer.checkpoint import latest_checkpoint, load_checkpoint, verify_checkpoint
+from k3train.trainer.run_dir import load_error
+from k3train.trainer.state_io import (consolidated_state, load_rank_state, load_weights,
+                                      load_weights_from_tensors)
+
+LAYOUT_SHOWN = ("tp", "pp", "vpp", "ep", "dp", "zero1")
+_ONE_PROCESS = [f"parallel.{k}=1" for k in ParallelConfig.model_fields]
+
+
+def layout_text(layout: dict) -> str:
+    return " ".join(f"{k} {layout.get(k)}" for k in LAYOUT_SHOWN)
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """The step directory that ``path`` names: a ``step_XXXXXXXX`` directory itself, a
+    ``checkpoints/`` directory (its ``latest``), or a run directory (its
+    ``checkpoints/latest``). Raises CheckpointError naming what ``path`` lacks."""
+    p = Path(path)
+    if (p / "manifest.json").is_file():
+        return p
+    for ckpt_dir in (p, p / "checkpoints"):
+        if (ckpt_dir / "latest").is_file():
+            return latest_checkpoint(ckpt_dir)
+    if not p.exists():
+        raise CheckpointError(f"checkpoint {p} does not exist; give a run directory, its checkpoints/ "
+                              f"directory or a step_XXXXXXXX directory")
+    raise CheckpointError(f"{p} holds no checkpoint: expected a run directory (with checkpoints/latest), a "
+                          f"checkpoints/ directory (with 'latest') or a step_XXXXXXXX directory (with manifest.json)")
+
+
+def world_size() -> int:
+    """The processes this command runs in: the live world, else torchrun's, else 1."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def run_config(step_dir: Path, config: str | os.PathLike | None = None, overrides: list[str] | tuple = (),
+               *, one_process: bool | None = None) -> tuple[RunConfig, Path]:
+    """(run config, its file) for using ``step_dir``: ``config`` (default: the ``config.yaml``
+    of the checkpoint's run directory), then ``overrides`` (``train.init_from`` is cleared: the
+    weights come from the checkpoint). one_process (default: this command runs in one
+    process): the layout starts as one process, before the overrides, so a PP=2 checkpoint
+    opens in one process while ``parallel.tp=2`` under torchrun still applies."""
+    path = Path(config) if config else step_dir.parent.parent / "config.yaml"
+    if not path.is_file():
+        raise CheckpointError(f"no run config at {path}; pass --config (the YAML the checkpoint was trained with)")
+    if one_process is None:
+        one_process = world_size() == 1
+    layout = _ONE_PROCESS if one_process else []
+    return load_config(path, [*layout, *overrides, "train.init_from=null"]), path
+
+
+def open_checkpoint(step_dir: Path, what: str = "use it") -> dict:
+    """Verify ``step_dir`` (manifest and every checksum) and return its manifest; refuse the
+    older per-rank format, which only resuming under its own layout reads."""
+    manifest = verify_checkpoint(step_dir, world_size(), None) if _by_global_name(step_dir) else None
+    if manifest is None:
+        raise UsageError(f"{step_dir} is a checkpoint of the older per-rank format; resume it once with its own "
+                         f"layout (it is then saved by global name) to {what}")
+    return manifest
+
+
+def _by_global_name(step_dir: Path) -> bool:
+    try:
+        return "tensors" in json.loads((step_dir / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return True  # verify_checkpoint names the problem
+
+
+def load_weights_into(model, step_dir: Path, manifest: dict, tp: int = 1, tp_rank: int = 0) -> None:
+    """Copy this rank's part of every tensor of ``model`` (any layout) from ``step_dir``."""
+    load_weights(model, step_dir, manifest, tp, tp_rank)
+
+
+@dataclass(frozen=True)
+class Weights:
+    """A checkpoint's whole model as one process holds it, and where it came from."""
+
+    state: dict          # {state-dict name: tensor} of the one-process model
+    cfg: RunConfig
+    step_dir: Path
+    config_path: Path
+    step: int
+
+
+def read_weights(checkpoint: str | os.PathLike, config: str | os.PathLike | None = None,
+                 overrides: list[str] | tuple = ()) -> Weights:
+    """The one-process model's state dict of a checkpoint of any layout (its pieces assembled
+    by global name, every checksum verified), with its run config (one-process layout)."""
+    step_dir = resolve_checkpoint(checkpoint)
+    cfg, cfg_path = run_config(step_dir, config, overrides, one_process=True)
+    whole = consolidated_state(step_dir, optimizer=False)
+    return Weights(whole["model"], cfg, step_dir, cfg_path, int(whole["step"]))
+
+
+def load_model(checkpoint: str | os.PathLike, config: str | os.PathLike | None = None,
+               overrides: list[str] | tuple = (), device: str | torch.device = "cpu"):
+    """(one-process model on ``device`` with the checkpoint's weights, run config, step dir) of a
+    checkpoint of any layout. The dispatcher is the local one and nothing is compiled (the
+    compiled pieces are shape-specialised: a sequence growing by one token per call would
+    compile once per length). Needs megatron's (one-process) groups."""
+    step_dir = resolve_checkpoint(checkpoint)
+    cfg, _ = run_config(step_dir, config, overrides, one_process=True)
+    device = torch.device(device)
+    cfg = cfg.model_copy(update={"kernels": cfg.kernels.model_copy(update={"compile": False}),
+                                 "moe": cfg.moe.model_copy(update={"dispatcher": "local"}),
+                                 "train": cfg.train.model_copy(update={"device": device.type})})
+    manifest = open_checkpoint(step_dir)
+    model = build_model(cfg).to(device)
+    load_weights_into(model, step_dir, manifest)
+    return model, cfg, step_dir
+
+
+def data_source(cfg: RunConfig) -> str:
+    """What the run trains on, as recorded in its checkpoints."""
+    return f"data.source={cfg.data.source} (tokenizer {cfg.data.tokenizer})"
+
+
+def restore_training(state, data, path: Path, layout: dict, run_dir: Path, main: bool) -> int:
+    """``--resume``: load checkpoint ``path`` into ``state`` (a TrainState) and ``data``; returns
+    its step. A checkpoint stored by global name loads under any layout; an older one (per-rank
+    state dicts) only under its own layout or another data-parallel size."""
+    ctx = state.parallel
+    coords = {"pp": ctx.pp_rank, "tp": ctx.tp_rank, "ep": ctx.ep_rank, "dp": ctx.dp_rank}
+    manifest = verify_checkpoint(path, state.info.world_size, layout)
+    try:
+        if "tensors" in manifest:
+            step, data_state, source, notes = load_rank_state(state, path, manifest, layout, coords)
+        else:
+            _, saved = load_checkpoint(path, layout=layout, coords=coords)
+            step, data_state, source, notes = state.load_state_dict(saved), saved["data"], None, []
+        data.train.load_state_dict(data_state)
+    except (RuntimeError, KeyError, ValueError) as exc:  # shapes or keys of another model
+        raise load_error(path, exc, run_dir) from None
+    if main:
+        saved = manifest["layout"]
+        moved = "" if all(saved.get(k) == layout.get(k) for k in LAYOUT_SHOWN) else (
+            f"; resharded from ({layout_text(saved)}) to ({layout_text(layout)})")
+        print(f"[k3train] resumed from {path} (step {step}){moved}")
+        for note in notes:
+            print(f"[k3train] note: {note}")
+        if source is not None and source != data_source(state.cfg):
+            print(f"[k3train] WARNING: {path} was trained on {source}; this run reads {data_source(state.cfg)}. "
+                  f"The optimizer, schedule and data position continue from step {step}; to start them "
+                  f"fresh on the new data, use train.init_from={path} in a new run directory")
+    return step
+
+
+def init_from(state, spec: str, main: bool) -> None:
+    """``train.init_from``: the weights of checkpoint ``spec`` (a run, checkpoints/ or step
+    directory of any layout, or a Hugging Face directory from ``export --format hf``) into
+    ``state``'s model part; nothing else is taken."""
+    spec_path = Path(spec)
+    if (spec_path / HF_INDEX).is_file():
+        _init_from_hf(state, spec_path, main)
+        return
+    path = resolve_checkpoint(spec_path)
+    manifest = open_checkpoint(path, what=f"use it as train.init_from={spec}")
+    load_weights_into(state.model, path, manifest, state.info.tp, state.parallel.tp_rank)
+    if main:
+        print(f"[k3train] fine-tuning: weights from {path} (step {manifest['step']}, layout "
+              f"{layout_text(manifest['layout'])}); fresh optimizer, lr schedule and data position")
+
+
+def _init_from_hf(state, hf_dir: Path, main: bool) -> None:
+    """Every rank reads the HF directory and copies its own part. Its config.json must describe
+    this run's model."""
+    model_cfg, tensors = load_hf(hf_dir, state.cfg)
+    theirs = merge_model_config(state.cfg, model_cfg)
+    if (theirs.model, theirs.moe) != (state.cfg.model, state.cfg.moe):
+        mine, other = state.cfg.model_dump(), theirs.model_dump()
+        diff = [f"{sec}.{k}: {other[sec][k]!r} there, {mine[sec][k]!r} here" for sec in ("model", "moe")
+                for k in mine[sec] if mine[sec][k] != other[sec][k]]
+        raise UsageError(f"train.init_from={hf_dir}: its config.json describes another model ({'; '.join(diff[:3])}); "
+                         f"`k3train import {hf_dir} --out RUN_DIR` writes its config.yaml to start from")
+    load_weights_from_tensors(state.model, tensors, state.info.tp, state.parallel.tp_rank, str(hf_dir))
+    if main:
+        print(f"[k3train] fine-tuning: weights from the Hugging Face directory {hf_dir}; fresh optimizer, "
+              f"lr schedule and data position")
