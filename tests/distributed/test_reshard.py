@@ -76,7 +76,8 @@ def test_resume_under_another_layout_continues_the_run(tmp_path, case):
 
 
 def _export_matches(tmp_path, model):
-    from k3train.quant.export import export_mxfp4, load_mxfp4_export
+    from k3train.quant.export import load_mxfp4_export
+    from k3train.trainer.export import export_mxfp4
 
     out = export_mxfp4(tmp_path / "run" / "checkpoints" / "step_00000002", tmp_path / "export",
                        config=tmp_path / "run" / "config.yaml")
