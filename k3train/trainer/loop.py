@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import torch
-from megatron.core import parallel_state
 from tqdm import tqdm
 
 from k3train.config import RunConfig, save_config
@@ -19,7 +18,7 @@ from k3train.ops import kernels
 from k3train.ops.autotune_picks import write_picks
 from k3train.runtime.cuda_env import prepare_cuda_env
 from k3train.runtime.device import resolve_device
-from k3train.runtime.distributed import init_distributed
+from k3train.runtime.distributed import init_distributed, parallel_context
 from k3train.runtime.env_report import commit as source_commit
 from k3train.trainer import faults
 from k3train.trainer.checkpoint import save_checkpoint
@@ -125,8 +124,9 @@ class Trainer:
         resume_from = decided_on_rank0(
             lambda: plan_run_dir(run_dir, self.resume, self.overwrite, info.world_size, self.layout))
 
-        self.data = build_data(cfg, parallel_state.get_data_parallel_rank(), info.dp)
-        self.state = state = TrainState(cfg, info, dev, targets=self.data.targets)
+        ctx = parallel_context(info, p2p_backend=cfg.pipeline.p2p_backend)
+        self.data = build_data(cfg, ctx.dp_rank, info.dp)
+        self.state = state = TrainState(cfg, info, dev, targets=self.data.targets, parallel=ctx)
         self.peak_flops = measure_peak_flops(dev)
         self.flops_token = flops_per_token(cfg)
         self.start_step = 0
