@@ -110,7 +110,7 @@ def output_dir(out: str | os.PathLike, *, command: str, overwrite: bool = False,
     An existing ``out`` (a previous output of ``command``, with ``overwrite``) is renamed aside
     and removed only after the new one is in place. On an exception the temporary directory
     is removed and ``out`` is untouched."""
-    out = Path(out)
+    out = Path(os.path.abspath(out))  # "." or "x/..": its real parent holds the temporary sibling
     check_output_target(out, command, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"

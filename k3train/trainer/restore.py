@@ -19,7 +19,6 @@ See docs/checkpoints.md for the format.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +34,7 @@ from k3train.model.model import build_model
 from k3train.trainer.checkpoint import latest_checkpoint, load_checkpoint, verify_checkpoint
 from k3train.trainer.run_dir import load_error
 from k3train.trainer.state_io import (consolidated_state, load_rank_state, load_weights,
-                                      load_weights_from_tensors)
+                                      load_weights_from_tensors, peek_manifest)
 
 LAYOUT_SHOWN = ("tp", "pp", "vpp", "ep", "dp", "zero1")
 _ONE_PROCESS = [f"parallel.{k}=1" for k in ParallelConfig.model_fields]
@@ -88,18 +87,11 @@ def run_config(step_dir: Path, config: str | os.PathLike | None = None, override
 def open_checkpoint(step_dir: Path, what: str = "use it") -> dict:
     """Verify ``step_dir`` (manifest and every checksum) and return its manifest; refuse the
     older per-rank format, which only resuming under its own layout reads."""
-    manifest = verify_checkpoint(step_dir, world_size(), None) if _by_global_name(step_dir) else None
-    if manifest is None:
+    peeked = peek_manifest(step_dir)  # unreadable or malformed: verify_checkpoint names the problem
+    if isinstance(peeked, dict) and "files" in peeked and "tensors" not in peeked:
         raise UsageError(f"{step_dir} is a checkpoint of the older per-rank format; resume it once with its own "
                          f"layout (it is then saved by global name) to {what}")
-    return manifest
-
-
-def _by_global_name(step_dir: Path) -> bool:
-    try:
-        return "tensors" in json.loads((step_dir / "manifest.json").read_text())
-    except (OSError, ValueError):
-        return True  # verify_checkpoint names the problem
+    return verify_checkpoint(step_dir, world_size(), None)
 
 
 def load_weights_into(model, step_dir: Path, manifest: dict, tp: int = 1, tp_rank: int = 0) -> None:

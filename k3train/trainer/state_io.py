@@ -8,11 +8,13 @@ docs/checkpoints.md.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
 from k3train.errors import CheckpointError
+from k3train.trainer.checkpoint import verify_checkpoint
 from k3train.trainer.optim_state import load_per_param_state, per_param_state
 from k3train.trainer.reshard import PieceReader, global_names, local_pieces, writes_piece
 
@@ -154,10 +156,8 @@ def consolidated_state(path: Path, optimizer: bool = True) -> dict:
     (``optim`` empty with ``optimizer=False``). Verifies every checksum first.
 
     A checkpoint of the older per-rank format is read only when one process wrote it."""
-    from k3train.trainer.checkpoint import verify_checkpoint
-
     path = Path(path)
-    manifest = verify_checkpoint(path, 1, None) if "tensors" in _peek(path) else None
+    manifest = verify_checkpoint(path, 1, None) if "tensors" in peek_manifest(path) else None
     if manifest is None:
         manifest = verify_checkpoint(path, 1)  # raises naming the world size it was written by
         state = torch.load(path / "rank_00000.pt", map_location="cpu", weights_only=False)
@@ -170,10 +170,8 @@ def consolidated_state(path: Path, optimizer: bool = True) -> dict:
     return {"step": manifest["step"], "model": model, "optim": optim}
 
 
-def _peek(path: Path) -> dict:
+def peek_manifest(path: Path) -> dict:
     """The manifest's JSON without checks (``verify_checkpoint`` does those)."""
-    import json
-
     try:
         return json.loads((path / "manifest.json").read_text())
     except (OSError, ValueError):
