@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +10,7 @@ from pydantic import BaseModel, ValidationError
 
 from k3train.config.schema import RunConfig
 from k3train.errors import K3TrainError
+from k3train.runtime.files import write_text_atomic
 
 
 class ConfigError(K3TrainError, ValueError):
@@ -104,9 +104,4 @@ def dump_config(cfg: RunConfig) -> str:
 
 def save_config(cfg: RunConfig, path: str | os.PathLike) -> None:
     """Write the resolved config atomically (temp file + rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".config.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(dump_config(cfg))
-    os.replace(tmp, path)
+    write_text_atomic(path, dump_config(cfg))

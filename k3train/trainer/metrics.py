@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from k3train.config.schema import WandbConfig
+from k3train.runtime.files import write_text_atomic
 
 
 class MetricsLogger:
@@ -63,9 +64,7 @@ def _drop_records_after(path: Path, step: int) -> None:
     lines = path.read_text().splitlines()
     kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]
     if len(kept) < len(lines):
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(f"{line}\n" for line in kept))
-        os.replace(tmp, path)
+        write_text_atomic(path, "".join(f"{line}\n" for line in kept))
 
 
 def _step_of(line: str) -> int | None:

@@ -11,7 +11,7 @@ from k3train.config.load import save_config
 from k3train.errors import K3TrainError
 from k3train.hf.export import export_hf
 from k3train.model.model import build_model
-from k3train.runtime.files import OUTPUT_MANIFEST, output_dir
+from k3train.runtime.files import OUTPUT_MANIFEST, default_file_mode, output_dir
 from k3train.trainer.checkpoint import save_checkpoint
 from k3train.trainer.export import export_hf_checkpoint, export_mxfp4
 from k3train.trainer.hf_import import import_hf
@@ -93,6 +93,14 @@ def test_import_refuses_a_run_and_replaces_only_its_own_import(tmp_path, run):
     # once a run has trained in it, it is a run: never replaced
     (out / "metrics.jsonl").write_text("{}\n")
     _one_line_refusal(lambda: import_hf(hf, out, overwrite=True), "training run")
+
+
+def test_written_files_are_readable_like_any_file_not_0600(tmp_path, run):
+    """safetensors and mkstemp create 0600 files; the exports and config.yaml get the umask's mode."""
+    mx = _exports(run)["export-mxfp4"](tmp_path / "mx", False)
+    save_config(load_config(run / "config.yaml"), tmp_path / "c" / "config.yaml")
+    for f in (mx / "model.safetensors", mx / OUTPUT_MANIFEST, tmp_path / "c" / "config.yaml"):
+        assert f.stat().st_mode & 0o777 == default_file_mode(), f
 
 
 def test_a_failed_write_leaves_the_previous_output(tmp_path):
