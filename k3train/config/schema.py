@@ -413,9 +413,8 @@ class RunConfig(_Strict):
         for key in ("pp", "tp", "ep"):
             value = getattr(self.parallel, key)
             if value != 1:
-                out[f"parallel.{key}"] = (
-                    f"train.cuda_graph captures a one-device forward/backward: it needs "
-                    f"parallel.{key}=1 (got {{'parallel.{key}': {value}}})")
+                out[f"parallel.{key}"] = (f"train.cuda_graph captures a one-device forward/backward: "
+                                          f"it needs parallel.{key}=1 (got parallel.{key}={value})")
         recipe = self.precision.recipe
         if recipe not in ("bf16", "fp32"):
             out["precision.recipe"] = (f"train.cuda_graph needs precision.recipe bf16 or fp32 (got "

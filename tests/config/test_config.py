@@ -154,8 +154,8 @@ LAYOUT_REFUSALS = {
                             "unset it or change the dispatcher"),
     "graph-pp": (["train.cuda_graph=true", "parallel.pp=2"], "train.cuda_graph",
                  "train.cuda_graph captures a one-device forward/backward: it needs parallel.pp=1 "
-                 "(got {'parallel.pp': 2})", "set train.cuda_graph=false (or auto)"),
-    "graph-ep": (["train.cuda_graph=true", "parallel.ep=2"], "train.cuda_graph", "it needs parallel.ep=1 (got {'parallel.ep': 2})",
+                 "(got parallel.pp=2)", "set train.cuda_graph=false (or auto)"),
+    "graph-ep": (["train.cuda_graph=true", "parallel.ep=2"], "train.cuda_graph", "it needs parallel.ep=1 (got parallel.ep=2)",
                  "set train.cuda_graph=false (or auto)"),
     "graph-cpu": (["train.cuda_graph=true", "train.device=cpu"], "train.cuda_graph",
                   "train.cuda_graph needs a CUDA device, this run is on cpu (train.device=cpu)",
