@@ -21,13 +21,14 @@ class TokenDispatcher(ABC):
     """Interface shared by the local and the expert-parallel dispatchers.
 
     ``num_experts`` is the global expert count (what router indices refer to);
-    ``num_local_experts`` is how many experts this rank computes. ``dropped_tokens``: 0-dim
-    int64 slots the last ``dispatch`` dropped on this rank, None for dispatchers that never drop.
+    ``num_local_experts`` is how many experts this rank computes. A dispatcher keeps no state
+    of its own between calls: what one ``dispatch`` dropped comes back in its returned state
+    (``state.dropped``: 0-dim int64 slots dropped on this rank, None for dispatchers that never
+    drop), for the layer to record.
     """
 
     num_experts: int
     num_local_experts: int
-    dropped_tokens: torch.Tensor | None = None
 
     @abstractmethod
     def dispatch(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
@@ -35,7 +36,9 @@ class TokenDispatcher(ABC):
         """x: ``[N, d]``; indices: ``[N, k]`` global expert ids; weights: ``[N, k]``.
 
         Returns ``(x_sorted [M, d], tokens_per_expert [E_local] int64, state)`` where the rows
-        of ``x_sorted`` are grouped by local expert in ascending order.
+        of ``x_sorted`` are grouped by local expert in ascending order; ``state.dropped`` is the
+        0-dim int64 count of slots this call dropped on this rank (None: the dispatcher never
+        drops).
         """
 
     @abstractmethod
@@ -47,11 +50,13 @@ class TokenDispatcher(ABC):
 @dataclass
 class LocalDispatchState:
     """row_of_slot: ``[N*k]`` sorted row holding slot ``i*k + j`` (token i, choice j);
-    order: ``[N*k]`` its inverse (the slot each sorted row holds); weights: ``[N, k]``."""
+    order: ``[N*k]`` its inverse (the slot each sorted row holds); weights: ``[N, k]``.
+    dropped: always None (a local dispatch never drops a slot)."""
 
     row_of_slot: torch.Tensor
     order: torch.Tensor
     weights: torch.Tensor
+    dropped: torch.Tensor | None = None
 
 
 class LocalDispatcher(TokenDispatcher):

@@ -41,8 +41,9 @@ expert; the padding rows are zeros and:
   * backward: combine hands padding rows an exactly zero output gradient, so every weight
     gradient term they add (``x^T dgate``, ``h^T dy``) is exactly zero whatever the expert.
 The cost is expert FLOPs on the padding (``(c - 1)/c`` of the work when nothing is dropped),
-inherent to fixed shapes. ``real_tokens_per_expert`` (dynamic: same as the returned counts;
-static: ``None``, it would need another exchange) and ``dropped_tokens`` report the load.
+inherent to fixed shapes. The returned state's ``real_tokens_per_expert`` (dynamic: same as the
+returned counts; static: ``None``, it would need another exchange) and ``dropped`` report the
+load; the dispatcher itself keeps no per-call state.
 Dropped slots contribute zero and the kept weights are not renormalised (as in GShard).
 """
 from __future__ import annotations
@@ -97,11 +98,15 @@ class A2ADispatchState:
     filling each send-buffer row (static: ``N*k`` for padding rows); the pair drives the fused
     row passes (``moe/permute_fused.py``). Dynamic only: host split lists, and for EP > 1
     regroup ``[M]`` (x_sorted row m = received row regroup[m]) and its inverse. Static only:
-    ``capacity`` C."""
+    ``capacity`` C. Reported load: ``dropped`` 0-dim int64 slots this rank dropped (always 0
+    in dynamic mode; a device tensor, never read on the host here) and
+    ``real_tokens_per_expert`` ``[E_local]`` real rows per local expert (dynamic) or None."""
 
     row_of_slot: torch.Tensor
     weights: torch.Tensor
     slot_of_row: torch.Tensor
+    dropped: torch.Tensor | None = None
+    real_tokens_per_expert: torch.Tensor | None = None
     regroup: torch.Tensor | None = None
     regroup_inverse: torch.Tensor | None = None
     send_splits: list[int] | None = None
@@ -119,10 +124,8 @@ class GroupedAllToAllDispatcher(TokenDispatcher):
         capacity_factor: None = dynamic mode; a float c > 0 = static mode with
             ``C = ceil(c * N * k / E)`` slots per (source rank, expert).
 
-    Attributes written by ``dispatch``:
-        dropped_tokens: 0-dim int64 tensor, slots this rank dropped (always 0 in dynamic
-            mode); a device tensor, never read on the host here.
-        real_tokens_per_expert: ``[E_local]`` real rows per local expert (dynamic) or None.
+    ``dispatch`` writes nothing on the dispatcher: the dropped slots and real counts of a call
+    are in the state it returns (``A2ADispatchState.dropped``, ``.real_tokens_per_expert``).
     """
 
     def __init__(self, num_experts: int, ep_group: dist.ProcessGroup | None = None,
@@ -141,8 +144,6 @@ class GroupedAllToAllDispatcher(TokenDispatcher):
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.ep_size
         self.capacity_factor = capacity_factor
-        self.dropped_tokens: torch.Tensor | None = None
-        self.real_tokens_per_expert: torch.Tensor | None = None
 
     @property
     def mode(self) -> str:
@@ -189,10 +190,10 @@ class GroupedAllToAllDispatcher(TokenDispatcher):
         row_of_slot = torch.empty_like(order)
         row_of_slot[order] = torch.arange(order.numel(), device=order.device)
         x_perm = dispatch_rows(x, row_of_slot, order, k)          # [N*k, d], expert-major
-        self.dropped_tokens = torch.zeros((), dtype=torch.int64, device=x.device)
+        dropped = torch.zeros((), dtype=torch.int64, device=x.device)
         if ep == 1:     # nothing to exchange: no split sizes, no host read, no regroup
-            self.real_tokens_per_expert = counts
-            return x_perm, counts, A2ADispatchState(row_of_slot, weights, order)
+            return x_perm, counts, A2ADispatchState(row_of_slot, weights, order, dropped=dropped,
+                                                    real_tokens_per_expert=counts)
         # recv_counts[s, l]: rows source rank s sends to our local expert l.
         recv_counts = counts
         if self._comm:
@@ -205,9 +206,9 @@ class GroupedAllToAllDispatcher(TokenDispatcher):
         m = sum(recv_splits)
         recv = self._exchange(x_perm, m, recv_splits, send_splits)  # [M, d] by (source, expert)
         tokens_per_expert = recv_counts.sum(0)
-        self.real_tokens_per_expert = tokens_per_expert
-        state = A2ADispatchState(row_of_slot, weights, order, send_splits=send_splits,
-                                 recv_splits=recv_splits)
+        state = A2ADispatchState(row_of_slot, weights, order, dropped=dropped,
+                                 real_tokens_per_expert=tokens_per_expert,
+                                 send_splits=send_splits, recv_splits=recv_splits)
         local_expert = torch.arange(ep * e_loc, device=x.device) % e_loc
         seg = torch.repeat_interleave(local_expert, recv_counts.reshape(-1), output_size=m)
         state.regroup = torch.argsort(seg, stable=True)            # -> by (expert, source)
@@ -247,10 +248,9 @@ class GroupedAllToAllDispatcher(TokenDispatcher):
         # Fixed regroup to (local expert, source, slot): a transpose, no data dependence.
         d = x.shape[1]
         x_sorted = recv.view(ep, e_loc, cap, d).transpose(0, 1).reshape(trash, d)
-        self.dropped_tokens = (counts - cap).clamp_min(0).sum()
-        self.real_tokens_per_expert = None
         tokens_per_expert = torch.full((e_loc,), ep * cap, dtype=torch.int64, device=x.device)
-        state = A2ADispatchState(row_of_slot, weights, slot_of_row, capacity=cap)
+        state = A2ADispatchState(row_of_slot, weights, slot_of_row,
+                                 dropped=(counts - cap).clamp_min(0).sum(), capacity=cap)
         return x_sorted, tokens_per_expert, state
 
     def _combine_static(self, y_sorted, state):

@@ -87,6 +87,6 @@ class LatentMoE(nn.Module):
         aux_loss = (self.aux_loss_coef * switch_aux_loss(
             routing.scores, routing.indices, self.num_experts, self.topk)
             if self.aux_loss_coef > 0 else None)
-        self.routing.add(routing, tokens_per_expert, self.dispatcher.dropped_tokens, aux_loss,
+        self.routing.add(routing, tokens_per_expert, state.dropped, aux_loss,
                          training=self.training and torch.is_grad_enabled())
         return out.reshape(shape)

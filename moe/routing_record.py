@@ -9,10 +9,10 @@ one's routing and dropped-slot count until ``clear``, so balancing and the step'
 every token of the step whatever the microbatch split. Evaluation forwards (no grad or eval
 mode) only update the ``last_*`` fields.
 
-CUDA graphs: the tensors a captured forward writes live at fixed addresses in the graph's
-pool, and a replay refills those same tensors. ``snapshot`` after the capture and ``restore``
-after every replay re-attach exactly those tensors, so no Python-side state changes between
-replays (k3train/trainer/cuda_graph.py).
+The record is a forward-state holder (``forward_state`` / ``load_forward_state``, the protocol
+of k3train/model/forward_state.py): recompute restores it around a recomputed forward, and
+the CUDA-graph wrapper re-attaches the tensors a captured forward wrote (at fixed addresses in
+the graph's pool, refilled by each replay) after every replay.
 """
 from __future__ import annotations
 
@@ -92,13 +92,16 @@ class RoutingRecord:
             return torch.zeros((), dtype=torch.int64, device=device)
         return torch.stack(self.step_dropped).sum()
 
-    def snapshot(self) -> "RoutingRecord":
-        """A shallow copy: the same tensors, new lists (kept by the CUDA-graph wrapper)."""
-        return RoutingRecord(self.last, self.last_tokens_per_expert, self.last_dropped,
-                             self.aux_loss, list(self.step), list(self.step_dropped))
+    def forward_state(self) -> dict:
+        """The record's fields: the same tensors, new lists (the forward-state protocol of
+        k3train/model/forward_state.py, used by recompute and the CUDA-graph wrapper)."""
+        return {"last": self.last, "last_tokens_per_expert": self.last_tokens_per_expert,
+                "last_dropped": self.last_dropped, "aux_loss": self.aux_loss,
+                "step": list(self.step), "step_dropped": list(self.step_dropped)}
 
-    def restore(self, saved: "RoutingRecord") -> None:
-        """Re-attach a ``snapshot`` (after a CUDA-graph replay refilled its tensors)."""
-        self.last, self.last_tokens_per_expert = saved.last, saved.last_tokens_per_expert
-        self.last_dropped, self.aux_loss = saved.last_dropped, saved.aux_loss
-        self.step, self.step_dropped = list(saved.step), list(saved.step_dropped)
+    def load_forward_state(self, state: dict) -> None:
+        """Re-attach a ``forward_state`` (after a recompute, or a CUDA-graph replay that
+        refilled its tensors); the lists are copied again, so a state can be loaded often."""
+        self.last, self.last_tokens_per_expert = state["last"], state["last_tokens_per_expert"]
+        self.last_dropped, self.aux_loss = state["last_dropped"], state["aux_loss"]
+        self.step, self.step_dropped = list(state["step"]), list(state["step_dropped"])

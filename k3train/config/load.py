@@ -44,6 +44,8 @@ def _format_validation_error(err: ValidationError) -> str:
             shown = "" if isinstance(value, dict) else f" (got {value!r})"
             # Cross-field validators already name their fields in the message.
             lines.append(msg if not loc or msg.startswith(name + ".") else f"{name}: {msg}{shown}")
+    if len(lines) == 1:     # one mistake: one line (the CLI prints it as it is)
+        return f"invalid config: {lines[0]}"
     return "invalid config:\n  " + "\n  ".join(lines)
 
 

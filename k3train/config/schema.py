@@ -6,9 +6,17 @@ never silently fall back to a default).
 """
 from __future__ import annotations
 
-from typing import Literal, Union
+import re
+from typing import Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from k3train.model.layout import expand_layer_pattern
+
+RecomputeMode = Literal["none", "selective", "full"]
+# The one list of activation-recompute modes (train.recompute, k3train/model/recompute.py, the
+# memory plan).
+RECOMPUTE_MODES: tuple[str, ...] = get_args(RecomputeMode)
 
 
 def _takes_bool(annotation) -> bool:
@@ -232,7 +240,7 @@ class TrainConfig(_Strict):
     it (k3train/trainer/cuda_graph.py): the host no longer launches every kernel. Needs one
     CUDA device (pp = tp = ep = dp = 1) and precision.recipe bf16 or fp32. true: required (an
     error otherwise); "auto": on exactly when those hold; false: off."""
-    recompute: Literal["none", "selective", "full"] = "none"
+    recompute: RecomputeMode = "none"
     """Activation checkpointing of every layer (k3train/model/recompute.py). none: autograd keeps
     every activation (fastest, most memory). full: a layer keeps only its inputs (hidden state
     and the AttnRes blocks it reads, stored once) and recomputes its whole forward in backward
@@ -304,8 +312,6 @@ class PrecisionConfig(_Strict):
 
     @model_validator(mode="after")
     def _scope_compiles(self) -> "PrecisionConfig":
-        import re
-
         for pattern in self.scope or []:
             try:
                 re.compile(pattern)
@@ -397,35 +403,74 @@ class RunConfig(_Strict):
     logging: LoggingConfig = LoggingConfig()
     kernels: KernelsConfig = KernelsConfig()
 
-    def cuda_graph_blockers(self) -> dict[str, object]:
-        """The settings that rule out ``train.cuda_graph`` (name -> value), empty when none do.
-        The device count and a resolved ``train.device=auto`` are known only at run time
-        (``k3train.trainer.state.use_cuda_graph``)."""
-        p = self.parallel
-        out: dict[str, object] = {k: v for k, v in (("parallel.pp", p.pp), ("parallel.tp", p.tp),
-                                                    ("parallel.ep", p.ep)) if v != 1}
-        if self.precision.recipe not in ("bf16", "fp32"):
-            out["precision.recipe"] = self.precision.recipe
-        if self.train.device == "cpu":
-            out["train.device"] = "cpu"
+    def cuda_graph_blockers(self, *, device: str | None = None, dp: int = 1) -> dict[str, str]:
+        """What rules out ``train.cuda_graph``: setting -> one line saying why, empty when
+        nothing does. The one list of graph blockers: the load-time check refuses
+        ``cuda_graph: true`` with the first, ``k3train.trainer.state.use_cuda_graph`` asks again
+        with what only the run knows, ``device`` (the resolved device type) and ``dp`` (the
+        data-parallel size, from the world size)."""
+        out: dict[str, str] = {}
+        for key in ("pp", "tp", "ep"):
+            value = getattr(self.parallel, key)
+            if value != 1:
+                out[f"parallel.{key}"] = (f"train.cuda_graph captures a one-device forward/backward: "
+                                          f"it needs parallel.{key}=1 (got parallel.{key}={value})")
+        recipe = self.precision.recipe
+        if recipe not in ("bf16", "fp32"):
+            out["precision.recipe"] = (f"train.cuda_graph needs precision.recipe bf16 or fp32 (got "
+                                       f"{recipe}): the quantisation recipes are not run under capture")
+        dev = device if device is not None else self.train.device
+        if dev not in ("cuda", "auto"):
+            out["train.device"] = (f"train.cuda_graph needs a CUDA device, this run is on {dev} "
+                                   f"(train.device={self.train.device})")
+        if dp > 1:
+            # Nothing data-parallel is recorded (gradients are reduced after the replay), but only
+            # the one-GPU path has been run on hardware so far.
+            out["dp"] = f"train.cuda_graph runs on one GPU only (this run has dp={dp})"
         return out
+
+    def cuda_graph_refusal(self, *, device: str | None = None, dp: int = 1) -> str | None:
+        """Why ``train.cuda_graph: true`` cannot run (the first blocker, one line), or None."""
+        blockers = self.cuda_graph_blockers(device=device, dp=dp)
+        if not blockers:
+            return None
+        return f"{next(iter(blockers.values()))}; set train.cuda_graph=false (or auto)"
+
+    def _layout_refusal(self) -> str | None:
+        """The first layout rule this config breaks, as one line naming the field, what is
+        wrong and what is allowed; None when the layout is valid. Rules that need the world
+        size stay in ``k3train.runtime.distributed.check_layout``."""
+        p, moe = self.parallel, self.moe
+        if p.vpp > 1 and p.pp == 1:
+            return (f"parallel.vpp={p.vpp} needs parallel.pp > 1 (virtual stages interleave over "
+                    f"pipeline ranks); set parallel.vpp=1 or parallel.pp >= 2")
+        if p.ep > 1 and p.tp > 1:
+            return (f"parallel.ep={p.ep} together with parallel.tp={p.tp} is not supported yet (experts "
+                    f"would need expert-tensor-parallel groups); use parallel.tp=1 with ep, or ep=1")
+        has_moe = self.model.dense_layers < self.model.num_layers
+        if has_moe and moe.num_experts % p.ep:
+            return (f"moe.num_experts={moe.num_experts} is not divisible by parallel.ep={p.ep} (each "
+                    f"expert-parallel rank holds num_experts/ep experts); use an ep that divides it")
+        if moe.dispatcher == "local" and p.ep > 1:
+            return (f"moe.dispatcher=local cannot run with parallel.ep={p.ep} (it exchanges no tokens); "
+                    "use moe.dispatcher=grouped_a2a or auto")
+        if moe.dispatcher == "local" and moe.capacity_factor is not None:
+            return (f"moe.capacity_factor={moe.capacity_factor} needs moe.dispatcher=grouped_a2a or auto "
+                    "(local never drops); unset it or change the dispatcher")
+        if self.train.cuda_graph is True:
+            return self.cuda_graph_refusal()
+        return None
 
     @model_validator(mode="after")
     def _cross_field_checks(self) -> "RunConfig":
-        from k3train.model.layout import expand_layer_pattern
-
         m = self.model
         expand_layer_pattern(m.layer_pattern, m.num_layers)  # raises with a precise message
         if m.dense_layers > m.num_layers:
             raise ValueError(f"model.dense_layers ({m.dense_layers}) exceeds model.num_layers ({m.num_layers})")
+        refusal = self._layout_refusal()
+        if refusal is not None:
+            raise ValueError(refusal)
         pr = self.precision
-        blockers = self.cuda_graph_blockers() if self.train.cuda_graph is True else {}
-        if blockers:
-            bad = {k: v for k, v in blockers.items() if k.startswith("parallel.")}
-            raise ValueError(
-                "train.cuda_graph captures a one-device forward/backward: it needs parallel.pp, tp and "
-                f"ep = 1 (got {bad or 'ok'}), precision.recipe bf16 or fp32 (got {pr.recipe}) and a "
-                f"CUDA device (train.device={self.train.device}); set train.cuda_graph=false otherwise")
         # scope None is the recipe default, which for the MX recipes is the routed experts.
         if pr.recipe in ("mxfp4_qat", "mxfp8") and any("experts" in pat for pat in pr.scope or ["experts"]):
             bad = {k: v for k, v in (("moe.latent_size", self.moe.latent_size),

@@ -26,9 +26,9 @@ import math
 from dataclasses import dataclass, field
 
 from k3train.config import RunConfig
+from k3train.config.schema import RECOMPUTE_MODES as MODES
 from k3train.model.layout import expand_layer_pattern
 
-MODES = ("none", "selective", "full")
 # The chunk both KDA paths run with: fla's chunk_kda and chunk_kda_torch's default are 64 wide
 # (model.kda.chunk_size is not passed to either today).
 _KDA_CHUNK = 64

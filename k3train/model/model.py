@@ -48,12 +48,7 @@ def build_dispatcher(cfg: RunConfig):
     if kind == "auto":     # static capacity (moe.capacity_factor) is a grouped_a2a mode
         static = cfg.moe.capacity_factor is not None
         kind = "grouped_a2a" if cfg.parallel.ep > 1 or static else "local"
-    if kind == "local":
-        if cfg.parallel.ep > 1:
-            raise LayoutError("moe.dispatcher=local cannot run with parallel.ep > 1; use grouped_a2a or auto")
-        if cfg.moe.capacity_factor is not None:
-            raise LayoutError(f"moe.capacity_factor={cfg.moe.capacity_factor} needs "
-                              "moe.dispatcher=grouped_a2a or auto (local never drops); unset it or change the dispatcher")
+    if kind == "local":     # the config refused local with ep > 1 or a capacity factor
         return LocalDispatcher(cfg.moe.num_experts)
     # Always megatron-core's expert group where it exists (size 1 at ep=1): None would mean the
     # whole world, splitting the experts over the data-parallel ranks of an ep=1 run.

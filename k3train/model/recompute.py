@@ -20,15 +20,14 @@ shared by every layer that reads them; nothing inside a region saves them again 
 and under ``selective`` only the cores' own inputs are saved, never a block. The final depth
 mix before the head gets a region of its own (``run_depth_mix``) for the same reason.
 
-Side effects: a recomputed forward writes the same module state again (MoE routing records,
-load counts, aux loss, depth-mix weights). ``_LayerRegion`` snapshots that state before a
-recompute and restores it after, so balancers and metrics see each forward exactly once.
+Side effects: a recomputed forward writes its forward state again (MoE routing records, load
+counts, aux loss, recorded depth weights). ``_LayerRegion`` snapshots the layer's forward-state
+holders (``k3train/model/forward_state.py``, the protocol the CUDA-graph wrapper uses too)
+before a recompute and restores them after, so balancers and metrics see each forward once.
 Routing itself is identical on recompute: the inputs are the stored ones, the router bias only
 changes after the optimizer step, and the model draws no random numbers.
 """
 from __future__ import annotations
-
-import dataclasses
 
 import threading
 
@@ -36,14 +35,9 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from moe.dispatch import TokenDispatcher
+from k3train.config.schema import RECOMPUTE_MODES
+from k3train.model.forward_state import forward_state_holders, restore, snapshot
 from pipeline.stage_io import StageIO
-
-RECOMPUTE_MODES = ("none", "selective", "full")
-
-# nn.Module's own bookkeeping attributes; everything else in a module's __dict__ is state a
-# forward may write (e.g. DepthAttention.last_weights; LatentMoE.routing is a dataclass record, restored too).
-_MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"training"}
 
 # The region being run (forward or recompute) on this thread. Thread-local because CUDA backward
 # runs recomputes on autograd's device threads; it is set and cleared around each run.
@@ -52,40 +46,6 @@ _active = threading.local()
 
 def _identity(t):
     return t
-
-
-def _state_of(obj) -> dict:
-    """Shallow copy of the writable state of ``obj`` (lists and dicts copied one level)."""
-    out = {}
-    for k, v in vars(obj).items():
-        if isinstance(obj, nn.Module) and k in _MODULE_INTERNALS:
-            continue
-        out[k] = (v, list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else None)
-    return out
-
-
-def _restore(obj, state: dict) -> None:
-    """Put back what ``_state_of`` saw, keeping the identity of lists and dicts."""
-    attrs = vars(obj)  # written directly: Module.__setattr__ would re-register parameters
-    for k in [k for k in attrs if k not in state and not (isinstance(obj, nn.Module) and k in _MODULE_INTERNALS)]:
-        del attrs[k]
-    for k, (v, contents) in state.items():
-        if isinstance(v, list):
-            v[:] = contents
-        elif isinstance(v, dict):
-            v.clear()
-            v.update(contents)
-        attrs[k] = v
-
-
-def _stateful_objects(layer: nn.Module) -> list:
-    """The layer's modules plus the plain objects with state they hold: token dispatchers and
-    dataclass records (``moe.RoutingRecord``, which a forward appends to)."""
-    objs = list(layer.modules())
-    objs += [v for m in layer.modules() for v in vars(m).values()
-             if isinstance(v, TokenDispatcher) or dataclasses.is_dataclass(v) and not isinstance(v, type)
-             and hasattr(v, "__dict__")]
-    return objs
 
 
 class _LayerRegion:
@@ -107,16 +67,15 @@ class _LayerRegion:
     def __call__(self, hidden, *blocks) -> StageIO:
         self.recomputing, self.next_kept = self.calls > 0, 0
         self.calls += 1
-        objs = _stateful_objects(self.layer) if self.recomputing else []
-        states = [_state_of(o) for o in objs]
+        holders = forward_state_holders(self.layer) if self.recomputing else []
+        states = snapshot(holders)
         previous = getattr(_active, "region", None)
         _active.region = self
         try:
             return self.layer(StageIO(hidden=hidden, blocks=dict(zip(self.block_ids, blocks))))
         finally:
             _active.region = previous
-            for o, s in zip(objs, states):
-                _restore(o, s)
+            restore(holders, states)
 
 
 def keep_output(fn, *args, **kwargs) -> torch.Tensor:

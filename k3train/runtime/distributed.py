@@ -63,13 +63,9 @@ def check_layout(world_size: int, tp: int, pp: int, ep: int, vpp: int = 1) -> in
     """Return the data-parallel size or raise ``LayoutError`` naming the impossible layout.
 
     Checked here, before megatron-core builds its groups: its own refusals are bare
-    RuntimeErrors or assertions that name neither our config keys nor a fix."""
-    if vpp > 1 and pp == 1:
-        raise LayoutError(f"parallel.vpp={vpp} needs parallel.pp > 1 (virtual stages interleave over "
-                          f"pipeline ranks); set parallel.vpp=1 or parallel.pp >= 2")
-    if ep > 1 and tp > 1:
-        raise LayoutError(f"parallel.ep={ep} together with parallel.tp={tp} is not supported yet (experts "
-                          f"would need expert-tensor-parallel groups); use parallel.tp=1 with ep, or ep=1")
+    RuntimeErrors or assertions that name neither our config keys nor a fix. Only the rules that
+    need the world size; the rest of the layout (vpp/pp, EP x TP, ...) is refused when the config
+    loads (``RunConfig._layout_refusal``)."""
     if world_size % (tp * pp):
         raise LayoutError(
             f"world size {world_size} is not divisible by parallel.tp*parallel.pp = {tp}*{pp}; "

@@ -11,9 +11,10 @@ How (PyTorch's whole-network capture recipe):
   gradients from the graph's memory pool; after each replay those same tensors hold the new
   gradients and are handed back to the parameters (the trainer sets ``.grad`` to None after
   every step, which drops only its own references);
-* the MoE layers' routing records (``moe.RoutingRecord``, read by the balancer and the load
-  metrics after the step) are re-attached the same way: a snapshot taken after the capture
-  holds the tensors the graph writes, restored after each replay.
+* the model's forward state (``k3train/model/forward_state.py``: the MoE routing records, read
+  by the balancer and the load metrics after the step, and any other holder) is re-attached the
+  same way: a snapshot of the holders taken after the capture holds the tensors the graph
+  writes, restored after each replay. Recompute uses the same protocol and the same holders.
 Everything a replay reads lives at a fixed address: the token buffer (copied in before each
 replay), the weights and router biases (the optimizer and balancer update them in place), and
 the activations in the pool. Autocast's weight-cast cache is off during capture, as a cached
@@ -22,8 +23,9 @@ cast would be baked into the graph.
 Not supported (``train.cuda_graph: auto`` leaves the graph off there, ``true`` is refused with
 an error naming the cause): pipeline parallelism (host-driven schedule) and expert parallelism
 (split sizes read on the host) cannot be captured; tensor and data parallelism and the
-quantisation recipes have not been run under capture on hardware yet (the config check, and
-``k3train.trainer.state.use_cuda_graph`` for dp > 1 and a CPU device).
+quantisation recipes have not been run under capture on hardware yet. The one list of what
+rules the graph out is ``RunConfig.cuda_graph_blockers`` (asked when the config loads, and again
+by ``k3train.trainer.state.use_cuda_graph`` with the device and dp).
 ``scripts/gpu_check.py`` compares a replay with an eager pass on the same weights.
 """
 from __future__ import annotations
@@ -31,6 +33,8 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+
+from k3train.model.forward_state import ForwardState, restore, snapshot
 
 
 class GraphedForwardBackward:
@@ -40,20 +44,23 @@ class GraphedForwardBackward:
     Args:
         fwd_bwd: the eager forward+backward of one step; ``batch`` is on the device.
         params: the parameters whose gradients ``fwd_bwd`` produces.
-        moe_layers: MoE layers; their ``routing`` record (written by a forward) is snapshotted
-            after the capture and restored after each replay.
+        holders: the forward-state holders ``fwd_bwd`` writes
+            (``k3train.model.forward_state.forward_state_holders(model)``); snapshotted after the
+            capture and restored after each replay. The capture must start a step: the trainer
+            clears the routing records after every step, so the snapshot holds only what the
+            captured forwards recorded.
         warmup: eager calls before the capture.
     """
 
     def __init__(self, fwd_bwd: Callable[[torch.Tensor], torch.Tensor], params: list[torch.nn.Parameter],
-                 moe_layers: list, warmup: int = 2):
-        self.fwd_bwd, self.params, self.moe_layers, self.warmup = fwd_bwd, params, moe_layers, warmup
+                 holders: list[ForwardState], warmup: int = 2):
+        self.fwd_bwd, self.params, self.holders, self.warmup = fwd_bwd, params, holders, warmup
         self.calls = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.static_batch: torch.Tensor | None = None
         self.static_loss: torch.Tensor | None = None
         self.grads: list[torch.Tensor | None] = []
-        self.records: list = []  # one RoutingRecord snapshot per MoE layer
+        self.states: list[dict] = []  # snapshot(holders) after the capture
 
     @property
     def captured(self) -> bool:
@@ -73,8 +80,7 @@ class GraphedForwardBackward:
         self.graph.replay()
         for p, g in zip(self.params, self.grads):
             p.grad = g
-        for layer, record in zip(self.moe_layers, self.records):
-            layer.routing.restore(record)
+        restore(self.holders, self.states)
         return self.static_loss
 
     def _capture(self, batch: torch.Tensor) -> None:
@@ -82,12 +88,10 @@ class GraphedForwardBackward:
         self.static_batch = batch.to(device).clone()
         for p in self.params:
             p.grad = None
-        for layer in self.moe_layers:
-            layer.routing.clear()
         torch.cuda.synchronize(device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self.static_loss = self.fwd_bwd(self.static_batch)
         self.graph = graph
         self.grads = [p.grad for p in self.params]
-        self.records = [layer.routing.snapshot() for layer in self.moe_layers]
+        self.states = snapshot(self.holders)

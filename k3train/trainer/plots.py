@@ -134,7 +134,7 @@ def plot_attnres_depth_heatmap(weights_by_sublayer: Sequence, path: str | Path,
     """Which earlier blocks each sublayer reads.
 
     ``weights_by_sublayer``: one array [S_i] per sublayer (in order), the mean softmax weight it
-    gives each source (``DepthAttention.last_weights``: source 0 is the embedding, the last may
+    gives each source (``DepthWeights.weights``: source 0 is the embedding, the last may
     be the current block's partial sum). Rows are ragged; missing sources are NaN (blank).
     """
     rows = [np.asarray(w.detach().cpu() if hasattr(w, "detach") else w, dtype=np.float64).ravel()

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from k3train.model.attnres import DepthAttention
+from k3train.model.attnres import DepthAttention, record_depth_weights
 from k3train.model.layer import K3Layer
 from k3train.model.model import K3Chunk
 from k3train.trainer.plots import plot_attnres_depth_heatmap, plot_expert_load_heatmap, write_run_plots
@@ -55,10 +55,8 @@ def depth_attention_weights(state, batch: torch.Tensor, targets) -> list[torch.T
     evaluation) and the weights are gathered; where ranks hold the same sublayer (TP, EP, DP
     replicas) the lowest rank's, which saw the main rank's batch, is kept."""
     modules = _depth_modules(state.model)
-    for m in modules.values():
-        m.record = True
     state.model.eval()
-    try:
+    with record_depth_weights(state.model) as rec:
         if state.engine is not None:
             # The interleaved schedule (vpp > 1) needs at least P microbatches: run the same one
             # P times, so every recorded weight is still this batch's.
@@ -66,10 +64,7 @@ def depth_attention_weights(state, batch: torch.Tensor, targets) -> list[torch.T
             state.engine.eval_step([(batch[:, :-1], targets(batch))] * copies)
         else:
             state.model(batch[:, :-1], targets(batch))
-    finally:
-        for m in modules.values():
-            m.record = False
-    mine = {key: m.last_weights.float().cpu() for key, m in modules.items()}
+    mine = {key: rec.weights[m].float().cpu() for key, m in modules.items()}
     everyone = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         everyone = [None] * dist.get_world_size()

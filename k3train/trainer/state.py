@@ -5,11 +5,12 @@ import contextlib
 
 import torch
 
-from k3train.errors import LayoutError, UsageError
+from k3train.errors import UsageError
 from k3train.config import RunConfig
 from k3train.runtime.distributed import ParallelContext, ParallelInfo, parallel_context
 from k3train.model.info import count_parameters
 from k3train.ops import kernels
+from k3train.model.forward_state import forward_state_holders
 from k3train.model.model import moe_layer_indices
 from k3train.ops.triton_compile import compile_ahead
 from k3train.trainer.cuda_graph import GraphedForwardBackward
@@ -40,21 +41,17 @@ def _autocast_off(region):
 
 def use_cuda_graph(cfg: RunConfig, info: ParallelInfo, device: torch.device) -> bool:
     """``train.cuda_graph`` resolved for this run: false, "auto" (on exactly when supported) or
-    true (on; raises naming what stops it). The config check already refused true for what
-    ``RunConfig.cuda_graph_blockers`` lists; the device and dp are only known here."""
+    true (on; raises naming what stops it). ``RunConfig.cuda_graph_blockers`` is the one list of
+    blockers; the config check already refused true for those it can see, the device and dp are
+    only known here."""
     want = cfg.train.cuda_graph
     if want is False:
         return False
     if want == "auto":
-        return device.type == "cuda" and info.dp == 1 and not cfg.cuda_graph_blockers()
-    if device.type != "cuda":
-        raise UsageError(f"train.cuda_graph needs a CUDA device, this run is on {device.type}; "
-                         "set train.cuda_graph=false (or auto)")
-    if info.dp > 1:
-        # Nothing data-parallel is recorded (gradients are reduced after the replay), but only
-        # the one-GPU path has been run on hardware so far.
-        raise UsageError(f"train.cuda_graph runs on one GPU only (this run has dp={info.dp}); "
-                         "set train.cuda_graph=false (or auto) for data-parallel runs")
+        return device.type == "cuda" and not cfg.cuda_graph_blockers(device=device.type, dp=info.dp)
+    refusal = cfg.cuda_graph_refusal(device=device.type, dp=info.dp)
+    if refusal is not None:
+        raise UsageError(refusal)
     return True
 
 
@@ -67,9 +64,6 @@ class TrainState:
         """targets: windows [B, T+1] -> loss targets [B, T] (default: every next token; MQAR
         masks all but the recalled values with -100). parallel: this rank's groups (default:
         made from ``info`` by ``k3train.runtime.distributed.parallel_context``, collective)."""
-        if info.ep > 1 and info.tp > 1:
-            raise LayoutError("parallel.ep > 1 together with parallel.tp > 1 is not supported yet "
-                             "(experts would need expert-tensor-parallel groups); use tp=1 with ep")
         self.cfg, self.info, self.device = cfg, info, device
         self.parallel = parallel if parallel is not None else parallel_context(
             info, p2p_backend=cfg.pipeline.p2p_backend)
@@ -101,7 +95,8 @@ class TrainState:
         self._bytes_logged = 0
         graph = use_cuda_graph(cfg, info, device)
         self.autocast = autocast_for(cfg, device, graph)
-        self.graphed = (GraphedForwardBackward(self._forward_backward, self.params, self.moe_layers)
+        self.graphed = (GraphedForwardBackward(self._forward_backward, self.params,
+                                               forward_state_holders(self.model))
                         if graph else None)
 
     def describe(self) -> str:

@@ -223,7 +223,7 @@ def main() -> None:
                 disp.combine(experts(xs, tpe), st).float().sum().backward()
         label, t, bw, ratio, _, _ = rows[1 + i]
         rows[1 + i] = (label, t, bw, ratio, reads[0], syncs[0])
-        dropped = torch.tensor([int(disp.dropped_tokens)], device=device)
+        dropped = torch.tensor([int(st.dropped)], device=device)
         dist.all_reduce(dropped)
         if name == "static" and rank == 0:
             print(f"static: C={disp.capacity(n, k)} slots per (rank, expert), "

@@ -150,7 +150,7 @@ def check_kernels(dev="cuda") -> list[tuple[str, bool]]:
                     g_buf = torch.randn(xs.shape, device=dev, generator=torch.Generator(dev).manual_seed(3))
                     torch.autograd.backward([out, xs], [g_out, g_buf.to(dtype)])
                     got[be] = (xs.detach(), out.detach(), xi.grad, ys.grad, wi.grad,
-                               int(disp.dropped_tokens))
+                               int(st.dropped))
             t, f = got["torch"], got["k3train"]
             ok = (torch.equal(t[0], f[0]) and t[5] == f[5]
                   and all(_close(a, b, True) for a, b in zip(f[1:5], t[1:5])))

@@ -33,11 +33,8 @@ def test_overrides_parse_yaml_scalars():
     (["precision.recipe=mxfp4_qat", "moe.latent_size=48"], "{'moe.latent_size': 48} must be multiples of 32"),
     (["train.steps"], "is not of the form key.sub=value"),
     (["train.steps.x=1"], "'steps' is a value, not a section"),
-    (["train.cuda_graph=true", "parallel.pp=2"], "(got {'parallel.pp': 2})"),
-    (["train.cuda_graph=true", "train.device=cpu"], "a CUDA device (train.device=cpu)"),
-    (["train.cuda_graph=true", "precision.recipe=fp8"], "precision.recipe bf16 or fp32 (got fp8)"),
 ], ids=["unknown-key", "bad-enum", "range", "cross-field", "pattern-letter", "pattern-length",
-        "recipe", "mx-block", "no-equals", "value-as-section", "graph-pp", "graph-cpu", "graph-recipe"])
+        "recipe", "mx-block", "no-equals", "value-as-section"])
 def test_bad_input_names_the_field(override, message):
     with pytest.raises(ConfigError) as err:
         load_config("configs/k3_tiny.yaml", override)
@@ -138,3 +135,89 @@ def test_fp8_recipe_offers_only_what_runs():
     for other in ("delayed", "block"):
         with pytest.raises(ConfigError, match=r"precision.fp8_recipe: Input should be 'current'"):
             load_config("configs/k3_tiny.yaml", [f"precision.fp8_recipe={other}"])
+
+
+# Layout rules: refused when the config loads, each as one line that names the field, what is
+# wrong and what is allowed (RunConfig._layout_refusal; the rules needing the world size are in
+# k3train.runtime.distributed.check_layout).
+LAYOUT_REFUSALS = {
+    "vpp-without-pp": (["parallel.vpp=2"], "parallel.vpp",
+                       "parallel.vpp=2 needs parallel.pp > 1", "set parallel.vpp=1 or parallel.pp >= 2"),
+    "ep-with-tp": (["parallel.ep=2", "parallel.tp=2"], "parallel.ep",
+                   "parallel.ep=2 together with parallel.tp=2 is not supported yet", "use parallel.tp=1 with ep"),
+    "experts-over-ep": (["parallel.ep=3"], "moe.num_experts",
+                        "moe.num_experts=8 is not divisible by parallel.ep=3", "use an ep that divides it"),
+    "local-with-ep": (["moe.dispatcher=local", "parallel.ep=2"], "moe.dispatcher",
+                      "moe.dispatcher=local cannot run with parallel.ep=2", "use moe.dispatcher=grouped_a2a or auto"),
+    "local-with-capacity": (["moe.dispatcher=local", "moe.capacity_factor=1.5"], "moe.capacity_factor",
+                            "moe.capacity_factor=1.5 needs moe.dispatcher=grouped_a2a or auto",
+                            "unset it or change the dispatcher"),
+    "graph-pp": (["train.cuda_graph=true", "parallel.pp=2"], "train.cuda_graph",
+                 "train.cuda_graph captures a one-device forward/backward: it needs parallel.pp=1 "
+                 "(got parallel.pp=2)", "set train.cuda_graph=false (or auto)"),
+    "graph-ep": (["train.cuda_graph=true", "parallel.ep=2"], "train.cuda_graph", "it needs parallel.ep=1 (got parallel.ep=2)",
+                 "set train.cuda_graph=false (or auto)"),
+    "graph-cpu": (["train.cuda_graph=true", "train.device=cpu"], "train.cuda_graph",
+                  "train.cuda_graph needs a CUDA device, this run is on cpu (train.device=cpu)",
+                  "set train.cuda_graph=false (or auto)"),
+    "graph-recipe": (["train.cuda_graph=true", "precision.recipe=fp8"], "train.cuda_graph",
+                     "train.cuda_graph needs precision.recipe bf16 or fp32 (got fp8)",
+                     "set train.cuda_graph=false (or auto)"),
+}
+
+
+@pytest.mark.parametrize("overrides, field, wrong, allowed", LAYOUT_REFUSALS.values(),
+                         ids=LAYOUT_REFUSALS.keys())
+def test_layout_refusals_name_the_field_in_one_line(overrides, field, wrong, allowed):
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/k3_tiny.yaml", overrides)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"invalid config: {field}")
+    assert wrong in message and allowed in message
+
+
+@pytest.mark.parametrize("overrides", [
+    ["parallel.pp=2", "parallel.vpp=2", "train.microbatches=2"],
+    ["parallel.ep=2", "moe.dispatcher=grouped_a2a", "moe.capacity_factor=1.25"],
+    ["parallel.ep=4", "parallel.pp=2"],
+    ["parallel.tp=2", "parallel.pp=2"],
+    ["parallel.ep=3", "model.dense_layers=8"],   # no MoE layer: ep need not divide the experts
+    ["train.cuda_graph=auto", "parallel.pp=2", "precision.recipe=fp8"],   # auto: off, not refused
+    ["train.cuda_graph=true", "train.device=cuda"],
+], ids=["pp-vpp", "ep-static", "ep-pp", "tp-pp", "dense-ep", "graph-auto", "graph-on"])
+def test_valid_layouts_load(overrides):
+    cfg = load_config("configs/k3_tiny.yaml", overrides)
+    for text in overrides:
+        key, value = text.split("=")
+        section, field = key.split(".")
+        assert str(getattr(getattr(cfg, section), field)).lower() == value.lower()
+
+
+def test_a_config_with_several_mistakes_lists_each_on_its_line():
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/k3_tiny.yaml", ["train.steps=0", "optim.lr=-1"])
+    lines = str(err.value).splitlines()
+    assert lines[0] == "invalid config:" and len(lines) == 3
+    assert sorted(line.strip().split(":")[0] for line in lines[1:]) == ["optim.lr", "train.steps"]
+
+
+def test_graph_blockers_are_one_list_for_load_time_and_run_time():
+    """The trainer asks the same list with the device and dp it knows (use_cuda_graph)."""
+    cfg = load_config("configs/k3_tiny.yaml", ["train.cuda_graph=auto"])
+    assert cfg.cuda_graph_blockers() == {} and cfg.cuda_graph_refusal() is None
+    assert set(cfg.cuda_graph_blockers(device="cpu", dp=2)) == {"train.device", "dp"}
+    assert cfg.cuda_graph_refusal(device="cuda", dp=2) == (
+        "train.cuda_graph runs on one GPU only (this run has dp=2); set train.cuda_graph=false (or auto)")
+
+
+def test_recompute_modes_are_defined_once():
+    from typing import get_args
+
+    from k3train.config.schema import RECOMPUTE_MODES, TrainConfig
+    from k3train.model import memory_plan, recompute
+
+    assert RECOMPUTE_MODES == ("none", "selective", "full")
+    assert get_args(TrainConfig.model_fields["recompute"].annotation) == RECOMPUTE_MODES
+    assert recompute.RECOMPUTE_MODES is RECOMPUTE_MODES and memory_plan.MODES is RECOMPUTE_MODES
+    with pytest.raises(ConfigError, match=r"train.recompute: Input should be 'none', 'selective' or 'full'"):
+        load_config("configs/k3_tiny.yaml", ["train.recompute=some"])

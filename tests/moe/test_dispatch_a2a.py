@@ -196,7 +196,8 @@ def test_static_layout_and_padding():
     xs, tpe, st = disp.dispatch(x, idx, w)
     cap = 2                                                   # ceil(1.0 * 4 * 2 / 4)
     assert xs.shape == (4 * cap, 3) and tpe.tolist() == [cap] * 4
-    assert int(disp.dropped_tokens) == 2                      # tokens 2 and 3 lose expert 0
+    assert int(st.dropped) == 2                               # tokens 2 and 3 lose expert 0
+    assert not hasattr(disp, "dropped_tokens")               # nothing stored on the dispatcher
     # Blocks of C=2 rows per expert: e0 [t0 t1], e1 [t0 t2], e2 [t1 pad], e3 [t3 pad].
     for row, token in {0: 0, 1: 1, 2: 0, 3: 2, 4: 1, 6: 3}.items():
         assert torch.equal(xs[row], x[token])
