@@ -36,7 +36,7 @@ def _cmd_model_info(args) -> int:
     from k3train.model.info import format_info, model_info
 
     cfg = load_config(args.config, args.overrides)
-    from k3train.model.memory_plan import memory_report
+    from k3train.profiling.memory_plan import memory_report
 
     init_distributed()
     try:

@@ -10,7 +10,6 @@ from pydantic import BaseModel, ValidationError
 
 from k3train.config.schema import RunConfig
 from k3train.errors import K3TrainError
-from k3train.runtime.files import write_text_atomic
 
 
 class ConfigError(K3TrainError, ValueError):
@@ -102,8 +101,3 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
 
 def dump_config(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
-
-
-def save_config(cfg: RunConfig, path: str | os.PathLike) -> None:
-    """Write the resolved config atomically (temp file + rename)."""
-    write_text_atomic(path, dump_config(cfg))

@@ -11,7 +11,7 @@ from typing import Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from k3train.model.layout import expand_layer_pattern
+from k3train.config.layer_pattern import expand_layer_pattern
 
 RecomputeMode = Literal["none", "selective", "full"]
 # The one list of activation-recompute modes (train.recompute, k3train/model/recompute.py, the

@@ -30,7 +30,7 @@ from k3train.config import RunConfig
 from k3train.data.tokenizer import ByteTokenizer, load_tokenizer
 from k3train.errors import UsageError
 from k3train.hf.names import to_hf
-from k3train.model.layout import expand_layer_pattern
+from k3train.config.layer_pattern import expand_layer_pattern
 from k3train.model.model import moe_layer_indices
 from k3train.quant.mx import pack_fp4, quantize_mx
 from k3train.runtime.files import default_file_mode, output_dir

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from k3train.config import RunConfig
 from k3train.errors import CheckpointError
 from k3train.hf.names import from_hf
-from k3train.model.layout import expand_layer_pattern
+from k3train.config.layer_pattern import expand_layer_pattern
 from k3train.model.model import build_model, moe_layer_indices
 from k3train.quant.mx import dequantize_mx, unpack_fp4
 from k3train.runtime.one_process import process_groups

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from k3train.model.common import ColumnLinear, RowLinear, divide, tp_size
+from k3train.ops.layers import ColumnLinear, RowLinear, divide, tp_size
 from moe.activations import situ_glu
 
 

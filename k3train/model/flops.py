@@ -28,7 +28,7 @@ derivation and a worked example.
 from __future__ import annotations
 
 from k3train.config.schema import RunConfig
-from k3train.model.layout import expand_layer_pattern
+from k3train.config.layer_pattern import expand_layer_pattern
 
 __all__ = ["matmul_params", "flops_breakdown", "flops_per_token", "mfu"]
 

@@ -15,7 +15,7 @@ import math
 import torch
 import torch.nn as nn
 
-from k3train.model.common import (
+from k3train.ops.layers import (
     ColumnLinear, RowLinear, divide, replicated_linear, sharded_param, tp_rank, tp_size,
 )
 from k3train.model.recompute import keep_output

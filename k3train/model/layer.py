@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from k3train.model.attnres import DepthAttention
-from k3train.model.common import RMSNorm
+from k3train.ops.layers import RMSNorm
 from moe import LatentMoE
 from pipeline.stage_io import StageIO
 

@@ -18,11 +18,11 @@ from megatron.core import parallel_state
 from k3train.errors import LayoutError
 from k3train.config.schema import RunConfig
 from k3train.model.attnres import DepthAttention
-from k3train.model.common import RMSNorm
+from k3train.ops.layers import RMSNorm
 from k3train.model.ffn import SiTUGLU
 from k3train.model.kda_layer import KimiDeltaAttention
 from k3train.model.layer import K3Layer
-from k3train.model.layout import expand_layer_pattern
+from k3train.config.layer_pattern import expand_layer_pattern
 from k3train.model.mla import GatedMLA
 from k3train.model.recompute import run_depth_mix, run_layer
 from k3train.quant.recipes import apply_precision, resolve_device

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from k3train.model.common import rms_norm
+from k3train.ops.layers import rms_norm
 from k3train.ops import fla_kernel
 
 __all__ = ["attnres_backend", "depth_mix", "depth_mix_torch"]

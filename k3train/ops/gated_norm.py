@@ -5,7 +5,7 @@ import functools
 
 import torch
 
-from k3train.model.common import rms_norm
+from k3train.ops.layers import rms_norm
 from k3train.ops import kernels
 from moe.compile import autocast_free
 

@@ -22,7 +22,7 @@ import torch
 from k3train.config import RunConfig
 from k3train.errors import UsageError
 from k3train.model.flops import _attnres_sources, _kda_params, _mla_params, _moe_params, flops_breakdown
-from k3train.model.layout import expand_layer_pattern
+from k3train.config.layer_pattern import expand_layer_pattern
 from k3train.model.model import K3Chunk, produced_blocks
 from pipeline.layout import split_layers
 from pipeline.timing_model import LinkCost, OpCosts, hop_messages, predict_step

@@ -24,50 +24,18 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from k3train.config import RunConfig
-from k3train.config.schema import ParallelConfig, PrecisionConfig
 from k3train.errors import UsageError
-from k3train.model.model import build_model
 from k3train.quant.mx import dequantize_mx, pack_fp4, quantize_mx, unpack_fp4
 from k3train.runtime.files import default_file_mode
-from k3train.runtime.one_process import process_groups
-from moe import GroupedExperts
 
 FORMAT, ELEM, BLOCK = "mxfp4-packed", "e2m1", 32
 
 
-def quantized_params(cfg: RunConfig) -> dict[str, int]:
-    """{state-dict name: block axis} for the parameters the mxfp4_qat scope of ``cfg`` covers.
-
-    Found by building the model with the same scope selection the trainer uses, on the meta
-    device (no memory, no init cost), so export and training can never disagree on the scope.
-    """
-    if cfg.precision.recipe not in ("mxfp4_qat", "bf16", "fp32"):
-        raise UsageError(f"mxfp4-packed export needs a checkpoint trained with precision.recipe=mxfp4_qat "
-                         f"(or bf16/fp32, quantised after training); this one used {cfg.precision.recipe}")
-    precision = PrecisionConfig(recipe="mxfp4_qat", scope=cfg.precision.scope)
-    # The one-process model: export works on the consolidated tensors whatever layout trained them.
-    cfg = cfg.model_copy(update={"precision": precision, "parallel": ParallelConfig(),
-                                 "train": cfg.train.model_copy(update={"device": "cpu"})})
-    with process_groups(reuse_existing=True), torch.device("meta"):
-        model = build_model(cfg)
-    out: dict[str, int] = {}
-    for name in model.quantized:
-        mod = model.get_submodule(name)
-        if isinstance(mod, GroupedExperts):
-            out.update({f"{name}.{w}": 1 for w in ("w_gate", "w_up", "w_down")})
-        elif hasattr(mod, "inner"):  # ColumnLinear / RowLinear hold megatron's layer
-            out[f"{name}.inner.weight"] = 1
-        else:
-            out[f"{name}.weight"] = 1
-    return out
-
-
-def pack_mxfp4(state: dict, cfg: RunConfig) -> tuple[dict[str, torch.Tensor], dict]:
+def pack_mxfp4(state: dict, axes: dict[str, int]) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors to store, ``quantized`` entries of export.json) for the one-process model's
-    state dict ``state`` of config ``cfg``: each quantised parameter as packed codes and scales,
-    every other tensor in bf16 (integer tensors unchanged). See the module doc for the layout."""
-    axes = quantized_params(cfg)
+    state dict ``state``: each parameter named in ``axes`` ({name: block axis}, from
+    ``k3train.trainer.export.quantized_params``) as packed codes and scales, every other tensor
+    in bf16 (integer tensors unchanged). See the module doc for the layout."""
     missing = sorted(set(axes) - set(state))
     if missing:
         raise UsageError(f"the checkpoint lacks {missing[:3]}: does its config describe this model?")

@@ -4,7 +4,7 @@ torchao's ``convert_to_float8_training`` swaps ``nn.Linear`` modules only, and t
 projections (KDA q/k/v/g/o, MLA q_up/kv_up/gate/o) are ``ColumnLinear``/``RowLinear`` around
 megatron-core's parallel linears, so fp8 as first shipped left the largest GEMMs of a layer in
 bf16 (issue 22). At ``parallel.tp == 1`` those linears compute the plain product
-``x @ W^T`` (``k3train.model.common``: their ``quant`` hook replaces the matmul), so the same
+``x @ W^T`` (``k3train.ops.layers``: their ``quant`` hook replaces the matmul), so the same
 autograd function torchao's ``Float8Linear.forward`` calls can take that product: the forward
 GEMM and both backward GEMMs (grad input, grad weight) run in float8 with the scaling of the
 run's ``Float8LinearConfig``, exactly as for a converted ``nn.Linear``.

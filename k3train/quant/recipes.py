@@ -24,7 +24,7 @@ import torch.nn as nn
 from k3train.errors import UsageError
 from k3train.runtime import device as runtime_device
 from k3train.config.schema import PrecisionConfig
-from k3train.model.common import ColumnLinear, RowLinear, tp_size
+from k3train.ops.layers import ColumnLinear, RowLinear, tp_size
 from k3train.quant.spec import MX_SPECS, MXLinear, QuantSpec
 from moe import GroupedExperts
 

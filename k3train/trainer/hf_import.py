@@ -14,7 +14,7 @@ from pathlib import Path
 
 
 from k3train.config import load_config
-from k3train.config.load import save_config
+from k3train.trainer.run_dir import save_config
 from k3train.errors import CheckpointError
 from k3train.hf.load import load_hf, merge_model_config
 from k3train.model.model import build_model

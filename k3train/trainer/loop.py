@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from k3train.config import RunConfig, save_config
+from k3train.config import RunConfig
 from k3train.errors import TrainingStopped
 from k3train.model.flops import flops_per_token
 from k3train.ops import kernels
@@ -28,7 +28,7 @@ from k3train.trainer.metrics import MetricsLogger
 from k3train.trainer.report import measure_peak_flops, write_end_of_run_plots
 from k3train.trainer.run_lock import RunDirLock
 from k3train.trainer.restore import data_source, init_from, restore_training
-from k3train.trainer.run_dir import decided_on_rank0, plan_run_dir
+from k3train.trainer.run_dir import decided_on_rank0, plan_run_dir, save_config
 from k3train.trainer.state import TrainState
 from k3train.trainer.state_io import rank_state
 from k3train.trainer.stop import stop_agreed

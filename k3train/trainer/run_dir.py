@@ -25,7 +25,9 @@ from typing import Callable, TypeVar
 
 import torch.distributed as dist
 
+from k3train.config import RunConfig, dump_config
 from k3train.errors import CheckpointError, K3TrainError, RunDirError
+from k3train.runtime.files import write_text_atomic
 from k3train.trainer.checkpoint import latest_checkpoint, verify_checkpoint
 
 T = TypeVar("T")
@@ -174,3 +176,7 @@ def load_error(path: Path, exc: Exception, run_dir: Path) -> CheckpointError:
                            f"resume with the config it was saved with ({run_dir / 'config.yaml'} has it), "
                            f"or start over with --overwrite")
 
+
+def save_config(cfg: RunConfig, path: str | Path) -> None:
+    """Write a run's resolved config (``RUN_DIR/config.yaml``) atomically (temp file + rename)."""
+    write_text_atomic(path, dump_config(cfg))

@@ -1,4 +1,4 @@
-"""The memory planner (k3train/model/memory_plan.py) against measured peak memory on one GPU.
+"""The memory planner (k3train/profiling/memory_plan.py) against measured peak memory on one GPU.
 
 For k3_mini under each ``train.recompute`` mode: a few training steps on one GPU (eager, no CUDA
 graph: the graph's pool would hide what the step itself allocates), ``torch.cuda.max_memory_allocated``
@@ -39,7 +39,7 @@ DEFAULTS = ["train.device=cuda", "train.cuda_graph=false", "kernels.compile=fals
 
 def _row(mode: str, peak: float, plan, *, stored: float | None, **extra) -> dict:
     """One table row: the measured peak and stored bytes against the planner's ``plan`` (GiB)."""
-    from k3train.model.memory_plan import GiB
+    from k3train.profiling.memory_plan import GiB
 
     row = {"mode": mode, "measured_gib": peak / GiB, "predicted_gib": plan.total(mode, False) / GiB,
            "params_gib": plan.params / GiB, "grads_gib": plan.grads / GiB, "optimizer_gib": plan.optimizer / GiB,
@@ -54,7 +54,7 @@ def measure(config: str, overrides: list[str], mode: str, steps: int, timeline: 
     from k3train.ops import kernels
     from k3train.config import load_config
     from k3train.runtime.distributed import init_distributed
-    from k3train.model.memory_plan import plan_memory
+    from k3train.profiling.memory_plan import plan_memory
     from k3train.trainer.state import TrainState
 
     cfg = load_config(config, [*DEFAULTS, *overrides, f"train.recompute={mode}"])
@@ -103,7 +103,7 @@ def measure_cpu(config: str, overrides: list[str], mode: str) -> dict:
 
     from k3train.config import load_config
     from k3train.runtime.distributed import init_distributed
-    from k3train.model.memory_plan import plan_memory
+    from k3train.profiling.memory_plan import plan_memory
     from k3train.trainer.state import TrainState
 
     cfg = load_config(config, [*DEFAULTS, "train.device=cpu", *overrides, f"train.recompute={mode}"])

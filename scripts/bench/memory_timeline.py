@@ -9,7 +9,7 @@ its operator, and its memory timeline sorts the live bytes into categories (para
 gradients, optimizer state, activations, temporaries, autograd's own buffers). Read at the
 moment the total is highest, that says which phase of the step sets the peak (a microbatch's
 backward, the optimizer step) and which operator is running: what the memory planner
-(k3train/model/memory_plan.py) must model to predict that peak. It uses the profiler's internal
+(k3train/profiling/memory_plan.py) must model to predict that peak. It uses the profiler's internal
 ``_memory_profiler`` module (torch 2.1+); the categories are its heuristics, the total is exact.
 Works on CPU (tests) and CUDA.
 """

@@ -10,7 +10,7 @@ from k3train.config import load_config
 from k3train.runtime.distributed import init_distributed, shutdown_distributed
 from k3train.model.info import model_info
 from k3train.model.flops import matmul_params
-from k3train.model.layout import expand_layer_pattern
+from k3train.config.layer_pattern import expand_layer_pattern
 
 # k3_full builds 93 layers of 896 experts on the meta device: ~20 s here.
 CONFIGS = [pytest.param(p, id=p.stem, marks=[pytest.mark.slow] if p.stem == "k3_full" else [])

@@ -4,8 +4,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from k3train.config import ConfigError, load_config, save_config
-from k3train.model.layout import expand_layer_pattern
+from k3train.config import ConfigError, load_config
+from k3train.trainer.run_dir import save_config
+from k3train.config.layer_pattern import expand_layer_pattern
 
 CONFIGS = sorted(Path("configs").glob("*.yaml"))
 
@@ -214,7 +215,8 @@ def test_recompute_modes_are_defined_once():
     from typing import get_args
 
     from k3train.config.schema import RECOMPUTE_MODES, TrainConfig
-    from k3train.model import memory_plan, recompute
+    from k3train.model import recompute
+    from k3train.profiling import memory_plan
 
     assert RECOMPUTE_MODES == ("none", "selective", "full")
     assert get_args(TrainConfig.model_fields["recompute"].annotation) == RECOMPUTE_MODES

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from k3train.cli import build_parser, main
 from k3train.config import RunConfig, load_config
-from k3train.config.load import save_config
+from k3train.trainer.run_dir import save_config
 from k3train.errors import CheckpointError
 from k3train.hf.load import load_hf, merge_model_config
 from k3train.model.model import build_model

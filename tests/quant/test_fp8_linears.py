@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from k3train.config import load_config
-from k3train.model.common import ColumnLinear, RowLinear
+from k3train.ops.layers import ColumnLinear, RowLinear
 from k3train.model.model import build_model
 from k3train.quant.recipes import DEFAULT_SCOPES, _apply_fp8, fp8_linear_config, select_scope
 

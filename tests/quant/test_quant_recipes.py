@@ -10,7 +10,7 @@ import torch
 from k3train.cli import build_parser
 from k3train.config import load_config
 from k3train.config.schema import PrecisionConfig
-from k3train.model.common import ColumnLinear
+from k3train.ops.layers import ColumnLinear
 from k3train.model.model import build_model
 from k3train.quant.export import load_mxfp4_export
 from k3train.quant.mx import fake_quant_mx

@@ -333,7 +333,8 @@ def test_done_written_before_a_config_field_was_added_stays_done(tmp_path):
     schema, decides when the key differs (a new field at its default changes nothing)."""
     import json
 
-    from k3train.config import load_config, save_config
+    from k3train.config import load_config
+    from k3train.trainer.run_dir import save_config
     from k3train.sweep.runner import _done_state
 
     cfg = load_config("configs/k3_tiny.yaml", ["optim.lr=1e-3"])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from k3train.config import load_config
-from k3train.config.load import save_config
+from k3train.trainer.run_dir import save_config
 from k3train.errors import K3TrainError
 from k3train.hf.export import export_hf
 from k3train.model.model import build_model

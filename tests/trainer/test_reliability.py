@@ -88,7 +88,7 @@ def test_impossible_parallel_layout(world, tp, pp, ep, message):
 
 
 def test_heads_not_divisible_by_tp_is_named(world1):
-    from k3train.model.common import divide
+    from k3train.ops.layers import divide
 
     with pytest.raises(ValueError, match=r"model.kda.num_heads \(3\) must be divisible by parallel.tp \(2\)"):
         divide(3, 2, "model.kda.num_heads")

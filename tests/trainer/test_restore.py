@@ -53,7 +53,7 @@ def test_a_run_checkpoints_and_step_directory_name_the_same_checkpoint(tmp_path)
 
 
 def test_one_process_layout_is_the_default_and_overrides_still_apply(tmp_path):
-    from k3train.config.load import save_config
+    from k3train.trainer.run_dir import save_config
 
     step = tmp_path / "run" / "checkpoints" / "step_00000002"
     step.mkdir(parents=True)

@@ -11,7 +11,7 @@ Activations: bytes autograd keeps per token for each layer type (KDA, MLA, dense
 LatentMoE, AttnRes mixes), counted op by op from what each op saves for backward, for
 ``none``/``selective``/``full`` (``layer_bytes_per_token``). Two op sets:
 * ``torch``: the pure-torch forms (CPU, and CUDA with ``kernels.backend=torch``): checked against
-  the saved-tensor bytes measured on CPU (tests/model/test_memory_plan.py, within 15%);
+  the saved-tensor bytes measured on CPU (tests/profiling/test_memory_plan.py, within 15%);
 * ``fused``: CUDA with fla's chunk_kda and fused AttnRes, compiled norms and SiTU-GLU and flash
   attention (bf16 activations); counted from the kernels' saved inputs, checked against
   ``torch.cuda.max_memory_allocated`` by scripts/bench/bench_memory_plan.py.
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from k3train.config import RunConfig
 from k3train.config.schema import RECOMPUTE_MODES as MODES
-from k3train.model.layout import expand_layer_pattern
+from k3train.config.layer_pattern import expand_layer_pattern
 
 # The chunk both KDA paths run with: fla's chunk_kda and chunk_kda_torch's default are 64 wide
 # (model.kda.chunk_size is not passed to either today).

@@ -1,4 +1,4 @@
-"""The memory planner (k3train/model/memory_plan.py) against measured and counted memory.
+"""The memory planner (k3train/profiling/memory_plan.py) against measured and counted memory.
 
 Activations: the planner's op-by-op formulas for the pure-torch forms against the bytes autograd
 actually keeps on CPU (distinct saved storages, parameters excluded: tests/model/
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from k3train.config import load_config
-from k3train.model.memory_plan import plan_memory
+from k3train.profiling.memory_plan import plan_memory
 from tests.model.test_model import _tiny_cfg
 from tests.model.test_recompute_memory import saved_bytes
 
