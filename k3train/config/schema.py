@@ -43,6 +43,7 @@ class KDAConfig(_Strict):
     """Kimi Delta Attention sublayer."""
 
     num_heads: int = Field(4, ge=1)
+    """KDA heads (H)."""
     head_dim: int = Field(64, ge=1)
     """Key and value head dimension (K = V)."""
     conv_size: int = Field(4, ge=1)
@@ -62,12 +63,17 @@ class MLAConfig(_Strict):
     """Gated multi-head latent attention sublayer (NoPE)."""
 
     num_heads: int = Field(4, ge=1)
+    """Attention heads."""
     q_lora_rank: int = Field(128, ge=1)
+    """Width of the query's low-rank down-projection (q_down)."""
     kv_lora_rank: int = Field(128, ge=1)
+    """Width of the compressed key-value latent c_kv (what the inference cache keeps)."""
     qk_nope_head_dim: int = Field(64, ge=1)
+    """Per-head key/query width computed from the latent."""
     qk_rope_head_dim: int = Field(32, ge=0)
     """Width of the key part shared by all heads (DeepSeek's rope part; no rotary is applied)."""
     v_head_dim: int = Field(64, ge=1)
+    """Per-head value width."""
 
 
 class AttnResConfig(_Strict):
@@ -83,23 +89,31 @@ class FFNConfig(_Strict):
     """Dense SiTU-GLU feed-forward (the first ``dense_layers`` layers)."""
 
     intermediate_size: int = Field(512, ge=1)
+    """Hidden width of the dense SiTU-GLU."""
     situ_beta: float = Field(4.0, gt=0)
+    """SiTU's gate sharpness beta."""
     situ_beta_lin: float = Field(25.0, gt=0)
+    """SiTU's linear-branch beta."""
 
 
 class ModelConfig(_Strict):
     vocab_size: int = Field(320, ge=2)
     """Embedding rows; must be >= the tokenizer's vocabulary (extra rows are never targets)."""
     hidden_size: int = Field(256, ge=1)
+    """Residual stream width (d)."""
     num_layers: int = Field(8, ge=1)
+    """Transformer layers (a mixer and an FFN each)."""
     layer_pattern: str = "KKKM"
     """K = KDA, M = gated MLA. Either one unit repeated to ``num_layers`` ("KKKM") or terms
     joined by '+' with repeat counts whose lengths add up to ``num_layers`` ("KKKM*21+KKM*3")."""
     dense_layers: int = Field(1, ge=0)
     """The first N layers use a dense SiTU-GLU FFN, the rest LatentMoE."""
     tie_embeddings: bool = False
+    """Share the embedding and the LM head (pp = 1 only)."""
     init_std: float = Field(0.02, gt=0)
+    """Standard deviation of the normal weight initialisation."""
     norm_eps: float = Field(1e-6, gt=0)
+    """Epsilon of every RMSNorm."""
     kda: KDAConfig = KDAConfig()
     mla: MLAConfig = MLAConfig()
     attnres: AttnResConfig = AttnResConfig()
@@ -110,13 +124,21 @@ class MoEConfig(_Strict):
     """Stable LatentMoE layers and their load balancing."""
 
     num_experts: int = Field(8, ge=1)
+    """Routed experts per MoE layer."""
     topk: int = Field(2, ge=1)
+    """Experts each token is routed to."""
     latent_size: int = Field(128, ge=1)
+    """Width of the latent the routed experts work in (LatentMoE's down-projection)."""
     expert_ffn_size: int = Field(128, ge=1)
+    """Hidden width of each routed expert's SiTU-GLU."""
     num_shared_experts: int = Field(1, ge=0)
+    """Always-on shared experts per MoE layer."""
     shared_ffn_size: int = Field(256, ge=1)
+    """Hidden width of each shared expert."""
     balancing: Literal["quantile", "aux_free", "aux_loss", "none"] = "quantile"
+    """Load balancing: quantile (Quantile Balancing), aux_free (bias update), aux_loss (switch loss) or none."""
     aux_free_rate: float = Field(1e-3, gt=0)
+    """Bias step of aux_free balancing."""
     aux_loss_coef: float = Field(1e-2, ge=0)
     """Weight of the switch-style balance loss; used only with ``balancing: aux_loss``."""
     dispatcher: Literal["auto", "local", "grouped_a2a"] = "auto"
@@ -144,10 +166,13 @@ class MQARConfig(_Strict):
     """
 
     num_pairs: int = Field(8, ge=1)
+    """Key-value pairs at the start of each sequence."""
     num_queries: int | None = Field(None, ge=1)
     """Keys queried per sequence (each at most once); None queries all ``num_pairs``."""
     key_range: tuple[int, int] = (1, 129)
+    """Token ids [lo, hi) keys are drawn from."""
     value_range: tuple[int, int] = (129, 257)
+    """Token ids [lo, hi) values are drawn from."""
     filler_id: int = Field(0, ge=0)
     """Token filling the query region between queries."""
     val_seed: int = 0
@@ -197,6 +222,7 @@ class DataConfig(_Strict):
     (k3train/data/tokenizer.py). None: the tokenizer the dataset's meta file records, "byte" for
     embedded and stdlib."""
     val_fraction: float = Field(0.05, gt=0, lt=1)
+    """Share of the documents held out for validation."""
     mqar: MQARConfig = MQARConfig()
     sources: list[DataSourceConfig] = []
     """A weighted mixture, e.g. ``[{path: data/a, weight: 3}, {path: stdlib, weight: 1}]``, used
@@ -217,19 +243,27 @@ class DataConfig(_Strict):
 
 class TrainConfig(_Strict):
     steps: int = Field(200, ge=1)
+    """Optimizer steps of the run."""
     seed: int = 1234
+    """Seed of initialisation, data order and sampling."""
     micro_batch_size: int = Field(8, ge=1)
+    """Sequences per microbatch (per data-parallel rank)."""
     microbatches: int = Field(1, ge=1)
     """Microbatches per step (gradient accumulation; pipeline microbatches when pp > 1)."""
     seq_len: int = Field(128, ge=2)
+    """Tokens per training sequence."""
     grad_clip: float = Field(1.0, ge=0)
     """Global gradient-norm clip; 0 disables it."""
     log_interval: int = Field(10, ge=1)
+    """Log metrics every N steps."""
     eval_interval: int = Field(50, ge=1)
+    """Evaluate the validation loss every N steps."""
     eval_batches: int = Field(4, ge=1)
+    """Validation batches per evaluation (k3train eval uses the whole split by default)."""
     max_consecutive_skips: int = Field(5, ge=1)
     """Steps with a non-finite loss or gradient are skipped; this many in a row stop the run."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: CUDA when available, else CPU."""
     threads: int = Field(0, ge=0)
     """CPU threads for torch (0 leaves torch's default)."""
     compile_ahead: bool = True
@@ -247,7 +281,7 @@ class TrainConfig(_Strict):
     (least memory, about one extra forward). selective: keeps the KDA and attention core outputs
     (costly to recompute) and recomputes norms, projections, convs, gates, depth mixes and the
     FFN. Default none: on one H200, k3_mini (eager) peaked at 40.5 GiB with none and 14.3/14.1 GiB
-    with selective/full, at 23%/27% fewer tokens/s (docs/BENCHMARKS.md#activation-recompute-k3_mini-one-h200);
+    with selective/full, at 23%/27% fewer tokens/s (benchmarks/README.md);
     turn it on when activations do not fit, not by default."""
     init_from: Union[str, None] = None
     """Fine-tuning: a checkpoint (a step directory, or a checkpoints/ or run directory) whose
@@ -258,14 +292,23 @@ class TrainConfig(_Strict):
 
 class OptimConfig(_Strict):
     name: Literal["adamw", "muon"] = "adamw"
+    """adamw, or muon (Muon for matrices, AdamW for the rest)."""
     lr: float = Field(3e-3, gt=0)
+    """Peak learning rate."""
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """Final learning rate as a fraction of lr (cosine and wsd)."""
     weight_decay: float = Field(0.1, ge=0)
+    """Decoupled weight decay."""
     beta1: float = Field(0.9, ge=0, lt=1)
+    """AdamW's first-moment decay (Muon's momentum)."""
     beta2: float = Field(0.95, ge=0, lt=1)
+    """AdamW's second-moment decay."""
     eps: float = Field(1e-8, gt=0)
+    """AdamW's epsilon."""
     warmup_steps: int = Field(20, ge=0)
+    """Linear warm-up steps."""
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    """Learning-rate schedule after warm-up."""
     zero1: bool = False
     """Shard optimizer state over data-parallel ranks (ZeRO-1): each rank owns whole Muon
     matrices and a slice of the AdamW parameters; see docs/optim_sharding.md."""
@@ -275,14 +318,18 @@ class OptimConfig(_Strict):
 
 class ParallelConfig(_Strict):
     tp: int = Field(1, ge=1)
+    """Tensor-parallel ranks (megatron-core linears)."""
     pp: int = Field(1, ge=1)
+    """Pipeline-parallel ranks."""
     vpp: int = Field(1, ge=1)
     """Virtual pipeline stages (model chunks) per pipeline rank."""
     ep: int = Field(1, ge=1)
+    """Expert-parallel ranks (inside data parallel)."""
 
 
 class PipelineConfig(_Strict):
     attnres_transport: Literal["cached", "naive"] = "cached"
+    """How AttnRes blocks cross pipeline stages: cached (each block sent once) or naive (all blocks every hop)."""
     p2p_backend: Literal["auto", "gloo"] = "auto"
     """auto: pipeline messages go over the run's backend (NCCL on GPUs). gloo: over gloo, through
     host memory, on GPUs too; slower (two copies per message), a fallback where NCCL p2p hangs."""
@@ -324,18 +371,24 @@ class CheckpointConfig(_Strict):
     interval: int = Field(0, ge=0)
     """Save every N steps (0: only at the end of the run)."""
     keep_last: int = Field(2, ge=1)
+    """Checkpoints kept; older ones are pruned."""
 
 
 class WandbConfig(_Strict):
     mode: Literal["offline", "online", "disabled"] = "offline"
+    """offline (default, no network), online, or disabled."""
     project: str = "k3train"
+    """wandb project."""
     group: str | None = None
+    """wandb group (a sweep sets its name)."""
     name: str | None = None
+    """wandb run name."""
 
 
 class LoggingConfig(_Strict):
     wandb: WandbConfig = WandbConfig()
     progress_bar: bool = True
+    """Show a progress bar with the loss."""
 
 
 class KernelsConfig(_Strict):

@@ -59,7 +59,7 @@ def token_dtype(vocab_size: int) -> type[np.number]:
     raise DataError(f"vocab size {vocab_size} does not fit the indexed dataset's int32 tokens")
 
 
-def _check_inputs(inputs: list[str | Path]) -> list[Path]:
+def check_inputs(inputs: list[str | Path]) -> list[Path]:
     """Fail before any work on a missing file or an extension we cannot read."""
     if not inputs:
         raise DataError("prepare_data needs at least one input file (.txt, .jsonl or .parquet)")
@@ -370,7 +370,7 @@ def prepare_data(
     """
     if txt_split not in TXT_SPLITS:
         raise DataError(f"txt_split {txt_split!r}; allowed: {', '.join(TXT_SPLITS)}")
-    paths = _check_inputs(list(inputs))
+    paths = check_inputs(list(inputs))
     total = sum(p.stat().st_size for p in paths)
     workers = auto_workers(total) if workers == 0 else workers
 

@@ -60,7 +60,7 @@ def _export(tmp_path, world1, *extra, cfg_extra=()):
     model = _random_model(cfg)
     run = _run_dir(tmp_path, cfg, model)
     out = tmp_path / "hf"
-    assert _cli("export", "--checkpoint", str(run / "checkpoints"), "--format", "hf", "--out", str(out),
+    assert _cli("export-hf", "--checkpoint", str(run / "checkpoints"), "--out", str(out),
                 *extra) == 0
     return cfg, model, out
 
@@ -124,7 +124,7 @@ def test_import_writes_a_checkpoint_the_trainer_reads(tmp_path, world1):
             assert torch.equal(a, b), name
     # ... and exporting the imported checkpoint again gives the same files' tensors.
     again = tmp_path / "hf2"
-    assert _cli("export", "--checkpoint", str(run / "checkpoints"), "--format", "hf", "--out", str(again)) == 0
+    assert _cli("export-hf", "--checkpoint", str(run / "checkpoints"), "--out", str(again)) == 0
     a, b = load_file(str(out / "model-00001-of-00001.safetensors")), load_file(
         str(again / "model-00001-of-00001.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -199,12 +199,18 @@ def test_refusals_name_the_file_or_tensor(tmp_path, world1, capsys):
     assert not (tmp_path / "x").exists()
 
 
-def test_hf_only_options_are_refused_for_other_formats(tmp_path, capsys):
-    argv = ["export", "--checkpoint", str(tmp_path), "--format", "mxfp4-packed", "--out", str(tmp_path / "o")]
-    assert main([*argv, "--mxfp4", "--shard-size", "1GB"]) == 2
-    assert capsys.readouterr().err.strip() == ("k3train: error: --shard-size, --mxfp4 apply to --format hf only, "
-                                               "not --format mxfp4-packed")
-    assert main(["export", "--checkpoint", str(tmp_path), "--format", "hf", "--out", str(tmp_path / "o"),
+def test_export_modes_are_two_commands_and_the_old_spelling_says_so(tmp_path, capsys):
+    # The hf-only options are not options of export-mxfp4 at all: argparse refuses them.
+    with pytest.raises(SystemExit) as exc:
+        main(["export-mxfp4", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "o"), "--mxfp4"])
+    assert exc.value.code == 2 and "unrecognized arguments: --mxfp4" in capsys.readouterr().err
+    # The former spelling answers one line naming both commands, and writes nothing.
+    for fmt in ("hf", "mxfp4-packed"):
+        assert main(["export", "--checkpoint", str(tmp_path), "--format", fmt, "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "'k3train export-hf'" in err and "'k3train export-mxfp4'" in err
+    assert not (tmp_path / "o").exists()
+    assert main(["export-hf", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "o"),
                  "--shard-size", "5 parsecs"]) == 2
     assert "--shard-size '5 parsecs' is not a size" in capsys.readouterr().err
 

@@ -1,4 +1,4 @@
-"""profile-pipeline --predict's inputs: per-layer FLOPs, chunk costs, messages, the json path."""
+"""predict-pipeline's inputs: per-layer FLOPs, chunk costs, messages, the json path."""
 import json
 
 import pytest
@@ -83,7 +83,7 @@ def test_cli_predict_with_costs_and_link(tmp_path):
     costs = {v: flop_scaled_layer_costs(variant_config(cfg, v), 1e-9) for v in VARIANTS}
     (tmp_path / "costs.json").write_text(json.dumps({"layer_costs": costs}))
     out = tmp_path / "pred.json"
-    assert main(["profile-pipeline", "--predict", "--config", "configs/k3_tiny.yaml", "--json", str(out),
+    assert main(["predict-pipeline", "--config", "configs/k3_tiny.yaml", "--json", str(out),
                  "--costs", str(tmp_path / "costs.json"), "--k3-config", "", "--link-latency-us", "5",
                  "--link-gbps", "2", *TINY]) == 0
     report = json.loads(out.read_text())

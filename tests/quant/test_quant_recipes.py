@@ -155,8 +155,8 @@ def test_fp8_on_cpu_raises_a_clear_error(world1):
 
 
 def _export_cli(argv):
-    """The ``k3train export`` subcommand, parsed by the CLI's own parser."""
-    args = build_parser().parse_args(["export", "--format", "mxfp4-packed", *argv])
+    """The ``k3train export-mxfp4`` command, parsed by the CLI's own parser."""
+    args = build_parser().parse_args(["export-mxfp4", *argv])
     return args.fn(args)
 
 

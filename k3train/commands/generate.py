@@ -1,0 +1,26 @@
+"""Sample a continuation of --prompt from a checkpoint of any layout, with the inference cache
+(KDA state and short-conv tails, MLA's absorbed latent). See docs/checkpoints.md#generate."""
+from __future__ import annotations
+
+from k3train.commands.common import RUN_CONFIG_HELP, add_checkpoint_arg
+
+HELP = ("sample a continuation of --prompt from a checkpoint (any layout), "
+        "with the KDA-state / MLA-latent inference cache")
+
+
+def add_arguments(p) -> None:
+    add_checkpoint_arg(p)
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to sample (default 100)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default 0.8)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (1: off; default 0.95)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--config", help=RUN_CONFIG_HELP)
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
+
+
+def run(args) -> int:
+    from k3train.infer.generate import run_generate
+
+    return run_generate(args)
