@@ -30,7 +30,7 @@ def situ_glu_eager(gate: torch.Tensor, up: torch.Tensor, beta: float = DEFAULT_B
 
 # Eager, this is 9 elementwise kernels forward and about 15 backward, each a full pass over
 # [tokens, F], about a tenth of a dense model's step (measured: see
-# docs/BENCHMARKS.md#k3_mini-training-step). Compiled: one kernel each way. dynamic=None lets torch recompile once for varying row
+# benchmarks/README.md). Compiled: one kernel each way. dynamic=None lets torch recompile once for varying row
 # counts (expert batches under expert parallelism) and then stay dynamic. Outside autocast:
 # tanh, sigmoid and products are not autocast ops (each keeps its input's dtype either way),
 # so that changes no result and keeps autocast state from being a recompile guard.

@@ -48,7 +48,7 @@ def _thresholds(values: torch.Tensor, q: int) -> torch.Tensor:
 
     (q+1)-th largest of M values == (M-q)-th smallest; kthvalue avoids materialising q rows.
     Over a contiguous last dim after a transpose, which is faster on GPU than along dim 0 with
-    the same result (measured: see docs/BENCHMARKS.md#router-top-k-and-quantile-balancing)."""
+    the same result (measured: see benchmarks/README.md)."""
     return torch.kthvalue(values.t().contiguous(), values.shape[0] - q, dim=1).values
 
 

@@ -1,7 +1,7 @@
 """Row gathers for token dispatch whose backward is a gather too, and the weighted combine.
 
 ``x.index_select(0, idx)`` differentiates into ``index_add_``, an atomic scatter: slow in bf16
-(measured: see docs/BENCHMARKS.md#moe-layer) and its result depends on the order of the
+(measured: see benchmarks/README.md) and its result depends on the order of the
 atomics. Dispatch indices have structure that makes the backward a gather:
 * a permutation ``perm`` with inverse ``inv``: the gradient is ``grad.index_select(0, inv)``;
 * "each token k times" (``order // k`` with ``order`` a permutation of the ``N*k`` slots):
@@ -10,7 +10,7 @@ atomics. Dispatch indices have structure that makes the backward a gather:
 The dispatchers now move token rows with the fused passes of ``moe/permute_fused.py`` (which
 also handle the static mode's dropped slots and padding rows); ``permute_rows`` still does the
 expert-parallel regroup, and ``weighted_sum`` stays as the compiled combine reduction that
-``scripts/bench/bench_moe_layer.py`` measures.
+``benchmarks/bench_moe_layer.py`` measures.
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def weighted_sum_eager(y_slots: torch.Tensor, weights: torch.Tensor) -> torch.Te
 
 # Eager: upcast, multiply, reduce and downcast, four passes over [N*k, d] forward and more
 # backward; compiled: one each way. Static shapes first (dynamic=True compiled a slow
-# reduction; measured: see docs/BENCHMARKS.md#moe-layer); Dynamo turns dynamic by itself
+# reduction; measured: see benchmarks/README.md); Dynamo turns dynamic by itself
 # once the row count changes (expert parallelism). Not fullgraph: past the recompile limit it
 # runs eagerly instead of failing. Outside autocast: its casts are explicit (the sum runs on
 # fp32 operands either way), so autocast state need not be a recompile guard.

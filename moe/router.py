@@ -81,7 +81,7 @@ class SigmoidTopKRouter(nn.Module):
         # Under autocast F.linear runs in the autocast dtype whatever its inputs' dtype, so the
         # logits (and the scores and weights after them) are bf16 there either way; casting x
         # up first only added two [N, d] copies each way for the same result (measured: see
-        # docs/BENCHMARKS.md#moe-layer).
+        # benchmarks/README.md).
         if torch.is_autocast_enabled(x.device.type):
             logits = F.linear(x, self.weight)
         else:

@@ -3,8 +3,8 @@
 On CUDA, for up to 1024 experts and k <= 32 (K3's 896 experts top-16 and Quantile Balancing's
 top-17 included), it runs one Triton kernel (``topk_triton``: several times faster than
 ``torch.topk`` on k3_mini's ``[16384, 64]``; measured: see
-docs/BENCHMARKS.md#router-top-k-and-quantile-balancing; at the real router sizes:
-docs/BENCHMARKS.md#moe-at-k3s-sizes-one-h200); elsewhere, for other shapes or dtypes, or where the run's kernel registry
+benchmarks/README.md; at the real router sizes:
+benchmarks/README.md); elsewhere, for other shapes or dtypes, or where the run's kernel registry
 chose torch (``kernels.router_topk``, handed over by ``k3train.ops.kernels.apply`` through
 ``set_kernel``), it is ``torch.topk(scores + bias, k, dim=-1)``. Triton comes with CUDA builds of
 torch; it is imported only when a CUDA tensor arrives.

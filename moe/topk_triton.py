@@ -3,7 +3,7 @@
 torch's CUDA ``topk`` runs a radix select per row, twice per MoE layer (the router's top-k and
 Quantile Balancing's top-(k+1) cutoff). A row of up to 1024 scores fits in registers, so each
 program here takes a block of rows and picks the maximum k times: one read of the scores
-(measured: see docs/BENCHMARKS.md#router-top-k-and-quantile-balancing).
+(measured: see benchmarks/README.md).
 
 Layout (docs/quantile_balancing.md#the-router-top-k-kernel): a program holds ``ROWS`` rows of
 ``EP = next_power_of_2(E)`` columns, ``ROWS * EP = 4096`` (64 rows of 64 for k3_mini, 4 rows of

@@ -252,7 +252,7 @@ def largest_first(same: dict[tuple, list], numel) -> list[tuple[tuple, list]]:
     Why: the step starts right after the host has synchronised on the gradient norm, and small
     matrices cost the GPU less than the host spends launching their kernels. Starting with the
     long Newton-Schulz GEMMs of the big stacks lets the host get ahead, so the GPU does not wait
-    on launches for the small ones (measured: see docs/BENCHMARKS.md#muon-newton-schulz-gemm).
+    on launches for the small ones (measured: see benchmarks/README.md).
     """
     return sorted(same.items(), key=lambda kv: -sum(numel(x) for x in kv[1]))
 

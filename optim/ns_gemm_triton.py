@@ -4,8 +4,8 @@ Newton-Schulz runs two such products per step (``B = b A + c A A`` and ``X' = a 
 torch's ``baddbmm`` hands cuBLAS one buffer for C and the result, so it first copies C into a
 new output, about half the product's time on k3_mini's ``[512, 512, 512]`` bf16 stacks. Here
 each program reads its C tile in the epilogue and writes the result elsewhere: no copy, and
-bitwise equal results (``scripts/bench/bench_muon.py``; measured: see
-docs/BENCHMARKS.md#muon-newton-schulz-gemm). The Gram product ``X X^T`` has no C, and cuBLAS's
+bitwise equal results (``benchmarks/bench_muon.py``; measured: see
+benchmarks/README.md). The Gram product ``X X^T`` has no C, and cuBLAS's
 own is faster there.
 
 Shapes: A ``[S, M, K]``, B ``[S, K, N]``, C and out ``[S, M, N]``, any strides (``X.mT`` is a

@@ -1,4 +1,4 @@
-"""Live check of ``export --format hf`` against a real consumer: flash-linear-attention's
+"""Live check of ``export-hf`` against a real consumer: flash-linear-attention's
 ``fla.models.KDAForCausalLM`` (needs CUDA: fla's KDA kernels are Triton).
 
 A pure-KDA model (no MLA, no MoE, no AttnRes) is the part of K3 whose architecture fla's KDA

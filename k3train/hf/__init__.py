@@ -1,2 +1,2 @@
-"""Hugging Face format: ``export --format hf`` (export.py) and ``import`` / ``load_hf`` (load.py);
+"""Hugging Face format: ``export-hf`` (export.py) and ``import`` / ``load_hf`` (load.py);
 the tensor-name map both use is names.py (documented in docs/hf_format.md)."""

@@ -1,4 +1,4 @@
-"""``k3train export --format hf``: a full state dict + RunConfig -> a Hugging Face directory.
+"""``k3train export-hf``: a full state dict + RunConfig -> a Hugging Face directory.
 
 Output directory (written atomically: temp dir + rename):
     config.json                     HF-style fields (``architectures``, ``model_type``, sizes) and

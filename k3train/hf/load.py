@@ -1,4 +1,4 @@
-"""Read a Hugging Face directory written by ``export --format hf`` back into our names.
+"""Read a Hugging Face directory written by ``export-hf`` back into our names.
 
 ``load_hf(dir)`` -> (model config dict ``{"model": ..., "moe": ..., "data": {"tokenizer": ...}}``,
 which ``merge_model_config`` puts into any run config, and the full one-process
@@ -30,7 +30,7 @@ INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 
 def _read_json(path: Path) -> dict:
     if not path.is_file():
-        raise CheckpointError(f"{path} is missing: a Hugging Face directory from 'k3train export --format hf' "
+        raise CheckpointError(f"{path} is missing: a Hugging Face directory from 'k3train export-hf' "
                               f"holds config.json, {INDEX} and its shards")
     try:
         return json.loads(path.read_text())
@@ -101,7 +101,7 @@ def _model_cfg(config: dict, path: Path) -> dict:
     section = config.get("k3train")
     if not isinstance(section, dict) or "model" not in section:
         raise CheckpointError(f"{path} has no 'k3train' section with the model config; only directories "
-                              f"written by 'k3train export --format hf' can be imported today")
+                              f"written by 'k3train export-hf' can be imported today")
     return {"model": section["model"], "moe": section.get("moe", {}),
             "data": {"tokenizer": section.get("data", {}).get("tokenizer", "byte")}}
 

@@ -65,7 +65,7 @@ class KimiDeltaAttention(nn.Module):
     # q, k and v keep one projection and one conv each, as fla's layer does. One GEMM over the
     # concatenated weights and one conv over 3HK channels was measured too and was slower, the
     # strided q/k/v views costing copies and a gradient concatenation that the separate form
-    # avoids (measured: see docs/BENCHMARKS.md#kda-layer-against-its-floor).
+    # avoids (measured: see benchmarks/README.md).
     def _qkv(self, proj: ColumnLinear, conv: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         return short_conv_silu(proj(x), conv).view(B, T, self.num_heads, self.head_dim)

@@ -7,7 +7,7 @@ Why ours and not fla's ``causal_conv1d``: fla's backward first re-runs its forwa
 materialise the pre-activation (a read of x and a write of z), then reads x, z and dy and writes
 dx. This backward recomputes z in registers from x: each strip of rows reads x and dy once
 (plus a W-1 row halo) and writes dx, ~3 passes over ``[B, T, C]`` instead of ~6 (measured with
-``scripts/bench/bench_kda_layer.py``: see docs/BENCHMARKS.md#short-convolution).
+``benchmarks/bench_kda_layer.py``: see benchmarks/README.md).
 
 The weight gradient is reduced per strip of rows into ``[strips, W, C]`` fp32 partials (C
 contiguous, so the stores coalesce) and summed over strips by torch.
@@ -26,7 +26,7 @@ __all__ = ["short_conv_silu_triton"]
 # previous rows (forward) or the W-1 next rows' dz (backward) in registers: every element of
 # x and dy is read from memory about once. (A first version loaded W shifted [BT, BC] tiles per
 # tap and recomputed z for each: ~24 tile loads per element through L2, slower than fla's;
-# measured: see docs/BENCHMARKS.md#short-convolution.)
+# measured: see benchmarks/README.md.)
 _CONFIGS = [triton.Config({"BC": bc, "ROWS": rows}, num_warps=w)
             for bc, rows, w in ((256, 32, 2), (512, 32, 4), (512, 64, 4), (1024, 32, 4), (256, 64, 2),
                                 (256, 16, 2), (512, 16, 4), (128, 32, 1))]

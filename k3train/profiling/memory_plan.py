@@ -14,7 +14,7 @@ LatentMoE, AttnRes mixes), counted op by op from what each op saves for backward
   the saved-tensor bytes measured on CPU (tests/profiling/test_memory_plan.py, within 15%);
 * ``fused``: CUDA with fla's chunk_kda and fused AttnRes, compiled norms and SiTU-GLU and flash
   attention (bf16 activations); counted from the kernels' saved inputs, checked against
-  ``torch.cuda.max_memory_allocated`` by scripts/bench/bench_memory_plan.py.
+  ``torch.cuda.max_memory_allocated`` by benchmarks/bench_memory_plan.py.
 Under PP, a rank holds the activations of its in-flight (chunk, microbatch) forwards, counted by
 replaying its interleaved 1F1B schedule (``pipeline.schedule``), plus the AttnRes block cache:
 the blocks its later chunks read, one set per in-flight microbatch. MoE dispatch buffers are the

@@ -1,8 +1,8 @@
-"""``k3train profile-pipeline --predict``: per-layer compute times measured on one process (or
+"""``k3train predict-pipeline``: per-layer compute times measured on one process (or
 read from a json), replayed through ``pipeline.timing_model`` for many (P, V, m), plus K3's real
 shapes with the times scaled by FLOPs.
 
-    python -m k3train profile-pipeline --predict --config configs/k3_tiny.yaml --json OUT.json
+    python -m k3train predict-pipeline --config configs/k3_tiny.yaml --json OUT.json
 
 How the per-op costs are measured: the engine runs on one process with one layer per chunk
 (P = 1, V = L, ``CommRecorder`` spans), so chunk c's forward and backward time is layer c's
@@ -30,7 +30,7 @@ from pipeline.transport import build_plan
 
 VARIANTS = {"standard": (False, "cached"), "attnres_cached": (True, "cached"), "attnres_naive": (True, "naive")}
 GRID_P, GRID_V, GRID_M = (2, 4, 8, 16), (1, 2, 4), (8, 16, 32)
-# 2x H200 (NV18) p2p from docs/BENCHMARKS.md's sources: 197 GB/s at 16 MiB, 304 at 256 MiB, i.e.
+# 2x H200 (NV18) p2p from benchmarks/README.md's sources: 197 GB/s at 16 MiB, 304 at 256 MiB, i.e.
 # t = 32 us + bytes / 315 GB/s through both points.
 H200_LINK = LinkCost(latency_s=32e-6, bandwidth_Bps=315e9)
 
@@ -186,7 +186,7 @@ def measure_layer_costs(cfg: RunConfig, steps: int = 3, progress=print, layers_p
     P = 1); each chunk's time is split over its layers in proportion to their FLOPs
     (:func:`split_by_flops`). 1 times every layer on its own. On an H200 the one-layer chunks'
     spans put AttnRes at +78% over the standard residual where the whole step puts it at a few
-    percent (docs/BENCHMARKS.md#pipeline-timing-model): chunks of several layers, as a pipeline
+    percent (benchmarks/README.md): chunks of several layers, as a pipeline
     runs them, are the measurement that tells the two apart."""
     L = cfg.model.num_layers
     if layers_per_chunk < 1 or L % layers_per_chunk:

@@ -16,7 +16,7 @@ Every float8 linear (these hooks and the ``nn.Linear`` modules torchao converts)
 product through :func:`float8_matmul`, which goes through ``torch.compile`` on CUDA when the
 fused pieces do (``kernels.compile``). Run eagerly, torchao's dynamic scaling is a string of
 separate kernels per GEMM operand (absolute value, max, scale, clamp, cast): on an H200 at the
-K3 slice's widths (docs/BENCHMARKS.md#fp8-at-the-slices-widths) about 620 ms of them per step
+K3 slice's widths (benchmarks/README.md) about 620 ms of them per step
 made fp8 0.61x of bf16. Compiled, Inductor fuses them into a few kernels; torchao's float8
 speed-ups are stated for that mode. ``dynamic=True``: one graph serves every linear's shapes.
 """

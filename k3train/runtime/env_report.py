@@ -2,7 +2,7 @@
 
 k3train's version and commit, Python and platform, every dependency's installed version
 against the range k3train declares (the ranges are the versions this project has run, see
-docs/DEPENDENCIES.md), CUDA and Triton availability, and the backend each op family's kernel
+docs/dependencies.md), CUDA and Triton availability, and the backend each op family's kernel
 registry picks on this machine's devices (``k3train/ops/kernels.py``).
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Why: with fla's Triton kernels the host needs longer to *launch* a K3 step than the GPU needs
 to run it (fla's chunk_kda spends milliseconds of Python per call; measured: see
-docs/BENCHMARKS.md#k3_mini-training-step). A replay launches the whole recorded step at once.
+benchmarks/README.md). A replay launches the whole recorded step at once.
 
 How (PyTorch's whole-network capture recipe):
 * the first ``warmup`` steps run eagerly, so Triton autotuning, ``torch.compile`` and the

@@ -72,5 +72,5 @@ def export_hf_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLi
     try:
         tokenizer = run_tokenizer(w.cfg)
     except DataError as exc:  # the dataset is not on this machine: say so rather than guess
-        raise DataError(f"export --format hf needs the run's tokenizer: {exc}") from None
+        raise DataError(f"export-hf needs the run's tokenizer: {exc}") from None
     return export_hf(w.state, w.cfg, out_dir, tokenizer=tokenizer, overwrite=overwrite, **kwargs)

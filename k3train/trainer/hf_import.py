@@ -1,4 +1,4 @@
-"""``k3train import``: a Hugging Face directory (from ``export --format hf``) -> a run directory
+"""``k3train import``: a Hugging Face directory (from ``export-hf``) -> a run directory
 holding ``config.yaml`` and a weights-only checkpoint ``checkpoints/step_00000000`` in the
 trainer's own format, which ``train.init_from``, ``eval``, ``generate`` and ``export`` read.
 

@@ -175,7 +175,7 @@ def restore_training(state, data, path: Path, layout: dict, run_dir: Path, main:
 
 def init_from(state, spec: str, main: bool) -> None:
     """``train.init_from``: the weights of checkpoint ``spec`` (a run, checkpoints/ or step
-    directory of any layout, or a Hugging Face directory from ``export --format hf``) into
+    directory of any layout, or a Hugging Face directory from ``export-hf``) into
     ``state``'s model part; nothing else is taken."""
     spec_path = Path(spec)
     if (spec_path / HF_INDEX).is_file():

@@ -1,4 +1,4 @@
-"""What a run may do with its run directory, decided before any training (docs/run-directory.md).
+"""What a run may do with its run directory, decided before any training (docs/run_directory.md).
 
 * A run without ``--resume`` refuses a directory that already holds a run (checkpoints or
   ``metrics.jsonl``): two runs in one directory would mix their metrics, and the pruning of old

@@ -160,7 +160,7 @@ class TrainState:
             # weight's bf16 cast to every microbatch (it casts leaf, non-view weights once per
             # region); each backward runs with autocast off, as outside the region (the nesting
             # keeps the cache alive). On the K3 slice's H200 step it changed no measured copy
-            # count or time (docs/BENCHMARKS.md#training-step).
+            # count or time (benchmarks/README.md).
             with self.autocast:
                 for mb in batch.chunk(m):
                     loss = self.model(mb[:, :-1], self.targets(mb))

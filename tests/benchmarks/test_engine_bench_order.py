@@ -1,12 +1,11 @@
-"""scripts/bench/bench_engine_overhead.py's round order: a seeded shuffle per round, so that no
+"""benchmarks/bench_engine_overhead.py's round order: a seeded shuffle per round, so that no
 runner (the A/A control included) always steps first or always follows the same runner."""
 import sys
 from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))
-from bench_engine_overhead import round_orders  # noqa: E402
+from benchmarks.bench_engine_overhead import round_orders  # noqa: E402
 
 
 def test_every_round_is_a_permutation_and_the_order_is_seeded():
@@ -35,7 +34,7 @@ def test_device_work_sums_kernels_launches_and_host_time():
 
     from torch.autograd import DeviceType
 
-    from bench_engine_overhead import device_work
+    from benchmarks.bench_engine_overhead import device_work
 
     def ev(name, dev, us):
         return SimpleNamespace(name=name, device_type=dev, self_cpu_time_total=us if dev == DeviceType.CPU else 0,

@@ -1,4 +1,4 @@
-"""scripts/bench/memory_timeline.py: the profiler's memory timeline read at its peak (what
+"""benchmarks/memory_timeline.py: the profiler's memory timeline read at its peak (what
 bench_memory_plan --timeline reports on a GPU), checked on CPU against known allocations."""
 import sys
 from pathlib import Path
@@ -7,8 +7,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))
-from memory_timeline import format_peak, phase_of, profile_peak  # noqa: E402
+from benchmarks.memory_timeline import format_peak, phase_of, profile_peak  # noqa: E402
 
 N = 4_000_000  # floats: 16 MB
 

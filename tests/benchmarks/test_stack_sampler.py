@@ -1,4 +1,4 @@
-"""scripts/bench/stack_sampler.py: the periodic all-thread stack dump that bench_first_step's
+"""benchmarks/stack_sampler.py: the periodic all-thread stack dump that bench_first_step's
 ``--stacks`` runs the trainer under (faulthandler's C-level dump crashed the run on an H200)."""
 import subprocess
 import sys
@@ -6,8 +6,7 @@ import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))
-import stack_sampler  # noqa: E402
+import benchmarks.stack_sampler as stack_sampler  # noqa: E402
 
 
 def _parked_in_a_named_function(ready: threading.Event, release: threading.Event):
@@ -38,7 +37,7 @@ def test_runs_the_module_with_its_arguments_and_dumps_while_it_runs(tmp_path):
     mod = tmp_path / "sleepy_mod.py"
     mod.write_text("import sys, time\nprint('argv', sys.argv[1:], flush=True)\n"
                    "def waiting_here():\n    time.sleep(1.5)\nwaiting_here()\nprint('done', flush=True)\n")
-    out = subprocess.run([sys.executable, str(ROOT / "scripts/bench/stack_sampler.py"), "0.4", "-m", "sleepy_mod",
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks/stack_sampler.py"), "0.4", "-m", "sleepy_mod",
                           "a", "--b"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr
@@ -49,7 +48,7 @@ def test_runs_the_module_with_its_arguments_and_dumps_while_it_runs(tmp_path):
 
 
 def test_refuses_a_bad_interval_in_one_line():
-    out = subprocess.run([sys.executable, str(ROOT / "scripts/bench/stack_sampler.py"), "0", "-m", "json.tool"],
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks/stack_sampler.py"), "0", "-m", "json.tool"],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode != 0 and out.stderr.strip().splitlines() == [
         "stack_sampler.py: SECONDS must be > 0, got 0"]

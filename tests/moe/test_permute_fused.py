@@ -1,7 +1,7 @@
 """The fused permutation (``moe/permute_fused.py``): torch form against plain loops, and the
 Triton kernels (``moe/permute_triton.py``, run by Triton's CPU interpreter) against the torch
 form, forward and backward, with dropped slots and padding rows (static mode) and without
-(dynamic mode). The GPU run is checked by ``scripts/bench/bench_moe_permute.py --check``.
+(dynamic mode). The GPU run is checked by ``benchmarks/bench_moe_permute.py --check``.
 
 Tolerances: the torch form is the loops' arithmetic in another order (fp32: 1e-6); the kernels
 accumulate the same fp32 products in slot order (fp32: 1e-5; bf16 outputs: a bf16 ulp).

@@ -3,7 +3,7 @@ a stable descending sort of ``scores + bias``: the same values bit for bit and t
 ties going to the lowest column and NaN ranking above +inf (torch's order).
 
 The GPU run is checked by ``scripts/gpu_check.py`` against ``torch.topk`` on CUDA, and at the
-real router sizes by ``scripts/bench/bench_quantile.py`` (its ``check`` rows).
+real router sizes by ``benchmarks/bench_quantile.py`` (its ``check`` rows).
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Newton-Schulz Gram matrix uses), C equal to an operand, no C. Tolerance 1e-5 relative (fp32
 inputs, fp32 accumulation).
 
-The GPU run (autotuned tiles, bf16) is checked by ``scripts/bench/bench_muon.py`` against
+The GPU run (autotuned tiles, bf16) is checked by ``benchmarks/bench_muon.py`` against
 torch's ``baddbmm``.
 """
 from __future__ import annotations

@@ -22,9 +22,9 @@ def test_every_dependency_is_bounded_above_and_listed_by_env():
     assert names == {name for name, _ in env_report.PACKAGES}, "env's package list and pyproject differ"
     unbounded = [r for r in reqs if "<" not in r.split(";")[0]]
     assert not unbounded, f"no upper bound: {unbounded}"
-    doc = Path("docs/DEPENDENCIES.md").read_text()
+    doc = Path("docs/dependencies.md").read_text()
     missing = [n for n in names if f"| {n} |" not in doc and f"| `{n}` |" not in doc]
-    assert not missing, f"docs/DEPENDENCIES.md has no row for {missing}"
+    assert not missing, f"docs/dependencies.md has no row for {missing}"
 
 
 @pytest.mark.parametrize("have, spec, want", [("2.13.0+cpu", "<2.14,>=2.11", True), ("2.14.0", "<2.14,>=2.11", False),

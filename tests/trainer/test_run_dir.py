@@ -1,4 +1,4 @@
-"""Run-directory guarantees (docs/run-directory.md): a fresh run never mixes with an old one,
+"""Run-directory guarantees (docs/run_directory.md): a fresh run never mixes with an old one,
 --overwrite archives, --resume never silently starts over, a refused resume changes nothing."""
 import json
 

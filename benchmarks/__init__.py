@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that measure k3train side by side with a peer or the hardware ceiling, run from the repository root as ``python3 -m benchmarks.NAME``; the current figures are in ``benchmarks/README.md``."""
