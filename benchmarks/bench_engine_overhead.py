@@ -39,13 +39,11 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import collections
 import gc
 import json
 import pstats
 import random
 import statistics
-import sys
 import time
 import warnings
 

@@ -1,5 +1,5 @@
 """Time to the first training step on a fresh machine: ``k3train train`` with empty Triton and
-Inductor caches, as a new user's first run (issue 22: ~200 s of Triton compiles on k3_mini, then
+Inductor caches, as a new user's first run (~200 s of Triton compiles on k3_mini, then
 Dynamo's recompile limit for ``rms_norm_eager``).
 
     python3 -m benchmarks.bench_first_step --json first_step.json            # one GPU, ~2-3 min

@@ -21,7 +21,7 @@ fp32 then a bf16 GEMM): on Hopper it costs time, it does not save any; it is her
 that overhead.
 
 ``--preset slice``: configs/k3_slice.yaml (K3's widths: hidden 7168, KDA/MLA with 96 heads,
-latent 3584) as issue 22 measured fp8 there: 32 experts top-1, AdamW, 4 x 4096 tokens per
+latent 3584) as the fp8 target was measured there: 32 experts top-1, AdamW, 4 x 4096 tokens per
 update (``moe.topk=1``, ``train.microbatches=4``). fp8's default scope covers the attention
 projections, latent projections and shared experts; the routed experts stay bf16 (no grouped
 float8 GEMM here), which is why top-1 (few expert FLOPs) is the shape where fp8 can pay. fp8 is skipped with its one-line reason when it cannot run (CPU, no torchao,
@@ -49,7 +49,7 @@ WIDE = ["model.hidden_size=2048", "model.num_layers=4", "model.dense_layers=1", 
         "moe.num_experts=16", "moe.topk=2", "moe.latent_size=2048", "moe.expert_ffn_size=1024",
         "moe.num_shared_experts=1", "moe.shared_ffn_size=8192",
         "train.seq_len=2048", "train.micro_batch_size=4", "optim.name=adamw"]
-# configs/k3_slice.yaml at issue 22's fp8 measurement: 32 experts top-1, AdamW, 4 x 4096 tokens.
+# configs/k3_slice.yaml at the fp8 target's measurement: 32 experts top-1, AdamW, 4 x 4096 tokens.
 # AdamW at a rate that trains the 7168-wide model stably with 16K-token updates, warmed up over
 # 5 steps (the yaml's 2e-3 is Muon's). Until 2026-12-02 this script never applied the schedule
 # (the trainer's loop does, TrainState.train_step does not), so every step ran at the full rate:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import warnings
 
 import torch

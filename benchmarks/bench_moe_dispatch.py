@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from moe import GroupedAllToAllDispatcher, GroupedExperts, grouped_mm_supported
-from moe.host_reads import count_host_reads
+from benchmarks.host_reads import count_host_reads
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 

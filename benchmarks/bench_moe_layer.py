@@ -33,7 +33,6 @@ whole update, thresholds included); it prints router + QB cutoff over the groupe
 from __future__ import annotations
 
 import argparse
-import sys
 import warnings
 
 import torch

@@ -38,7 +38,7 @@ import torch
 
 from k3train.ops import kernels  # noqa: E402
 from moe import GroupedAllToAllDispatcher, LatentMoE  # noqa: E402
-from moe.host_reads import count_host_reads  # noqa: E402
+from benchmarks.host_reads import count_host_reads  # noqa: E402
 from moe.permute_fused import combine_rows, dispatch_rows  # noqa: E402
 from benchmarks.common import timeit  # noqa: E402
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 from k3train.data.prepare import prepare_data  # noqa: E402
 from k3train.data.stdlib_corpus import stdlib_documents  # noqa: E402
 from k3train.data.tokenizer import load_tokenizer  # noqa: E402
-from k3train.data.tokenizer_files import train_sentencepiece, write_tiktoken  # noqa: E402
+from benchmarks.tokenizer_files import train_sentencepiece, write_tiktoken  # noqa: E402
 from k3train.data.train_tokenizer import train_bpe  # noqa: E402
 
 

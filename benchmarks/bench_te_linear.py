@@ -1,4 +1,4 @@
-"""Transformer Engine's float8 recipes on the K3 slice's fp8 GEMMs (issue 22), side by side with
+"""Transformer Engine's float8 recipes on the K3 slice's fp8 GEMMs, side by side with
 bf16 and with k3train's own float8 product (torchao's scaling, compiled), in one run:
 
     python3 -m benchmarks.bench_te_linear --json OUT/te_linear.json [--tokens 4096] [--iters 20]

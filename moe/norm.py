@@ -41,7 +41,7 @@ def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
 # recompile limit (e.g. many models in one process) it runs eagerly, not fails. Outside
 # autocast: every cast is explicit (``out_dtype`` is read from autocast before the call), and
 # autocast as a guard made one compile per autocast state, which hit the recompile limit in
-# k3_mini's first step (issue 22).
+# k3_mini's first step.
 _RMS_NORM_COMPILE = {"dynamic": True, "outside_autocast": True}
 _rms_norm = compile_on_cuda(rms_norm_eager, **_RMS_NORM_COMPILE)
 

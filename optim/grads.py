@@ -112,7 +112,7 @@ def allreduce_sum_then_scale(tensors: list[torch.Tensor], group, scale: float) -
         return
     if group_size(group) == 1:
         # Nothing to sum: scale in place (flattening all expert gradients into one buffer and
-        # back cost ~5 ms per k3_mini step on an H200 for a multiply by 1).
+        # back is a full copy of them for a multiply by 1).
         if scale != 1.0:
             torch._foreach_mul_(tensors, scale)
         return

@@ -7,8 +7,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-from pipeline.transport import (TransportPlan, cached_volume_exact, closed_form_volume,
-                                predicted_bytes)
+from pipeline.trace import write_chrome_trace, write_gantt_png
+from pipeline.transport import TransportPlan, cached_volume_exact, closed_form_volume, predicted_bytes
 
 
 @dataclass
@@ -214,9 +214,7 @@ class CommRecorder:
         return {"comm": [asdict(r) for r in self.comm], "compute": [asdict(s) for s in self.compute]}
 
     def write_chrome_trace(self, path) -> int:
-        from pipeline.trace import write_chrome_trace
         return write_chrome_trace(self, path)
 
     def write_gantt_png(self, path) -> None:
-        from pipeline.trace import write_gantt_png
         write_gantt_png(self, path)

@@ -5,7 +5,7 @@ import os
 import sys
 import time
 
-from tests.trainer.test_train import SMALL
+from tests.helpers import SMALL
 
 CLI = [sys.executable, "-m", "k3train", "train", "--config", "configs/k3_tiny.yaml", *SMALL]
 

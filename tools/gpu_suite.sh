@@ -68,7 +68,7 @@ stage bench_step_peer 420 python3 -m benchmarks.bench_step --rows dense,peer --s
   --json "$OUT/bench_step_peer.json"
 stage bench_fp8 240 python3 -m benchmarks.bench_fp8 --steps 30 --out /tmp/bench_fp8
 cp /tmp/bench_fp8/bench_fp8.json "$OUT/" 2>/dev/null
-# Issue 22's first step with recorded autotune picks: tune everything on fresh caches and keep
+# The first step with recorded autotune picks: tune everything on fresh caches and keep
 # the picks, then fresh caches again reading them (what a shipped k3train/ops/autotune_data file gives).
 stage first_step_tune 170 python3 -m benchmarks.bench_first_step --timeout 160 --save-picks "$OUT/autotune_picks.json" \
   --json "$OUT/first_step_tune.json" kernels.autotune_picks=none
@@ -76,12 +76,12 @@ stage first_step_tune 170 python3 -m benchmarks.bench_first_step --timeout 160 -
   --json "$OUT/first_step_picks.json" "kernels.autotune_picks=$OUT/autotune_picks.json"
 # What a user gets on a fresh H200: the picks the project ships (kernels.autotune_picks=auto).
 stage first_step_shipped 150 python3 -m benchmarks.bench_first_step --timeout 140 --json "$OUT/first_step_shipped.json"
-# The K3 slice's training step (issue 22's MFU rows; one autocast region per step since 2026-12-02).
+# The K3 slice's training step (the MFU rows; one autocast region per step since 2026-12-02).
 stage bench_slice 200 python3 -m benchmarks.bench_slice --microbatches 4 --json "$OUT/slice.json"
 # fp8 against bf16 at the slice's widths (the preset's AdamW 3e-5 with its warm-up applied).
 stage fp8_slice 260 python3 -m benchmarks.bench_fp8 --preset slice --recipes bf16 fp8 --steps 10 --warmup 3 \
   --profile 15 --out "$OUT/fp8_slice"
-# Issue 20's engine overhead at P=1 with one profiled step per runner: GPU kernel time (free of
+# The engine overhead at P=1 with one profiled step per runner: GPU kernel time (free of
 # host jitter), launches and host time beside the step-time ratios.
 stage engine_kernels 420 python3 -m benchmarks.bench_engine_overhead --shape pipeline --vpp 1,2,4 --steps 4 \
   --kernels --json "$OUT/engine_kernels.json"
@@ -90,9 +90,9 @@ stage engine_kernels 420 python3 -m benchmarks.bench_engine_overhead --shape pip
 # the whole 360 s (2026-12-02); V=4 adds about a third to the 240 s this takes.
 stage engine_graph 320 "${FIXED[@]}" python3 -m benchmarks.bench_engine_overhead --shape pipeline --vpp 1,2 --steps 6 \
   --graph --kernels --json "$OUT/engine_graph.json"
-# Issue 20's timing model from 4-layer chunks, with each variant's GPU-busy share of its chunk spans.
+# The timing model from 4-layer chunks, with each variant's GPU-busy share of its chunk spans.
 stage predict_busy 200 python3 -m benchmarks.predict_pipeline --layers-per-chunk 4 --json "$OUT/predict.json"
-# Issue 27's studies (docs/ablations.md): unpack benchmarks/results/h200-2026-12-02c/study_runs.tgz into
+# The seeded studies (docs/ablations.md): unpack benchmarks/results/h200-2026-12-02c/study_runs.tgz into
 # OUTDIR/studies first (STUDIES_FROM), so each sweep trains only what is missing; the run directories
 # come back in OUTDIR (packed without checkpoints). At most 12 runs at once.
 if [ -n "${STUDIES_FROM:-}" ] && [ ! -d "$OUT/studies" ]; then mkdir -p "$OUT/studies" && tar xzf "$STUDIES_FROM" -C "$OUT/studies"; fi
@@ -104,7 +104,7 @@ stage study_bal_sparse 540 python3 -m k3train sweep configs/ablations/gpu/balanc
 stage study_mqar 540 python3 -m k3train sweep configs/ablations/gpu/mqar.yaml --jobs 12 --out "$OUT"/studies/study_mqar
 stage study_mqar_pairs 540 python3 -m k3train sweep configs/ablations/gpu/mqar_pairs.yaml --jobs 12 \
   --out "$OUT"/studies/study_mqar_pairs
-# Transformer Engine (issue 22), over consecutive calls on one warm machine: te_receive once per
+# Transformer Engine, over consecutive calls on one warm machine: te_receive once per
 # carried part (.te/parts/te.tar.part-aa ... -af, from `bash tools/te_device.sh fetch`), then
 # te_install (installs, builds the torch binding there), then te_bench, which times: nothing else
 # may share the GPU (tools/gpu_background.sh pause NAME around it).

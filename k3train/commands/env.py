@@ -20,5 +20,5 @@ def run(args) -> int:
         from k3train.config import load_config
 
         kernels.apply(load_config(args.config, args.overrides))
-    print(report())
+    print(report(kernels.report_lines()))
     return 0

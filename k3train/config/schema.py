@@ -280,9 +280,8 @@ class TrainConfig(_Strict):
     and the AttnRes blocks it reads, stored once) and recomputes its whole forward in backward
     (least memory, about one extra forward). selective: keeps the KDA and attention core outputs
     (costly to recompute) and recomputes norms, projections, convs, gates, depth mixes and the
-    FFN. Default none: on one H200, k3_mini (eager) peaked at 40.5 GiB with none and 14.3/14.1 GiB
-    with selective/full, at 23%/27% fewer tokens/s (benchmarks/README.md);
-    turn it on when activations do not fit, not by default."""
+    FFN. Default none: recompute trades tokens/s for memory (benchmarks/README.md, "Activation
+    recompute on k3_mini"); turn it on when activations do not fit, not by default."""
     init_from: Union[str, None] = None
     """Fine-tuning: a checkpoint (a step directory, or a checkpoints/ or run directory) whose
     weights start this run, whatever parallel layout wrote it. Weights only: the optimizer,

@@ -29,6 +29,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from k3train.data.tokenizer import load_tokenizer
 from k3train.errors import DataError
 
 __all__ = ["prepare_data", "prepare_documents", "read_documents", "tokenizer_meta", "meta_path", "token_dtype",
@@ -210,7 +211,6 @@ _worker_tokenizer = None
 
 def _worker_init(spec: str) -> None:
     global _worker_tokenizer  # one tokenizer per worker process, loaded once
-    from k3train.data.tokenizer import load_tokenizer
 
     _worker_tokenizer = load_tokenizer(spec)
 

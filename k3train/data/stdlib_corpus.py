@@ -33,6 +33,7 @@ import sysconfig
 from pathlib import Path
 from typing import Iterator
 
+from k3train.data.prepare import meta_path, prepare_documents
 from k3train.errors import DataError
 
 __all__ = ["stdlib_files", "stdlib_documents", "prepare_stdlib", "default_cache_dir", "is_val_file"]
@@ -99,7 +100,6 @@ def prepare_stdlib(tokenizer, val_fraction: float = 0.05, cache_dir: str | Path 
     presence means the dataset is complete). Concurrent ranks may both write; each writes under
     its own temporary names and renames, so the result is one complete copy either way.
     """
-    from k3train.data.prepare import meta_path, prepare_documents
 
     ver = ".".join(platform.python_version_tuple()[:2])
     key = f"py{ver}-{_corpus_key(val_fraction)}-{tokenizer.kind}-{tokenizer.files_hash[:12]}"

@@ -11,6 +11,9 @@ import sys
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from k3train.data.corpus import embedded_documents
+from k3train.data.stdlib_corpus import stdlib_documents
+from k3train.data.tokenizer import _require
 from k3train.errors import DataError
 
 __all__ = ["train_bpe", "corpus_documents", "CORPORA"]
@@ -22,11 +25,9 @@ _MIN_VOCAB = 256 + 1  # every byte plus the EOD token
 def corpus_documents(name: str, split: str = "train") -> Iterator[str]:
     """A built-in corpus's documents: ``embedded`` (all of it) or ``stdlib`` (its ``split``)."""
     if name == "embedded":
-        from k3train.data.corpus import embedded_documents
 
         yield from embedded_documents()
     elif name == "stdlib":
-        from k3train.data.stdlib_corpus import stdlib_documents
 
         for _, text in stdlib_documents(split):
             yield text
@@ -44,7 +45,6 @@ def train_bpe(documents: Iterable[str], vocab_size: int, out_dir: str | Path, *,
     if vocab_size < _MIN_VOCAB:
         raise DataError(f"--vocab-size {vocab_size} is too small: a byte-level BPE needs at least "
                         f"{_MIN_VOCAB} (256 bytes + <|endoftext|>)")
-    from k3train.data.tokenizer import _require
 
     tk = _require("tokenizers", "tokenizers")
     tok = tk.Tokenizer(tk.models.BPE())

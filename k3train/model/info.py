@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch.nn as nn
 
 from k3train.config import RunConfig
+from k3train.model.kda_layer import KimiDeltaAttention
+from k3train.model.model import build_model
 
 COMPONENTS = ("embedding", "head", "kda", "mla", "attnres", "norms", "dense_ffn", "router",
               "latent_proj", "routed_experts", "shared_experts")
@@ -31,7 +33,6 @@ def count_parameters(model: nn.Module, topk: int, num_experts: int) -> dict:
     """Counts by component plus ``total`` and ``activated`` (routed experts count k/E of their
     parameters; everything else is used by every token). Tied weights are counted once.
     ``model``: a ``K3Chunk`` (the whole model or one pipeline chunk)."""
-    from k3train.model.kda_layer import KimiDeltaAttention
 
     mixer_of = {id(p): "kda" if isinstance(layer.mixer, KimiDeltaAttention) else "mla"
                 for layer in getattr(model, "layers", []) for p in layer.mixer.parameters()}
@@ -52,8 +53,6 @@ def count_parameters(model: nn.Module, topk: int, num_experts: int) -> dict:
 def model_info(cfg: RunConfig) -> tuple[dict, list[str]]:
     """Build the model on the meta device (no memory) and count; returns (counts, assumptions)."""
     import torch
-
-    from k3train.model.model import build_model
 
     with torch.device("meta"):
         model = build_model(cfg)

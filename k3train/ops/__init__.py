@@ -19,9 +19,7 @@ def _fla_function(module: str, name: str):
         fn = getattr(importlib.import_module(module), name)
     except ImportError:
         return None
-    from k3train.ops.triton_compile import configure_autotune
-
-    configure_autotune()  # kernels.autotune applies to fla's autotuners from their first use
+    kernels.configure_triton()  # kernels.autotune applies to fla's autotuners from their first use
     return fn
 
 

@@ -2,8 +2,8 @@
 the next, on any machine with the same GPU model.
 
 Why: under ``kernels.autotune=full`` a fresh machine compiles every candidate of every
-autotuned kernel (338 compiles for k3_mini's step on an H200, 72 s of its 107 s to step 1) and
-then times them, although a run on the same GPU model has already found the winner. Triton's
+autotuned kernel (most of the time to step 1 of k3_mini on a fresh GPU: benchmarks/README.md,
+"First step on a fresh machine") and then times them, although a run on the same GPU model has already found the winner. Triton's
 own on-disk cache (``cache_results``) helps only on the machine that wrote it: its key hashes
 the Triton build, the backend and the kernel's source. The picks here are keyed by what decides
 the choice, so they travel:

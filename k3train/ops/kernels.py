@@ -42,6 +42,11 @@ import torch
 
 from k3train.config.schema import KernelsConfig
 from k3train.errors import K3TrainError
+from k3train.ops import autotune_picks
+from k3train.ops.triton_compile import AutotuneSettings, configure_autotune
+from moe import compile as moe_compile
+from moe import permute_fused, topk
+from optim import muon
 
 FAMILIES: dict[str, tuple[str, ...]] = {
     "kda": ("fla", "torch"),
@@ -166,13 +171,11 @@ def check_autotune_picks(spec: str) -> None:
     """Refuse a ``kernels.autotune_picks`` path that is no picks file, in one line."""
     if spec in ("auto", "none"):
         return
-    from k3train.ops.autotune_picks import read_picks
-
     if not Path(spec).is_file():
         raise KernelChoiceError(f"kernels.autotune_picks={spec!r}: no such file; allowed: auto, none, or the "
                                 "path of a picks file (a full-autotune run writes RUN_DIR/autotune_picks.json)")
     try:
-        read_picks(spec)
+        autotune_picks.read_picks(spec)
     except ValueError as exc:
         raise KernelChoiceError(str(exc)) from None
 
@@ -193,17 +196,11 @@ def _picks_in_force(s: KernelsConfig, device) -> str | None:
     """The picks file a full-autotune CUDA run reads (None: every kernel is tuned)."""
     if torch.device(device).type != "cuda" or s.autotune != "full":
         return None
-    from k3train.ops.autotune_picks import source
-
-    return source(s.autotune_picks)
+    return autotune_picks.source(s.autotune_picks)
 
 
 def _push_to_packages(device_type: str = "cuda") -> None:
     """Hand ``moe`` and ``optim`` (which never import k3train) their CUDA choices."""
-    from moe import compile as moe_compile
-    from moe import permute_fused, topk
-    from optim import muon
-
     moe_compile.set_compile(compile_enabled(device_type))
     topk.set_kernel(backend("router_topk", device_type))
     permute_fused.set_kernel(backend("moe_permute", device_type))
@@ -231,9 +228,18 @@ def apply(cfg, *, pipeline_gpu: bool | None = None) -> None:
         _REGISTRY.cfg, _REGISTRY.pipeline_gpu = previous
         _push_to_packages()
         raise
-    from k3train.ops.triton_compile import configure_autotune
+    configure_triton()
 
-    configure_autotune()
+
+def autotune_settings() -> AutotuneSettings:
+    """The autotune fields in force, as the patched Triton autotuner reads them."""
+    s = _REGISTRY.settings()
+    return AutotuneSettings(mode=s.autotune, picks_spec=s.autotune_picks, bench_ms=s.autotune_bench_ms)
+
+
+def configure_triton() -> str:
+    """Point Triton's autotuners (fla's included) at this registry's autotune fields."""
+    return configure_autotune(autotune_settings)
 
 
 @contextlib.contextmanager
@@ -258,3 +264,23 @@ def write_resolved(run_dir: str | Path, device: torch.device | str) -> dict:
 # The packages start from the defaults (and the environment's overrides) even before a run
 # applies its config: scripts and tests that build modules directly get the same choices.
 _push_to_packages()
+
+
+def report_lines() -> list[str]:
+    """``k3train env``'s kernel table: the backend of each op family on each visible device (and
+    what CUDA would pick where no GPU is visible), compile and autotune, environment overrides."""
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    resolved_by = {d: resolved(d) for d in devices}
+    head = "".join(f"{d:<10}" for d in devices)
+    out = ["kernel backends (k3train/ops/kernels.py; config section kernels:):",
+           f"  {'family':<16}{head}" + ("" if torch.cuda.is_available() else "cuda (if a GPU were visible)")]
+    for family in FAMILIES:
+        cells = "".join(f"{resolved_by[d]['families'][family]:<10}" for d in devices)
+        cuda_guess = "" if torch.cuda.is_available() else backend(family, "cuda")
+        out.append(f"  {family:<16}{cells}{cuda_guess}")
+    out.append(f"  torch.compile of fused pieces on CUDA: {'on' if compile_enabled('cuda') else 'off'}; "
+               f"autotune: {autotune_mode()}")
+    overrides = resolved_by["cpu"]["env_overrides"]
+    if overrides:
+        out.append(f"  environment overrides in force: {overrides}")
+    return out

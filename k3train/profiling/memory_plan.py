@@ -26,8 +26,14 @@ import math
 from dataclasses import dataclass, field
 
 from k3train.config import RunConfig
-from k3train.config.schema import RECOMPUTE_MODES as MODES
 from k3train.config.layer_pattern import expand_layer_pattern
+from k3train.config.schema import RECOMPUTE_MODES as MODES
+from k3train.errors import UsageError
+from k3train.model.model import build_model
+from k3train.trainer.optimizer import k3_param_rules
+from optim import build_param_table
+from pipeline import PipelineLayout
+from pipeline.schedule import build_schedule
 
 # The chunk both KDA paths run with: fla's chunk_kda and chunk_kda_torch's default are 64 wide
 # (model.kda.chunk_size is not passed to either today).
@@ -197,7 +203,6 @@ def head_bytes_per_token(cfg: RunConfig, mode: str, ops: str, a: int) -> float:
 
 def _schedule_peak(pp: int, vpp: int, m: int, rank: int, chunk_bytes: dict[int, float]) -> tuple[float, int]:
     """(peak activation bytes, peak in-flight microbatches) of ``rank`` over its 1F1B schedule."""
-    from pipeline.schedule import build_schedule
 
     live, peak, peak_mbs, held = 0.0, 0.0, 0, {}
     for op in build_schedule(pp, vpp, m, rank):
@@ -234,10 +239,6 @@ def _param_split(cfg: RunConfig) -> tuple[dict[int, dict[str, int]], dict[str, i
     """Meta-device counts: per layer {dense_muon, dense_adamw, expert} and the embedding/head."""
     import torch
 
-    from k3train.model.model import build_model
-    from k3train.trainer.optimizer import k3_param_rules
-    from optim import build_param_table
-
     with torch.device("meta"):
         model = build_model(cfg)
     rules = k3_param_rules(model, per_head=False)
@@ -265,7 +266,6 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
     replicas per stage (ep divides dp). ops: ``fused`` (CUDA kernels, compiled norms and SiTU-GLU),
     ``fused-eager`` (the same with ``kernels.compile=false``) or ``torch``; act_bytes: 2
     under bf16 autocast, 4 in fp32. Activations are per ``train.micro_batch_size x seq_len``."""
-    from pipeline import PipelineLayout
 
     if ops not in OPS:
         raise ValueError(f"ops must be one of {', '.join(OPS)}, got {ops!r}")
@@ -359,7 +359,6 @@ def memory_report(cfg: RunConfig, dp: int = 1) -> str:
     """``model-info``'s memory section for ``cfg.parallel`` with ``dp`` replicas per stage: the
     CUDA kernels at bf16 (fp32 under precision.recipe=fp32), or the torch forms in fp32 when
     ``train.device=cpu``."""
-    from k3train.errors import UsageError
 
     if dp < 1 or dp % cfg.parallel.ep:
         raise UsageError(f"--dp must be a positive multiple of parallel.ep={cfg.parallel.ep} "

@@ -19,12 +19,19 @@ from pathlib import Path
 
 import torch
 
-from k3train.config import RunConfig
+import pipeline
+from k3train.config import RunConfig, load_config
+from k3train.config.layer_pattern import expand_layer_pattern
 from k3train.errors import UsageError
 from k3train.model.flops import _attnres_sources, _kda_params, _mla_params, _moe_params, flops_breakdown
-from k3train.config.layer_pattern import expand_layer_pattern
 from k3train.model.model import K3Chunk, produced_blocks
+from k3train.ops import kernels, triton_compile
+from k3train.runtime.device import resolve_device
+from k3train.runtime.distributed import init_distributed
+from k3train.trainer.state import autocast_for
+from pipeline import PipelineEngine, PipelineLayout
 from pipeline.layout import split_layers
+from pipeline.schedule import check_microbatches
 from pipeline.timing_model import LinkCost, OpCosts, hop_messages, predict_step
 from pipeline.transport import build_plan
 
@@ -56,12 +63,6 @@ def measure_chunk_times(cfg: RunConfig, num_chunks: int, steps: int = 3, warmup:
     operators with the most self time, :func:`host_ops`). Spans are CUDA events, so where the
     host cannot keep the GPU fed they time the host's launches: kernel_s / span_s is how busy
     the GPU was inside them, and host_ops says what the host spent the time on."""
-    from k3train.runtime.distributed import init_distributed
-    from k3train.runtime.device import resolve_device
-    from k3train.trainer.state import autocast_for
-    from pipeline import CommRecorder, PipelineEngine, PipelineLayout
-
-    from k3train.ops import kernels
 
     device_name = resolve_device(cfg.train.device).type
     kernels.apply(cfg, pipeline_gpu=device_name == "cuda")   # the kernels a pipeline run would use
@@ -72,7 +73,7 @@ def measure_chunk_times(cfg: RunConfig, num_chunks: int, steps: int = 3, warmup:
     torch.manual_seed(seed)
     chunks = {c: K3Chunk(cfg, *ranges[c], first=c == 0, last=c == num_chunks - 1).to(device)
               for c in range(num_chunks)}
-    recorder = CommRecorder()
+    recorder = pipeline.CommRecorder()  # looked up on the package at call time (patchable)
     blocks = produced_blocks(cfg, ranges)
     engine = PipelineEngine(local_chunks=chunks, num_chunks=num_chunks, produced_blocks=blocks,
                             transport=cfg.pipeline.attnres_transport, recorder=recorder)
@@ -87,12 +88,11 @@ def measure_chunk_times(cfg: RunConfig, num_chunks: int, steps: int = 3, warmup:
         # triton_compile), as the trainer does before step 1: under full autotuning they would
         # otherwise compile one by one in the warm-up step, for minutes. Through an engine
         # without the recorder, so that the throwaway pass leaves no spans.
-        from k3train.ops.triton_compile import compile_ahead
 
         probe = PipelineEngine(local_chunks=chunks, num_chunks=num_chunks, produced_blocks=blocks,
                                transport=cfg.pipeline.attnres_transport)
         zeros = torch.zeros(m, B, T + 1, dtype=torch.long, device=device)
-        compile_ahead(lambda: step(probe, zeros), label=f"{num_chunks} chunks")
+        triton_compile.compile_ahead(lambda: step(probe, zeros), label=f"{num_chunks} chunks")
         for ch in chunks.values():
             ch.zero_grad(set_to_none=True)
     gen = torch.Generator().manual_seed(seed)
@@ -184,10 +184,9 @@ def measure_layer_costs(cfg: RunConfig, steps: int = 3, progress=print, layers_p
 
     layers_per_chunk: the engine times chunks of this many layers (``num_layers / k`` chunks at
     P = 1); each chunk's time is split over its layers in proportion to their FLOPs
-    (:func:`split_by_flops`). 1 times every layer on its own. On an H200 the one-layer chunks'
-    spans put AttnRes at +78% over the standard residual where the whole step puts it at a few
-    percent (benchmarks/README.md): chunks of several layers, as a pipeline
-    runs them, are the measurement that tells the two apart."""
+    (:func:`split_by_flops`). 1 times every layer on its own. One-layer chunks' spans overstate
+    AttnRes's cost against the whole step (docs/pipeline_timing_model.md): chunks of several
+    layers, as a pipeline runs them, are the measurement that tells the two apart."""
     L = cfg.model.num_layers
     if layers_per_chunk < 1 or L % layers_per_chunk:
         raise UsageError(f"layers per chunk must divide model.num_layers={L}, got {layers_per_chunk}")
@@ -218,7 +217,6 @@ def split_by_flops(cfg: RunConfig, chunk_times: dict) -> dict:
     ``PipelineLayout(L, 1, C)`` splits them): each chunk's time shared by its layers in
     proportion to their training FLOPs, the head's counted in the last layer (as
     :func:`flop_scaled_layer_costs` does). With C = L it returns the chunk times unchanged."""
-    from pipeline import PipelineLayout
 
     L = cfg.model.num_layers
     C = len(chunk_times["fwd_s"])
@@ -302,7 +300,6 @@ def predict_variant(cfg: RunConfig, variant: str, layer_costs: dict, P: int, V: 
 def predict_table(cfg: RunConfig, costs: dict, link: LinkCost, grid=(GRID_P, GRID_V, GRID_M),
                   overlap_sends: bool = True) -> list[dict]:
     """One row per (P, V, m) the layout allows: step ms per variant, bubble, AttnRes overhead."""
-    from pipeline.schedule import check_microbatches
 
     rows = []
     for P in grid[0]:
@@ -364,7 +361,6 @@ def run_predict(cfg: RunConfig, json_path: str | Path, costs_path: str | None = 
     print(format_table(report["table"], f"predicted from measured per-layer costs "
                                         f"(link {link.latency_s * 1e6:.0f} us + bytes / {link.bandwidth_Bps / 1e9:.0f} GB/s)"))
     if k3_config:
-        from k3train.config import load_config
 
         k3 = load_config(k3_config)
         rates = {v: seconds_per_flop(variant_config(cfg, v), costs[v]) for v in VARIANTS}

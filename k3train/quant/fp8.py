@@ -3,7 +3,7 @@
 torchao's ``convert_to_float8_training`` swaps ``nn.Linear`` modules only, and the attention
 projections (KDA q/k/v/g/o, MLA q_up/kv_up/gate/o) are ``ColumnLinear``/``RowLinear`` around
 megatron-core's parallel linears, so fp8 as first shipped left the largest GEMMs of a layer in
-bf16 (issue 22). At ``parallel.tp == 1`` those linears compute the plain product
+bf16. At ``parallel.tp == 1`` those linears compute the plain product
 ``x @ W^T`` (``k3train.ops.layers``: their ``quant`` hook replaces the matmul), so the same
 autograd function torchao's ``Float8Linear.forward`` calls can take that product: the forward
 GEMM and both backward GEMMs (grad input, grad weight) run in float8 with the scaling of the
@@ -15,9 +15,9 @@ run's ``Float8LinearConfig``, exactly as for a converted ``nn.Linear``.
 Every float8 linear (these hooks and the ``nn.Linear`` modules torchao converts) runs its
 product through :func:`float8_matmul`, which goes through ``torch.compile`` on CUDA when the
 fused pieces do (``kernels.compile``). Run eagerly, torchao's dynamic scaling is a string of
-separate kernels per GEMM operand (absolute value, max, scale, clamp, cast): on an H200 at the
-K3 slice's widths (benchmarks/README.md) about 620 ms of them per step
-made fp8 0.61x of bf16. Compiled, Inductor fuses them into a few kernels; torchao's float8
+separate kernels per GEMM operand (absolute value, max, scale, clamp, cast), enough to make fp8
+slower than bf16 at the K3 slice's widths (benchmarks/README.md, "FP8 at the K3 slice's
+widths", and its dated result file). Compiled, Inductor fuses them into a few kernels; torchao's float8
 speed-ups are stated for that mode. ``dynamic=True``: one graph serves every linear's shapes.
 """
 from __future__ import annotations

@@ -21,11 +21,12 @@ import re
 import torch
 import torch.nn as nn
 
-from k3train.errors import UsageError
-from k3train.runtime import device as runtime_device
 from k3train.config.schema import PrecisionConfig
+from k3train.errors import UsageError
 from k3train.ops.layers import ColumnLinear, RowLinear, tp_size
+from k3train.quant.fp8 import Float8Matmul, float8_linear_class
 from k3train.quant.spec import MX_SPECS, MXLinear, QuantSpec
+from k3train.runtime import device as runtime_device
 from moe import GroupedExperts
 
 DEFAULT_SCOPES = {
@@ -165,8 +166,6 @@ def _apply_fp8(model: nn.Module, targets: dict[str, str], config=None, *, skip_u
     from torchao.float8 import convert_to_float8_training
 
     from torchao.float8.float8_linear import Float8Linear
-
-    from k3train.quant.fp8 import Float8Matmul, float8_linear_class
 
     config = config if config is not None else fp8_linear_config()
     linears, done = set(), []

@@ -127,30 +127,15 @@ def device_lines() -> list[str]:
     return lines
 
 
-def report() -> str:
-    """The whole ``k3train env`` text."""
-    import torch
-
-    from k3train.ops import kernels
-
+def report(kernel_lines: list[str] = ()) -> str:
+    """The whole ``k3train env`` text; ``kernel_lines`` (from ``k3train.ops.kernels.report_lines``,
+    passed in by the command: the kernel registry sits above this room) close it."""
     out = [f"k3train {version()} (commit {commit()})",
            f"python {platform.python_version()} on {platform.platform()} ({sys.executable})", "",
            "dependencies (range = versions this project has run):"]
     for r in dependency_rows():
         out.append(f"  {r['name']:<24}{r['installed'] or '-':<18}{r['range'] or '-':<18}{r['status']}")
-    out += ["", *device_lines(), "", "kernel backends (k3train/ops/kernels.py; config section kernels:):"]
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    resolved = {d: kernels.resolved(d) for d in devices}
-    head = "".join(f"{d:<10}" for d in devices)
-    out.append(f"  {'family':<16}{head}" + ("" if torch.cuda.is_available() else "cuda (if a GPU were visible)"))
-    for family in kernels.FAMILIES:
-        cells = "".join(f"{resolved[d]['families'][family]:<10}" for d in devices)
-        cuda_guess = "" if torch.cuda.is_available() else kernels.backend(family, "cuda")
-        out.append(f"  {family:<16}{cells}{cuda_guess}")
-    compile_cuda = kernels.compile_enabled("cuda")
-    out.append(f"  torch.compile of fused pieces on CUDA: {'on' if compile_cuda else 'off'}; "
-               f"autotune: {kernels.autotune_mode()}")
-    overrides = resolved["cpu"]["env_overrides"]
-    if overrides:
-        out.append(f"  environment overrides in force: {overrides}")
+    out += ["", *device_lines()]
+    if kernel_lines:
+        out += ["", *kernel_lines]
     return "\n".join(out)

@@ -7,10 +7,17 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
+
 from k3train.config import RunConfig
+from k3train.data.mqar import mqar_val_batches, recall_accuracy
 from k3train.errors import RunDirError
+from k3train.model.model import build_model
+from k3train.runtime.device import resolve_device
+from k3train.runtime.distributed import init_distributed
 from k3train.sweep.spec import Variant
+from k3train.trainer.checkpoint import latest_checkpoint
 from k3train.trainer.plots import read_metrics
+from k3train.trainer.state_io import consolidated_state
 
 COLUMNS = ("variant", "seed", "steps", "tokens", "final_train_loss", "final_val_loss", "best_val_loss", "tokens_per_s",
            "maxvio_running", "recall_acc")
@@ -24,14 +31,6 @@ SEED_METRICS = ("final_train_loss", "final_val_loss", "best_val_loss", "maxvio_r
 def _final_recall_accuracy(cfg: RunConfig, run_dir: Path) -> float | None:
     """MQAR recall accuracy of the run's final checkpoint on its validation batches, on the run's
     device (one-process layouts only: the model is built here under the run's own layout)."""
-    import torch
-
-    from k3train.data.mqar import mqar_val_batches, recall_accuracy
-    from k3train.runtime.distributed import init_distributed
-    from k3train.model.model import build_model
-    from k3train.trainer.checkpoint import latest_checkpoint
-    from k3train.runtime.device import resolve_device
-    from k3train.trainer.state_io import consolidated_state
 
     p = cfg.parallel
     if (p.tp, p.pp, p.ep) != (1, 1, 1):

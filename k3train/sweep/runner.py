@@ -49,6 +49,8 @@ import yaml
 
 from k3train.config import ConfigError, RunConfig, load_config
 from k3train.errors import RunDirError
+# the module, not its function: ``loop.train`` looked up at call time stays patchable in tests
+from k3train.trainer import loop
 from k3train.trainer.plots import plot_loss_curves, plot_metric_curves
 from k3train.sweep.spec import Sweep, Variant
 from k3train.sweep.results import format_cell, collect_result, unfinished_progress, write_results
@@ -284,8 +286,6 @@ def run_sweep(path: str | Path, out: str | Path | None = None, extra: list[str] 
     once in subprocesses); returns the result rows. ``collect``: train nothing, tabulate the
     variants already finished in ``out`` (results brought back from other machines or runs)
     and name the ones that are not."""
-    from k3train.trainer import loop  # attribute lookup at call time keeps ``loop.train`` patchable
-
     if jobs < 1:
         raise ConfigError(f"--jobs must be >= 1, got {jobs}")
     sweep = load_sweep(path)

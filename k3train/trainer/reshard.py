@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from k3train.errors import CheckpointError
+from moe import GroupedExperts
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,6 @@ def global_names(model: nn.Module) -> dict[str, str]:
 
 
 def _expert_modules(model: nn.Module) -> dict[str, nn.Module]:
-    from moe import GroupedExperts
 
     return {name: mod for name, mod in model.named_modules() if isinstance(mod, GroupedExperts)}
 

@@ -130,7 +130,7 @@ class TrainState:
         norm = self.grads.global_grad_norm()
         # One host read per step: the skip decision must be known before the update. Whether
         # clipping scales anything (the clip factor < 1) comes in the same read, so unclipped
-        # steps skip a pass over every gradient (~2 ms per k3_mini step on an H200).
+        # steps skip a pass over every gradient.
         max_norm = self.cfg.train.grad_clip
         finite, clips = torch.stack([torch.isfinite(norm) & torch.isfinite(total),
                                      norm + 1e-6 > max_norm]).tolist()
@@ -188,7 +188,7 @@ class TrainState:
         def step_kernels():
             loss = self._forward_backward(batch)
             # The optimizer's kernels too (Muon's Newton-Schulz GEMM, one compile and autotune
-            # per matrix shape): left out, they compiled one by one in step 1 (issue 22).
+            # per matrix shape): left out, they compiled one by one in step 1.
             warm = getattr(self.optimizer, "warm_kernels", None)
             if warm is not None:
                 warm()

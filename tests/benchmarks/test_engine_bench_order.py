@@ -1,6 +1,5 @@
 """benchmarks/bench_engine_overhead.py's round order: a seeded shuffle per round, so that no
 runner (the A/A control included) always steps first or always follows the same runner."""
-import sys
 from collections import Counter
 from pathlib import Path
 

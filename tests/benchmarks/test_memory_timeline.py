@@ -1,6 +1,5 @@
 """benchmarks/memory_timeline.py: the profiler's memory timeline read at its peak (what
 bench_memory_plan --timeline reports on a GPU), checked on CPU against known allocations."""
-import sys
 from pathlib import Path
 
 import pytest

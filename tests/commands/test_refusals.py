@@ -1,11 +1,11 @@
 """One-line refusals: the CLI prints every K3TrainError as ``k3train: error: ...`` and keeps the
-traceback of everything else (issue 26 item 6)."""
+traceback of everything else."""
 import pytest
 
 from k3train.cli import main as cli_main
 from k3train.config import ConfigError
 from k3train.errors import CheckpointError, DataError, K3TrainError, LayoutError, TrainingStopped
-from tests.trainer.test_train import SMALL
+from tests.helpers import SMALL
 
 TRAIN = ["train", "--config", "configs/k3_tiny.yaml", *SMALL]
 

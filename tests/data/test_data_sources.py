@@ -146,7 +146,7 @@ def test_mixture_config_is_checked():
 @pytest.mark.slow
 def test_mixture_run_resumes_exactly_from_its_checkpoint(tmp_path):
     from k3train.trainer.loop import train
-    from tests.trainer.test_train import SMALL
+    from tests.helpers import SMALL
 
     from k3train.data import embedded_documents
 

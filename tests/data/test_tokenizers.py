@@ -12,11 +12,11 @@ import pytest
 from k3train.cli import main as cli_main
 from k3train.config import load_config
 from k3train.data import TokenSource, embedded_documents, load_tokenizer, prepare_data
-from k3train.data.tokenizer_files import write_tiktoken, train_sentencepiece
+from benchmarks.tokenizer_files import write_tiktoken, train_sentencepiece
 from k3train.data.train_tokenizer import train_bpe
 from k3train.errors import DataError
 from k3train.trainer.data import build_data
-from tests.trainer.test_train import SMALL
+from tests.helpers import SMALL
 
 # Varied Unicode: accents, emoji with ZWJ sequences and skin tones, CJK, combining marks, RTL,
 # NUL and other controls, surrogate-adjacent and the last code point, special-token text.

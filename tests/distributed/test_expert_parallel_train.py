@@ -1,8 +1,8 @@
 """`k3train train` with expert parallelism (gloo ranks) follows the single-process run."""
 import pytest
 
-from tests.distributed.test_pipeline_train import STEPS, _losses, _train_rank
-from tests.trainer.test_train import _cfg
+from tests.distributed.helpers import STEPS, read_losses, train_rank
+from tests.helpers import small_cfg
 from k3train.trainer.loop import train
 from tests.multiproc import run_multiprocess
 
@@ -17,7 +17,7 @@ def test_expert_parallel_training_matches_single_process(tmp_path, overrides):
     world = 4 if "parallel.pp=2" in overrides else 2
     base = [o for o in overrides if o.startswith("train.")]
     # EP=2 here means DP=2: the reference sees both ranks' micro-batches as one batch of 8.
-    train(_cfg(*STEPS, *base, "train.micro_batch_size=8"), tmp_path / "ref")
-    run_multiprocess(_train_rank, world, tmp_path / "ep", overrides)
-    ref, got = _losses(tmp_path / "ref"), _losses(tmp_path / "ep")
+    train(small_cfg(*STEPS, *base, "train.micro_batch_size=8"), tmp_path / "ref")
+    run_multiprocess(train_rank, world, tmp_path / "ep", overrides)
+    ref, got = read_losses(tmp_path / "ref"), read_losses(tmp_path / "ep")
     assert got == pytest.approx(ref, rel=1e-4, abs=1e-5)

@@ -4,18 +4,9 @@ import json
 import pytest
 
 from k3train.trainer.loop import train
-from tests.trainer.test_train import _cfg
+from tests.helpers import small_cfg
 from tests.multiproc import run_multiprocess
-
-STEPS = ["train.steps=3", "train.log_interval=1", "train.eval_interval=3", "model.num_layers=8"]
-
-
-def _losses(run_dir):
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _train_rank(rank, world_size, run_dir, overrides):
-    train(_cfg(*STEPS, *overrides), run_dir)
+from tests.distributed.helpers import STEPS, read_losses, train_rank
 
 
 @pytest.mark.parametrize("overrides, world", [
@@ -30,9 +21,9 @@ def test_pipeline_training_matches_single_process(tmp_path, overrides, world):
     base = [o for o in overrides if not o.startswith(("parallel.", "pipeline."))]
     dp = world // 2
     ref_overrides = [*base, f"train.micro_batch_size={4 * dp}"] if dp > 1 else base
-    train(_cfg(*STEPS, *ref_overrides), tmp_path / "ref")
-    run_multiprocess(_train_rank, world, tmp_path / "pp", overrides)
-    ref, got = _losses(tmp_path / "ref"), _losses(tmp_path / "pp")
+    train(small_cfg(*STEPS, *ref_overrides), tmp_path / "ref")
+    run_multiprocess(train_rank, world, tmp_path / "pp", overrides)
+    ref, got = read_losses(tmp_path / "ref"), read_losses(tmp_path / "pp")
     assert len(ref) == len(got) == 3
     # fp32; gradients sum in a different order, and three AdamW steps amplify that a little.
     assert got == pytest.approx(ref, rel=1e-4, abs=1e-5)
@@ -45,8 +36,8 @@ def test_checkpoint_survives_a_data_parallel_resize(tmp_path, capsys):
     """Saved by DP=2 (two gloo ranks), resumed by one process: the replicated state loads."""
     from k3train.trainer.checkpoint import latest_checkpoint
 
-    run_multiprocess(_train_rank, 2, tmp_path, ["train.steps=4"])
-    summary = train(_cfg(*STEPS, "train.steps=6"), tmp_path, resume=True, stop_at=5)
+    run_multiprocess(train_rank, 2, tmp_path, ["train.steps=4"])
+    summary = train(small_cfg(*STEPS, "train.steps=6"), tmp_path, resume=True, stop_at=5)
     assert "resumed from" in capsys.readouterr().out and summary["steps"] == 5
     manifest = json.loads((latest_checkpoint(tmp_path / "checkpoints") / "manifest.json").read_text())
     assert manifest["optim_step"] == 5, "the optimizer state of the DP=2 run must have been loaded"
@@ -79,7 +70,7 @@ def _train_rank_saving_plots(rank, world_size, run_dir, overrides):
     import k3train.trainer.report as report
 
     report.plot_expert_load_heatmap, report.plot_attnres_depth_heatmap = _save_plot_inputs(run_dir)
-    train(_cfg(*MOE_STEPS, *overrides), run_dir)
+    train(small_cfg(*MOE_STEPS, *overrides), run_dir)
 
 
 @pytest.mark.slow
@@ -105,7 +96,7 @@ def test_moe_metrics_and_plots_cover_every_rank(tmp_path, monkeypatch, overrides
     loads, depth = _save_plot_inputs(ref)
     monkeypatch.setattr(report, "plot_expert_load_heatmap", loads)
     monkeypatch.setattr(report, "plot_attnres_depth_heatmap", depth)
-    train(_cfg(*MOE_STEPS, *ref_overrides), ref)
+    train(small_cfg(*MOE_STEPS, *ref_overrides), ref)
     run_multiprocess(_train_rank_saving_plots, 2, run, overrides)
     want, got = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
                  for d in (ref, run)]

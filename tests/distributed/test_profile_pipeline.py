@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from tests.trainer.test_train import SMALL
+from tests.helpers import SMALL
 
 
 @pytest.mark.slow

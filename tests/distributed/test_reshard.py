@@ -13,7 +13,7 @@ import torch
 
 from k3train.trainer.loop import train
 from k3train.trainer.state_io import consolidated_state
-from tests.trainer.test_train import _cfg
+from tests.helpers import small_cfg
 from tests.multiproc import run_multiprocess
 
 STEPS = ["train.steps=4", "train.log_interval=1", "train.eval_interval=100", "checkpoint.interval=2",
@@ -26,7 +26,7 @@ def _losses(run_dir) -> dict[int, float]:
 
 
 def _run(run_dir, overrides, resume, stop_at):
-    train(_cfg(*STEPS, *overrides), run_dir, resume=resume, stop_at=stop_at)
+    train(small_cfg(*STEPS, *overrides), run_dir, resume=resume, stop_at=stop_at)
 
 
 def _rank(rank, world_size, run_dir, overrides, resume, stop_at):

@@ -5,7 +5,7 @@ import torch.distributed as dist
 
 from k3train.runtime.distributed import init_distributed
 from k3train.model.model import build_model
-from tests.model.test_model import _tiny_cfg
+from tests.helpers import tiny_cfg
 from tests.multiproc import run_multiprocess
 
 
@@ -24,7 +24,7 @@ def _full_grads(model, tp):
 
 def _loss_and_grads(tp, attnres):
     init_distributed(tp=tp)
-    cfg = _tiny_cfg(f"model.attnres.enabled={attnres}", "model.layer_pattern=KM")
+    cfg = tiny_cfg(f"model.attnres.enabled={attnres}", "model.layer_pattern=KM")
     model = build_model(cfg).double()
     torch.manual_seed(5)
     tokens = torch.randint(0, 257, (2, 13))

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.trainer.test_train import SMALL
+from tests.helpers import SMALL
 
 KEYS = ("loss", "lr", "tokens_per_s")
 

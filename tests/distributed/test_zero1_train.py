@@ -2,8 +2,8 @@
 import pytest
 
 from k3train.trainer.loop import train
-from tests.distributed.test_pipeline_train import STEPS, _losses, _train_rank
-from tests.trainer.test_train import _cfg
+from tests.distributed.helpers import STEPS, read_losses, train_rank
+from tests.helpers import small_cfg
 from tests.multiproc import run_multiprocess
 
 
@@ -16,7 +16,7 @@ from tests.multiproc import run_multiprocess
 def test_sharded_optimizer_training_matches_single_process(tmp_path, overrides, world):
     base = [o for o in overrides if o.startswith(("train.", "optim."))]
     ref_base = [o for o in base if o != "optim.zero1=true"]
-    train(_cfg(*STEPS, *ref_base, "train.micro_batch_size=8"), tmp_path / "ref")
-    run_multiprocess(_train_rank, world, tmp_path / "zero1", overrides)
-    ref, got = _losses(tmp_path / "ref"), _losses(tmp_path / "zero1")
+    train(small_cfg(*STEPS, *ref_base, "train.micro_batch_size=8"), tmp_path / "ref")
+    run_multiprocess(train_rank, world, tmp_path / "zero1", overrides)
+    ref, got = read_losses(tmp_path / "ref"), read_losses(tmp_path / "zero1")
     assert got == pytest.approx(ref, rel=1e-4, abs=1e-5)

@@ -6,7 +6,7 @@ from k3train.runtime.distributed import init_distributed, shutdown_distributed
 from k3train.infer.cache import CachedModel, cache_bytes_per_token
 from k3train.infer.generate import sample_next
 from k3train.model.model import build_model
-from tests.trainer.test_train import _cfg
+from tests.helpers import small_cfg
 
 
 @pytest.fixture(params=["channel", "head"], ids=["kda_gate", "head_gate"])
@@ -16,7 +16,7 @@ def model64(request):
         # KDA chunks of 8 tokens: a 21-token prompt and its continuation cross several chunk
         # boundaries, both inside the prefill and during decode. Block AttnRes on, MoE layers on.
         # Both forget gates: KDA's per channel and the per-head (Gated DeltaNet) one.
-        model = build_model(_cfg("model.kda.chunk_size=8", "moe.dispatcher=local",
+        model = build_model(small_cfg("model.kda.chunk_size=8", "moe.dispatcher=local",
                                  f"model.kda.gate={request.param}")).double().eval()
         yield model
     finally:
@@ -64,14 +64,14 @@ def test_generate_command_greedy_equals_argmax_of_full_forwards(tmp_path, capsys
     from k3train.trainer.loop import train
     from k3train.trainer.state_io import consolidated_state
 
-    train(_cfg("train.steps=1"), tmp_path)
+    train(small_cfg("train.steps=1"), tmp_path)
     capsys.readouterr()
     assert cli_main(["generate", "--checkpoint", str(tmp_path / "checkpoints"), "--prompt", "The quick",
                      "--max-new-tokens", "6", "--temperature", "0", "--device", "cpu"]) == 0
     text = capsys.readouterr().out.rstrip("\n")
     init_distributed()
     try:
-        model = build_model(_cfg("moe.dispatcher=local")).eval()
+        model = build_model(small_cfg("moe.dispatcher=local")).eval()
         model.load_state_dict(consolidated_state(latest_checkpoint(tmp_path / "checkpoints"))["model"], strict=False)
         ids = list(b"The quick")
         with torch.no_grad():

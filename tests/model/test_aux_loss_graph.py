@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 
 from k3train.model.model import build_model
-from tests.model.test_model import _tiny_cfg
+from tests.helpers import tiny_cfg
 
 
 def _run(balancing: str):
-    cfg = _tiny_cfg("model.layer_pattern=KM", "model.dense_layers=1", f"moe.balancing={balancing}")
+    cfg = tiny_cfg("model.layer_pattern=KM", "model.dense_layers=1", f"moe.balancing={balancing}")
     torch.manual_seed(0)
     model = build_model(cfg)
     inputs = {}

@@ -6,7 +6,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from k3train.config import load_config
 from k3train.model.attnres import DepthAttention
 from k3train.model.ffn import SiTUGLU
 from k3train.model.kda_layer import KimiDeltaAttention
@@ -14,6 +13,7 @@ from k3train.model.layer import K3Layer
 from k3train.model.mla import GatedMLA
 from k3train.model.model import K3Chunk, build_model, produced_blocks
 from pipeline.stage_io import StageIO
+from tests.helpers import tiny_cfg
 
 TIGHT = dict(rtol=1e-10, atol=1e-10)
 
@@ -76,7 +76,7 @@ def test_kda_layer_gradients_match_token_loop(world1):
 
 
 def test_attnres_embedding_joins_the_blocks_in_the_autocast_dtype(world1):
-    cfg = _tiny_cfg("model.attnres.enabled=true")
+    cfg = tiny_cfg("model.attnres.enabled=true")
     chunk = K3Chunk(cfg, 0, 1, first=True, last=False)
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 5))
     assert chunk.embed_tokens(tokens).blocks[0].dtype == torch.float32
@@ -179,18 +179,9 @@ def test_standard_residual_layer():
     torch.testing.assert_close(out.hidden, ref, **TIGHT)
 
 
-def _tiny_cfg(*extra):
-    return load_config(None, [
-        "model.hidden_size=32", "model.num_layers=4", "model.kda.num_heads=2", "model.kda.head_dim=8",
-        "model.mla.num_heads=2", "model.mla.q_lora_rank=16", "model.mla.kv_lora_rank=16",
-        "model.mla.qk_nope_head_dim=8", "model.mla.qk_rope_head_dim=4", "model.mla.v_head_dim=8",
-        "model.ffn.intermediate_size=32", "moe.num_experts=4", "moe.latent_size=16",
-        "moe.expert_ffn_size=16", "moe.shared_ffn_size=16", *extra])
-
-
 @pytest.mark.parametrize("attnres", [True, False], ids=["attnres", "standard"])
 def test_chunks_compose_to_the_whole_model(world1, attnres):
-    cfg = _tiny_cfg(f"model.attnres.enabled={attnres}", "model.attnres.block_size=1")
+    cfg = tiny_cfg(f"model.attnres.enabled={attnres}", "model.attnres.block_size=1")
     tokens = torch.randint(0, 257, (2, 9))
     whole = build_model(cfg)
     first, second = K3Chunk(cfg, 0, 3, True, False), K3Chunk(cfg, 3, 4, False, True)
@@ -203,7 +194,7 @@ def test_chunks_compose_to_the_whole_model(world1, attnres):
 
 
 def test_layer_pattern_places_mixers(world1):
-    cfg = _tiny_cfg("model.layer_pattern=KM+MK")
+    cfg = tiny_cfg("model.layer_pattern=KM+MK")
     kinds = [type(layer.mixer).__name__ for layer in build_model(cfg).layers]
     assert kinds == ["KimiDeltaAttention", "GatedMLA", "GatedMLA", "KimiDeltaAttention"]
 
@@ -211,7 +202,7 @@ def test_layer_pattern_places_mixers(world1):
 def test_parameter_counts_of_chunks_add_up_to_the_model(world1):
     from k3train.model.info import count_parameters
 
-    cfg = _tiny_cfg("model.layer_pattern=KM")
+    cfg = tiny_cfg("model.layer_pattern=KM")
     whole = count_parameters(build_model(cfg), cfg.moe.topk, cfg.moe.num_experts)
     parts = [count_parameters(K3Chunk(cfg, *r, first=r[0] == 0, last=r[1] == 4), cfg.moe.topk,
                               cfg.moe.num_experts) for r in ((0, 1), (1, 4))]

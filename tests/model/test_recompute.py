@@ -18,7 +18,7 @@ from k3train.model.model import K3Chunk, build_model
 from k3train.trainer.state import TrainState
 from pipeline import PipelineEngine, PipelineLayout
 from k3train.model.model import produced_blocks
-from tests.model.test_model import _tiny_cfg
+from tests.helpers import tiny_cfg
 from tests.multiproc import run_multiprocess
 
 EXACT = dict(rtol=0, atol=0)
@@ -27,7 +27,7 @@ MODES = ["selective", "full"]
 
 def _cfg(mode: str, attnres: bool, *extra):
     # KDA and MLA layers, one dense SiTU-GLU layer then MoE layers; AttnRes blocks of 2 layers.
-    return _tiny_cfg("model.layer_pattern=KM", "model.dense_layers=1",
+    return tiny_cfg("model.layer_pattern=KM", "model.dense_layers=1",
                      f"model.attnres.enabled={attnres}", "model.attnres.block_size=2",
                      f"train.recompute={mode}", *extra)
 

@@ -10,43 +10,13 @@ the standard residual's bytes; and selective/full keep less than none.
 from __future__ import annotations
 
 import pytest
-import torch
 
-from k3train.model.model import build_model
-from tests.model.test_model import _tiny_cfg
-
-
-class SavedBytes:
-    """Bytes of the distinct non-parameter storages saved for backward while active."""
-
-    def __init__(self, params=()):
-        self.params = {p.untyped_storage().data_ptr() for p in params}
-        self.storages: dict[int, int] = {}
-
-    def pack(self, t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in self.params:
-            self.storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    @property
-    def total(self) -> int:
-        return sum(self.storages.values())
-
-
-def saved_bytes(cfg, batch: int = 2, seq: int = 32) -> int:
-    """Activation bytes one training forward of ``cfg``'s whole model keeps (CPU, fp32)."""
-    model = build_model(cfg)
-    tokens = torch.randint(0, cfg.model.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
-    saved = SavedBytes(model.parameters())
-    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-        loss = model(tokens[:, :-1], tokens[:, 1:])
-    loss.backward()
-    return saved.total
+from tests.helpers import tiny_cfg
+from tests.helpers import saved_bytes
 
 
 def _cfg(mode, attnres, *extra):
-    return _tiny_cfg("model.layer_pattern=KM", "model.dense_layers=1", "model.num_layers=8",
+    return tiny_cfg("model.layer_pattern=KM", "model.dense_layers=1", "model.num_layers=8",
                      "model.hidden_size=64", f"model.attnres.enabled={attnres}",
                      "model.attnres.block_size=2", f"train.recompute={mode}", *extra)
 

@@ -12,18 +12,18 @@ import torch
 import torch.distributed as dist
 
 from moe import GroupedAllToAllDispatcher
-from tests.moe.test_dispatch_a2a import E, HIDDEN, K, TOL, _check_case, _ep_model, _full_model
+from tests.moe.helpers import E, HIDDEN, K, TOL, check_case, ep_model, full_model
 from tests.multiproc import run_multiprocess
 
 
 def _static_vs_dynamic(group, n: int, seed: int) -> None:
     """Same weights and tokens through a dynamic and a static (c = E/k: C = N, so no expert
     can overflow) dispatcher: identical outputs, input and parameter gradients, 0 dropped."""
-    full = _full_model()
+    full = full_model()
     x = torch.randn(n, HIDDEN, generator=torch.Generator().manual_seed(seed))
     results = []
     for cf in (None, E / K):
-        moe = _ep_model(full, GroupedAllToAllDispatcher(E, group, capacity_factor=cf))
+        moe = ep_model(full, GroupedAllToAllDispatcher(E, group, capacity_factor=cf))
         xi = x.clone().requires_grad_(True)
         y = moe(xi)
         (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
@@ -50,8 +50,8 @@ def _fused_ep_job(rank: int, world: int) -> None:
     pair_ranks = [0, 1] if rank < 2 else [2, 3]
     for ranks, group, uneven, n in [(list(range(world)), None, [5, 9, 0, 7], 6),
                                     (pair_ranks, pairs[rank // 2], [6, 3], 7)]:
-        _check_case(group, ranks, uneven, None, expect_drops=False)
-        _check_case(group, ranks, [n] * len(ranks), 0.5, expect_drops=True)
+        check_case(group, ranks, uneven, None, expect_drops=False)
+        check_case(group, ranks, [n] * len(ranks), 0.5, expect_drops=True)
         _static_vs_dynamic(group, n, seed=rank)
 
 
@@ -78,10 +78,10 @@ def test_ep1_makes_no_host_read_in_either_mode(cf):
     """At EP=1 nothing is exchanged, so neither mode reads the counts on the host (a layer
     step can be captured in a CUDA graph); the experts get the same rows as LocalDispatcher's
     (dynamic) or fixed blocks of C rows (static)."""
-    from moe.host_reads import count_host_reads
+    from benchmarks.host_reads import count_host_reads
 
-    full = _full_model()
-    moe = _ep_model(full, GroupedAllToAllDispatcher(E, capacity_factor=cf))
+    full = full_model()
+    moe = ep_model(full, GroupedAllToAllDispatcher(E, capacity_factor=cf))
     x = torch.randn(10, HIDDEN, requires_grad=True)
     with count_host_reads() as reads:
         moe(x).sum().backward()

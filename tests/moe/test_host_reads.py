@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from moe.host_reads import count_host_reads
+from benchmarks.host_reads import count_host_reads
 
 
 def _read_twice(t: torch.Tensor) -> None:

@@ -1,4 +1,4 @@
-"""The compiled RMSNorm is not recompiled per autocast state (issue 22: k3_mini's first step hit
+"""The compiled RMSNorm is not recompiled per autocast state (k3_mini's first step hit
 Dynamo's recompile limit for ``rms_norm_eager`` because autocast state is a guard).
 
 Run on CPU with Dynamo's ``eager`` backend: the guards and the graph count are Dynamo's, the

@@ -76,8 +76,6 @@ def test_writing_merges_with_the_file_for_the_same_gpu(tmp_path, fresh):
 
 def test_the_pruning_hook_keeps_only_the_pick(tmp_path, fresh):
     triton = pytest.importorskip("triton")
-    from k3train.ops.triton_compile import configure_autotune
-
     @triton.jit
     def scale(x, N, BK: triton.language.constexpr):
         pass
@@ -89,7 +87,7 @@ def test_the_pruning_hook_keeps_only_the_pick(tmp_path, fresh):
     done = _tuner({(128, "torch.bfloat16"): configs[1]})
     done.fn = tuner  # same kernel: the autotuner's own function
     path = ap.write_picks(tmp_path / "picks.json", device_name=GPU, tuners=[done])
-    configure_autotune()
+    kernels.configure_triton()
     with kernels.using(autotune="full", autotune_picks=str(path)):
         assert tuner.prune_configs({}) == [configs[1]]
     with kernels.using(autotune="full", autotune_picks="none"):

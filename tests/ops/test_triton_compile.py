@@ -93,7 +93,7 @@ def test_progress_reports_finished_compiles():
 
 def test_progress_line_names_the_pending_kernels_then_the_pass():
     """Pending compiles are named by kernel with their candidate counts, most first; once all
-    have finished, the line says the pass itself is what is still running (issue 22: a bare
+    have finished, the line says the pass itself is what is still running (a bare
     "140/140 Triton compiles done" sat on screen for minutes)."""
     from concurrent.futures import Future
 
@@ -160,7 +160,7 @@ def test_autotuning_is_announced_once_per_kernel(capsys):
 def test_launch_from_another_thread_compiles_in_the_pool(monkeypatch):
     """The autograd engine runs CUDA backward in its own thread, where Triton's async-compile
     mode (a ContextVar) is unset: the compile pass must submit those launches to its pool too,
-    not compile them one by one in that thread (issue 22), and leave the thread's state as it was."""
+    not compile them one by one in that thread, and leave the thread's state as it was."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 

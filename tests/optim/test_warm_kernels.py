@@ -13,7 +13,7 @@ import optim.muon as muon_mod
 import optim.sharded as sharded_mod
 from optim import build_optimizer
 from optim.sharded import ShardedOptimizer
-from tests.optim.test_sharded import EXPERT_SHAPES, HP, SHAPES, grads_for, make_table, set_grads
+from tests.optim.helpers import EXPERT_SHAPES, HP, SHAPES, grads_for, make_table, set_grads
 
 # Two matrices of one shape (batched together), a per-head split, a 3-D stack, a tall matrix.
 WARM_SHAPES = {**SHAPES, **EXPERT_SHAPES, "mlp2.up.weight": (24, 8)}

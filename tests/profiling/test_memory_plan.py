@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import pytest
 
-from k3train.config import load_config
 from k3train.profiling.memory_plan import plan_memory
-from tests.model.test_model import _tiny_cfg
-from tests.model.test_recompute_memory import saved_bytes
+from tests.helpers import tiny_cfg
+from tests.helpers import saved_bytes
 
 B, T = 2, 32
 
 
 def _cfg(pattern, dense, attnres, mode, *extra):
-    return _tiny_cfg(f"model.layer_pattern={pattern}", "model.num_layers=4", f"model.dense_layers={dense}",
+    return tiny_cfg(f"model.layer_pattern={pattern}", "model.num_layers=4", f"model.dense_layers={dense}",
                      "model.hidden_size=64", "model.kda.head_dim=16", "model.mla.q_lora_rank=32",
                      "model.ffn.intermediate_size=128", "moe.latent_size=32", "moe.expert_ffn_size=32",
                      "moe.shared_ffn_size=64", "moe.topk=2", "model.kda.chunk_size=16",

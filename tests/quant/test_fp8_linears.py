@@ -14,7 +14,7 @@ from k3train.ops.layers import ColumnLinear, RowLinear
 from k3train.model.model import build_model
 from k3train.quant.recipes import DEFAULT_SCOPES, _apply_fp8, fp8_linear_config, select_scope
 
-from tests.trainer.test_train import SMALL
+from tests.helpers import SMALL
 
 float8 = pytest.importorskip("torchao.float8")
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402

@@ -22,12 +22,12 @@ from k3train.trainer.state_io import consolidated_state
 from k3train.trainer.loop import train
 from moe import GroupedExperts
 
-from tests.trainer.test_train import SMALL
+from tests.helpers import SMALL
 
 MOE_LAYERS = (1, 2, 3)  # SMALL: 4 layers, the first dense
 
 
-def _cfg(*extra):
+def small_cfg(*extra):
     return load_config("configs/k3_tiny.yaml", [*SMALL, "train.device=cpu", *extra])
 
 
@@ -36,7 +36,7 @@ def _scope(*patterns):
 
 
 def test_default_scope_is_exactly_the_routed_experts(world1):
-    model = build_model(_cfg("precision.recipe=mxfp4_qat"))
+    model = build_model(small_cfg("precision.recipe=mxfp4_qat"))
     assert model.quantized == [f"layers.{i}.ffn.experts" for i in MOE_LAYERS]
     for name, mod in model.named_modules():
         if isinstance(mod, GroupedExperts):
@@ -48,22 +48,22 @@ def test_default_scope_is_exactly_the_routed_experts(world1):
 
 def test_fp32_recipe_builds_the_bf16_model_and_turns_autocast_off(world1):
     torch.manual_seed(0)
-    plain = build_model(_cfg())
+    plain = build_model(small_cfg())
     torch.manual_seed(0)
-    fp32 = build_model(_cfg("precision.recipe=fp32"))
+    fp32 = build_model(small_cfg("precision.recipe=fp32"))
     assert fp32.quantized == []
     for (name, a), (_, b) in zip(plain.named_parameters(), fp32.named_parameters(), strict=True):
         assert torch.equal(a, b), name
     # The trainer's autocast context is the only difference, and on CUDA it is off for fp32.
     from k3train.trainer.state import autocast_for
 
-    assert isinstance(autocast_for(_cfg("precision.recipe=fp32"), torch.device("cuda")), contextlib.nullcontext)
-    assert isinstance(autocast_for(_cfg(), torch.device("cuda")), torch.autocast)
-    assert isinstance(autocast_for(_cfg(), torch.device("cpu")), contextlib.nullcontext)
+    assert isinstance(autocast_for(small_cfg("precision.recipe=fp32"), torch.device("cuda")), contextlib.nullcontext)
+    assert isinstance(autocast_for(small_cfg(), torch.device("cuda")), torch.autocast)
+    assert isinstance(autocast_for(small_cfg(), torch.device("cpu")), contextlib.nullcontext)
 
 
 def test_custom_scope_selects_what_it_names(world1):
-    model = build_model(_cfg("precision.recipe=mxfp8", _scope(r"\.ffn\.shared$", r"^layers\.0\.ffn\.up_proj$")))
+    model = build_model(small_cfg("precision.recipe=mxfp8", _scope(r"\.ffn\.shared$", r"^layers\.0\.ffn\.up_proj$")))
     shared = [f"layers.{i}.ffn.shared.{p}_proj" for i in MOE_LAYERS for p in ("gate", "up", "down")]
     assert sorted(model.quantized) == sorted(shared + ["layers.0.ffn.up_proj"])
     lin = model.get_submodule("layers.1.ffn.shared.gate_proj")
@@ -74,13 +74,13 @@ def test_custom_scope_selects_what_it_names(world1):
     x = torch.randn(2, 5, 64)
     assert torch.equal(up(x), mx_qat_linear(x, up.weight, None, "e4m3", "e4m3"))
     # Checkpoints are interchangeable with the full-precision model.
-    assert model.state_dict().keys() == build_model(_cfg()).state_dict().keys()
+    assert model.state_dict().keys() == build_model(small_cfg()).state_dict().keys()
 
 
 @pytest.mark.parametrize("pattern", [r"\.ffn\.nothing_here$", r"\.ffn\.router$"])
 def test_scope_pattern_selecting_nothing_raises(world1, pattern):
     with pytest.raises(ValueError, match=re.escape(repr(pattern))):
-        build_model(_cfg("precision.recipe=mxfp4_qat", _scope(pattern)))
+        build_model(small_cfg("precision.recipe=mxfp4_qat", _scope(pattern)))
 
 
 def _reference_experts(x, counts, w_gate, w_up, w_down, beta, beta_lin):
@@ -139,8 +139,8 @@ def test_qat_grouped_experts_match_reference_forward_and_ste_grads(path):
 @pytest.mark.slow
 def test_qat_run_learns_and_tracks_fp32(tmp_path):
     run = ["train.steps=30", "train.log_interval=5", "train.eval_interval=30", "optim.warmup_steps=5"]
-    fp32 = train(_cfg(*run), tmp_path / "fp32")
-    qat = train(_cfg(*run, "precision.recipe=mxfp4_qat"), tmp_path / "qat")
+    fp32 = train(small_cfg(*run), tmp_path / "fp32")
+    qat = train(small_cfg(*run, "precision.recipe=mxfp4_qat"), tmp_path / "qat")
     assert qat["last_loss"] < qat["first_loss"] - 1.5
     # Measured on this config (seeds 1234 and 7): final-loss gap 0.0023 and 0.0016 nats.
     assert abs(qat["last_loss"] - fp32["last_loss"]) < 0.05
@@ -151,7 +151,7 @@ def test_fp8_on_cpu_raises_a_clear_error(world1):
     with pytest.raises(ValueError, match=r"CUDA GPU with compute capability >= 8\.9.*pip install"):
         validate_precision(PrecisionConfig(recipe="fp8"), "cpu")
     with pytest.raises(ValueError, match="precision.recipe=fp8 needs a CUDA GPU"):
-        build_model(_cfg("precision.recipe=fp8"))
+        build_model(small_cfg("precision.recipe=fp8"))
 
 
 def _export_cli(argv):
@@ -162,7 +162,7 @@ def _export_cli(argv):
 
 def test_export_round_trip(tmp_path):
     run_dir = tmp_path / "run"
-    train(_cfg("train.steps=3", "precision.recipe=mxfp4_qat"), run_dir)
+    train(small_cfg("train.steps=3", "precision.recipe=mxfp4_qat"), run_dir)
     out = tmp_path / "export"
     assert _export_cli(["--checkpoint", str(run_dir / "checkpoints"), "--out", str(out)]) == 0
     meta = json.loads((out / "export.json").read_text())
@@ -179,7 +179,7 @@ def test_export_round_trip(tmp_path):
         packed += w.numel() // 2 + w.numel() // 32
         bf16 += w.numel() * 2
     # The loaded weights are exactly what the QAT forward multiplies by.
-    model = build_model(_cfg("precision.recipe=mxfp4_qat"))
+    model = build_model(small_cfg("precision.recipe=mxfp4_qat"))
     missing = model.load_state_dict(ckpt, strict=False).missing_keys
     assert all(k.endswith("_extra_state") for k in missing), missing  # megatron's None entries
     for i in MOE_LAYERS:

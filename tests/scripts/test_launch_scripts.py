@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from k3train.trainer.checkpoint import latest_checkpoint, verify_checkpoint
-from tests.trainer.test_train import SMALL
+from tests.helpers import SMALL
 
 LAUNCH = ["bash", "scripts/launch_single_node.sh", "2", "configs/k3_tiny.yaml"]
 

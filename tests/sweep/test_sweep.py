@@ -11,7 +11,7 @@ import k3train.trainer.loop as loop
 from k3train.cli import main as cli_main
 from k3train.config import ConfigError
 from k3train.sweep.runner import expand_seeds, load_sweep, run_sweep, variant_config
-from tests.trainer.test_train import SMALL
+from tests.helpers import SMALL
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -1,4 +1,4 @@
-"""Checkpoint faults: a full disk during a save, malformed manifests (issue 26 items 9 and 11)."""
+"""Checkpoint faults: a full disk during a save, malformed manifests."""
 import errno
 import json
 
@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from k3train.errors import CheckpointError
-from k3train.trainer import checkpoint as ckpt_mod
 from k3train.trainer.checkpoint import latest_checkpoint, save_checkpoint, verify_checkpoint
 from tests.multiproc import run_multiprocess
 

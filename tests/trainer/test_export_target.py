@@ -4,7 +4,6 @@ own previous output is replaced only with ``overwrite=True`` (k3train.runtime.fi
 import os
 
 import pytest
-import torch
 
 from k3train.config import load_config
 from k3train.trainer.run_dir import save_config
@@ -15,7 +14,7 @@ from k3train.runtime.files import OUTPUT_MANIFEST, default_file_mode, output_dir
 from k3train.trainer.checkpoint import save_checkpoint
 from k3train.trainer.export import export_hf_checkpoint, export_mxfp4
 from k3train.trainer.hf_import import import_hf
-from tests.trainer.test_train import _cfg
+from tests.helpers import small_cfg
 
 
 def _listing(root):
@@ -26,7 +25,7 @@ def _listing(root):
 @pytest.fixture
 def run(tmp_path, world1):
     """A run directory as training leaves it: config.yaml, metrics.jsonl, a checkpoint."""
-    cfg = _cfg()
+    cfg = small_cfg()
     run = tmp_path / "run"
     save_config(cfg, run / "config.yaml")
     (run / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')

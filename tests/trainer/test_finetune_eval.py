@@ -12,19 +12,19 @@ from k3train.trainer.checkpoint import latest_checkpoint
 from k3train.trainer.data import build_data
 from k3train.trainer.loop import train
 from k3train.trainer.state_io import consolidated_state
-from tests.trainer.test_train import _cfg
+from tests.helpers import small_cfg
 
 STEPS = ["train.log_interval=1", "train.eval_interval=2"]
 
 
-def _records(run_dir):
+def read_records(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
 def test_init_from_takes_weights_only(tmp_path, capsys):
-    train(_cfg(*STEPS, "train.steps=2"), tmp_path / "base")
-    tuned_cfg = _cfg(*STEPS, "train.steps=1", f"train.init_from={tmp_path / 'base'}", "train.seed=7")
+    train(small_cfg(*STEPS, "train.steps=2"), tmp_path / "base")
+    tuned_cfg = small_cfg(*STEPS, "train.steps=1", f"train.init_from={tmp_path / 'base'}", "train.seed=7")
     train(tuned_cfg, tmp_path / "tuned")
     out = capsys.readouterr().out
     assert "fine-tuning: weights from" in out and "fresh optimizer, lr schedule and data position" in out
@@ -41,7 +41,7 @@ def test_init_from_takes_weights_only(tmp_path, capsys):
             want = model(batch[:, :-1], batch[:, 1:]).item()
     finally:
         shutdown_distributed()
-    assert _records(tmp_path / "tuned")[0]["loss"] == pytest.approx(want, rel=1e-6)
+    assert read_records(tmp_path / "tuned")[0]["loss"] == pytest.approx(want, rel=1e-6)
 
     tuned = latest_checkpoint(tmp_path / "tuned" / "checkpoints")
     manifest = json.loads((tuned / "manifest.json").read_text())
@@ -52,19 +52,19 @@ def test_init_from_takes_weights_only(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_resume_on_other_data_warns_naming_both_sources(tmp_path, capsys):
-    train(_cfg(*STEPS, "train.steps=3"), tmp_path, stop_at=1)
+    train(small_cfg(*STEPS, "train.steps=3"), tmp_path, stop_at=1)
     capsys.readouterr()
-    train(_cfg(*STEPS, "train.steps=3", "data.source=mqar"), tmp_path, resume=True, stop_at=2)
+    train(small_cfg(*STEPS, "train.steps=3", "data.source=mqar"), tmp_path, resume=True, stop_at=2)
     out = capsys.readouterr().out
     assert "WARNING" in out and "trained on data.source=embedded" in out and "reads data.source=mqar" in out
-    train(_cfg(*STEPS, "train.steps=3", "data.source=mqar"), tmp_path, resume=True)
+    train(small_cfg(*STEPS, "train.steps=3", "data.source=mqar"), tmp_path, resume=True)
     assert "WARNING" not in capsys.readouterr().out  # step 2 was saved by the mqar run
 
 
 @pytest.mark.slow
 def test_eval_command_equals_the_trainers_validation_loss(tmp_path, capsys):
-    train(_cfg(*STEPS, "train.steps=2"), tmp_path)
-    val_loss = _records(tmp_path)[-1]["val_loss"]
+    train(small_cfg(*STEPS, "train.steps=2"), tmp_path)
+    val_loss = read_records(tmp_path)[-1]["val_loss"]
     capsys.readouterr()
     assert cli_main(["eval", "--checkpoint", str(tmp_path / "checkpoints"), "--batches", "2",
                      "logging.progress_bar=false"]) == 0

@@ -11,7 +11,7 @@ import torch
 
 from k3train.trainer.loop import train
 from moe import SigmoidTopKRouter
-from tests.trainer.test_train import _cfg
+from tests.helpers import small_cfg
 
 
 def capture_training_routing(monkeypatch) -> dict[int, list[torch.Tensor]]:
@@ -56,7 +56,7 @@ def test_metrics_cover_the_logged_step_and_count_dropped_tokens(tmp_path, monkey
     1-3), and moe/dropped_tokens counts the static dispatcher's overflow (it was always 0)."""
     m, cf, experts, steps = 2, 0.5, 4, 3
     seen = capture_training_routing(monkeypatch)
-    train(_cfg(f"train.steps={steps}", "train.log_interval=3", "train.eval_interval=3",
+    train(small_cfg(f"train.steps={steps}", "train.log_interval=3", "train.eval_interval=3",
                f"train.microbatches={m}", "moe.dispatcher=grouped_a2a", f"moe.capacity_factor={cf}"),
           tmp_path)
     (rec,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

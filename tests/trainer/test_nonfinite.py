@@ -1,4 +1,4 @@
-"""Non-finite guards (issue 26 item 8): no checkpoint with inf/NaN parameters, and a stop message
+"""Non-finite guards: no checkpoint with inf/NaN parameters, and a stop message
 that names a checkpoint that exists. (Config fields refusing inf/NaN: tests/config/test_config.py.)"""
 import pytest
 import torch
@@ -7,7 +7,7 @@ from k3train.errors import TrainingStopped
 from k3train.trainer.checkpoint import latest_checkpoint
 from k3train.trainer.loop import train
 from k3train.trainer.state import TrainState
-from tests.trainer.test_train import _cfg
+from tests.helpers import small_cfg
 
 
 @pytest.mark.slow  # trains 3 tiny steps
@@ -27,7 +27,7 @@ def test_non_finite_parameters_are_never_saved(tmp_path, monkeypatch):
     monkeypatch.setattr(TrainState, "train_step", overflowing_step)
     with pytest.raises(TrainingStopped, match=r"step 3: the parameters hold inf or NaN values, so step 3 was not "
                                               r"saved.*No checkpoint was saved \(checkpoint.interval=0"):
-        train(_cfg("train.steps=3"), tmp_path)
+        train(small_cfg("train.steps=3"), tmp_path)
     assert latest_checkpoint(tmp_path / "checkpoints") is None
     assert not list((tmp_path / "checkpoints").glob("step_*"))
 
@@ -37,7 +37,7 @@ def test_non_finite_parameters_are_never_saved(tmp_path, monkeypatch):
 def test_stop_after_non_finite_steps_names_a_checkpoint_that_exists(tmp_path, monkeypatch, interval):
     monkeypatch.setenv("K3TRAIN_FAULTS", "nan@2,nan@3")
     with pytest.raises(TrainingStopped, match="2 consecutive steps had a non-finite loss") as info:
-        train(_cfg("train.steps=6", "train.max_consecutive_skips=2", f"checkpoint.interval={interval}"), tmp_path)
+        train(small_cfg("train.steps=6", "train.max_consecutive_skips=2", f"checkpoint.interval={interval}"), tmp_path)
     msg = str(info.value)
     if interval == 0:
         assert "No checkpoint was saved (checkpoint.interval=0 saves only at the end" in msg

@@ -8,7 +8,7 @@ from k3train.config import load_config
 from k3train.model.model import build_model
 from k3train.trainer.optimizer import k3_param_rules
 from optim import build_param_table
-from tests.trainer.test_train import SMALL
+from tests.helpers import SMALL
 
 
 def test_k3_table_routes_experts_to_muon_and_gates_to_adamw(world1):

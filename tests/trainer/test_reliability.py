@@ -1,26 +1,24 @@
 """Reliability: non-finite steps, signals, a kill during a save, elastic restart, bad input."""
 import json
-import os
 import signal
 import subprocess
 import sys
 
 import pytest
-import torch
 
 from k3train.cli import main as cli_main
 from k3train.runtime.distributed import check_layout
 from k3train.trainer.checkpoint import latest_checkpoint, verify_checkpoint
 from k3train.trainer.loop import TrainingStopped, train
 from tests.cli_runs import CLI, cli_env as _env, wait_for as _wait_for
-from tests.trainer.test_train import SMALL, _cfg, _records
+from tests.helpers import SMALL, small_cfg, read_records
 
 
 
 def test_injected_nan_step_is_skipped(tmp_path, monkeypatch):
     monkeypatch.setenv("K3TRAIN_FAULTS", "nan@2")
-    train(_cfg("train.steps=4", "train.log_interval=1"), tmp_path)
-    recs = _records(tmp_path)
+    train(small_cfg("train.steps=4", "train.log_interval=1"), tmp_path)
+    recs = read_records(tmp_path)
     assert [r["skipped"] for r in recs] == [0, 1, 0, 0]
     manifest = json.loads((latest_checkpoint(tmp_path / "checkpoints") / "manifest.json").read_text())
     assert manifest["optim_step"] == 3, "the poisoned step must not reach the optimizer"
@@ -29,7 +27,7 @@ def test_injected_nan_step_is_skipped(tmp_path, monkeypatch):
 def test_repeated_nan_stops_with_a_clear_message(tmp_path, monkeypatch):
     monkeypatch.setenv("K3TRAIN_FAULTS", "nan@2,nan@3")
     with pytest.raises(TrainingStopped, match="2 consecutive steps had a non-finite loss"):
-        train(_cfg("train.steps=6", "train.max_consecutive_skips=2"), tmp_path)
+        train(small_cfg("train.steps=6", "train.max_consecutive_skips=2"), tmp_path)
 
 
 @pytest.mark.slow
@@ -58,7 +56,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
     assert ckpt.name == "step_00000002"
     verify_checkpoint(ckpt, world_size=1)
     # The half-written save is ignored and replaced on resume.
-    train(_cfg("train.steps=4", "checkpoint.interval=2"), tmp_path, resume=True)
+    train(small_cfg("train.steps=4", "checkpoint.interval=2"), tmp_path, resume=True)
     assert latest_checkpoint(tmp_path / "checkpoints").name == "step_00000004"
 
 
@@ -66,7 +64,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
 def test_elastic_restart_matches_uninterrupted_run(tmp_path):
     args = ["train.steps=6", "checkpoint.interval=2", "train.log_interval=1"]
     ref = tmp_path / "ref"
-    train(_cfg(*args), ref)
+    train(small_cfg(*args), ref)
     run = tmp_path / "elastic"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
            "--max-restarts", "1", "-m", "k3train", "train", "--config", "configs/k3_tiny.yaml",
@@ -74,8 +72,8 @@ def test_elastic_restart_matches_uninterrupted_run(tmp_path):
     done = subprocess.run(cmd, env=_env(K3TRAIN_FAULTS="crash@5"), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "crashing at step 5" in done.stdout and "resumed from" in done.stdout
-    final = {r["step"]: r["loss"] for r in _records(run)}
-    assert final[6] == _records(ref)[-1]["loss"]
+    final = {r["step"]: r["loss"] for r in read_records(run)}
+    assert final[6] == read_records(ref)[-1]["loss"]
 
 
 @pytest.mark.parametrize("world, tp, pp, ep, message", [

@@ -26,14 +26,14 @@ from k3train.trainer.loop import train
 from k3train.trainer.restore import load_model, resolve_checkpoint, run_config
 from k3train.trainer.state_io import consolidated_state
 from tests.multiproc import run_multiprocess
-from tests.trainer.test_train import _cfg
+from tests.helpers import small_cfg
 
 PP2 = ["parallel.pp=2", "train.microbatches=2", "train.steps=2", "train.log_interval=1",
        "train.eval_interval=100", "checkpoint.interval=2"]
 
 
 def _train_rank(rank, world_size, run_dir):
-    train(_cfg(*PP2), run_dir)
+    train(small_cfg(*PP2), run_dir)
 
 
 def test_a_run_checkpoints_and_step_directory_name_the_same_checkpoint(tmp_path):
@@ -57,7 +57,7 @@ def test_one_process_layout_is_the_default_and_overrides_still_apply(tmp_path):
 
     step = tmp_path / "run" / "checkpoints" / "step_00000002"
     step.mkdir(parents=True)
-    save_config(_cfg("parallel.pp=2", "parallel.vpp=2", "parallel.ep=2"), tmp_path / "run" / "config.yaml")
+    save_config(small_cfg("parallel.pp=2", "parallel.vpp=2", "parallel.ep=2"), tmp_path / "run" / "config.yaml")
     one, _ = run_config(step, one_process=True)
     assert (one.parallel.tp, one.parallel.pp, one.parallel.vpp, one.parallel.ep) == (1, 1, 1, 1)
     kept, _ = run_config(step, one_process=False)

@@ -1,6 +1,5 @@
 """Run-directory guarantees (docs/run_directory.md): a fresh run never mixes with an old one,
 --overwrite archives, --resume never silently starts over, a refused resume changes nothing."""
-import json
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ from k3train.errors import CheckpointError, RunDirError
 from k3train.trainer.checkpoint import latest_checkpoint, save_checkpoint, verify_checkpoint
 from k3train.trainer.loop import train
 from k3train.trainer.run_dir import plan_run_dir
-from tests.trainer.test_train import SMALL, _cfg, _records
+from tests.helpers import SMALL, small_cfg, read_records
 
 LAYOUT = {"world_size": 1, "rank": 0, "local_rank": 0, "tp": 1, "pp": 1, "vpp": 1, "ep": 1, "dp": 1, "zero1": False}
 
@@ -23,10 +22,10 @@ def _snapshot(run_dir):
 
 @pytest.mark.slow  # trains a tiny model (about 10-30 s on two shared cores)
 def test_fresh_run_in_a_used_directory_refuses_and_changes_nothing(tmp_path, capsys):
-    train(_cfg("train.steps=2", "train.log_interval=1"), tmp_path)
+    train(small_cfg("train.steps=2", "train.log_interval=1"), tmp_path)
     before = _snapshot(tmp_path)
     with pytest.raises(RunDirError, match=r"already holds a run .*pass --resume .* or --overwrite"):
-        train(_cfg("train.steps=2"), tmp_path)
+        train(small_cfg("train.steps=2"), tmp_path)
     # The CLI says the same in one line, exit status 2.
     rc = cli_main(["train", "--config", "configs/k3_tiny.yaml", "--run-dir", str(tmp_path), *SMALL, "train.steps=2"])
     err = capsys.readouterr().err
@@ -50,49 +49,49 @@ def test_prune_keeps_the_checkpoint_just_saved(tmp_path):
 
 @pytest.mark.slow  # trains a tiny model (about 10-30 s on two shared cores)
 def test_overwrite_archives_the_old_run_and_starts_over(tmp_path):
-    train(_cfg("train.steps=4", "checkpoint.interval=2", "train.log_interval=1"), tmp_path)
+    train(small_cfg("train.steps=4", "checkpoint.interval=2", "train.log_interval=1"), tmp_path)
     old = _snapshot(tmp_path)
-    train(_cfg("train.steps=2", "train.log_interval=1"), tmp_path, overwrite=True)
+    train(small_cfg("train.steps=2", "train.log_interval=1"), tmp_path, overwrite=True)
     (archive,) = (tmp_path / "archive").iterdir()
     # Everything of the old run is in the archive, byte for byte; nothing of it is left outside.
     assert _snapshot(archive) == old
-    assert [r["step"] for r in _records(tmp_path)] == [1, 2]
+    assert [r["step"] for r in read_records(tmp_path)] == [1, 2]
     assert latest_checkpoint(tmp_path / "checkpoints").name == "step_00000002"
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000002"]
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["train"]["steps"] == 2
     with pytest.raises(RunDirError, match="exclude each other"):
-        train(_cfg("train.steps=2"), tmp_path, resume=True, overwrite=True)
+        train(small_cfg("train.steps=2"), tmp_path, resume=True, overwrite=True)
 
 
 @pytest.mark.slow
 def test_resume_without_latest_takes_the_newest_checkpoint_that_verifies(tmp_path, capsys):
     args = ["train.steps=6", "checkpoint.interval=2", "checkpoint.keep_last=3", "train.log_interval=1"]
     ref = tmp_path / "ref"
-    train(_cfg(*args), ref)
+    train(small_cfg(*args), ref)
     run = tmp_path / "run"
-    train(_cfg(*args), run, stop_at=4)  # checkpoints at steps 2 and 4
+    train(small_cfg(*args), run, stop_at=4)  # checkpoints at steps 2 and 4
     (run / "checkpoints" / "latest").unlink()
     shard = run / "checkpoints" / "step_00000004" / "rank_00000.pt"
     shard.write_bytes(shard.read_bytes()[:-7])  # the newest one no longer verifies
     capsys.readouterr()
-    train(_cfg(*args), run, resume=True)
+    train(small_cfg(*args), run, resume=True)
     out = capsys.readouterr().out
     assert "resuming from step_00000002, the newest checkpoint that verifies" in out
     assert "skipped: step_00000004" in out and "starting from step 0" not in out
     # Resumed at step 2, the run ends where the uninterrupted one did, bit for bit.
-    final = {r["step"]: r["loss"] for r in _records(run)}
-    assert final[6] == _records(ref)[-1]["loss"]
+    final = {r["step"]: r["loss"] for r in read_records(run)}
+    assert final[6] == read_records(ref)[-1]["loss"]
 
 
 @pytest.mark.slow  # trains a tiny model (about 10-30 s on two shared cores)
 def test_resume_with_nothing_that_verifies_refuses_and_keeps_the_run(tmp_path):
-    train(_cfg("train.steps=2", "train.log_interval=1"), tmp_path)
+    train(small_cfg("train.steps=2", "train.log_interval=1"), tmp_path)
     (tmp_path / "checkpoints" / "latest").unlink()
     (tmp_path / "checkpoints" / "step_00000002" / "manifest.json").unlink()
     before = _snapshot(tmp_path)
     with pytest.raises(CheckpointError, match=r"no checkpoint in .* verifies: step_00000002: .*no manifest.json"
                                               r".*refusing to start over.*--overwrite"):
-        train(_cfg("train.steps=2"), tmp_path, resume=True)
+        train(small_cfg("train.steps=2"), tmp_path, resume=True)
     assert _snapshot(tmp_path) == before  # metrics.jsonl and the step directory are untouched
 
 
@@ -105,11 +104,11 @@ def test_resume_of_an_empty_directory_starts_at_step_zero(tmp_path):
 
 @pytest.mark.slow  # trains a tiny model (about 10-30 s on two shared cores)
 def test_refused_resume_keeps_config_yaml_and_says_why_in_one_line(tmp_path, capsys):
-    train(_cfg("train.steps=2"), tmp_path)
+    train(small_cfg("train.steps=2"), tmp_path)
     config = (tmp_path / "config.yaml").read_text()
     with pytest.raises(CheckpointError, match=r"does not fit this run's model .*size mismatch for .*resume with "
                                               r"the config it was saved with"):
-        train(_cfg("train.steps=4", "model.hidden_size=96"), tmp_path, resume=True)
+        train(small_cfg("train.steps=4", "model.hidden_size=96"), tmp_path, resume=True)
     assert (tmp_path / "config.yaml").read_text() == config
     assert yaml.safe_load(config)["model"]["hidden_size"] == 64
     rc = cli_main(["train", "--config", "configs/k3_tiny.yaml", "--run-dir", str(tmp_path), "--resume", *SMALL,
@@ -127,7 +126,7 @@ def test_unusable_run_directory_is_refused_before_training(tmp_path, blocker):
         run.mkdir()
         (run / "checkpoints").write_text("not a directory")
     with pytest.raises(RunDirError, match=rf"{blocker if blocker != 'run_dir' else 'run'} is a file, not a directory"):
-        train(_cfg("train.steps=2"), run)
+        train(small_cfg("train.steps=2"), run)
     assert not (run / "metrics.jsonl").exists() if run.is_dir() else run.read_text() == "not a directory"
 
 

@@ -1,5 +1,4 @@
 """One-process run lifecycle: the run-directory lock, metrics on resume, wandb keys, process exit."""
-import json
 import os
 import signal
 import socket
@@ -13,7 +12,7 @@ from k3train.cli import main as cli_main
 from k3train.errors import RunDirError
 from k3train.trainer.run_lock import RunDirLock
 from tests.cli_runs import CLI, cli_env as _env, wait_for as _wait_for
-from tests.trainer.test_train import SMALL, _cfg, _records
+from tests.helpers import SMALL, small_cfg, read_records
 
 
 
@@ -32,7 +31,7 @@ def test_second_run_on_a_locked_run_dir_refuses_naming_the_holder(tmp_path, caps
         assert f"PID {first.pid} on host {socket.gethostname()}" in err and "--run-dir" in err
         # The refused run touched nothing: the first run's config and metrics are intact.
         assert (tmp_path / "config.yaml").read_text() == config_before
-        steps = [r["step"] for r in _records(tmp_path)]
+        steps = [r["step"] for r in read_records(tmp_path)]
         assert steps[:2] == [1, 2] and steps == list(range(1, len(steps) + 1))
     finally:
         first.send_signal(signal.SIGTERM)
@@ -61,16 +60,16 @@ def test_resume_drops_metrics_logged_after_the_checkpoint(tmp_path):
 
     args = ["train.steps=4", "train.log_interval=1", "checkpoint.interval=2"]
     ref, run = tmp_path / "ref", tmp_path / "run"
-    train(_cfg(*args), ref)
-    train(_cfg(*args), run, stop_at=3)
+    train(small_cfg(*args), ref)
+    train(small_cfg(*args), run, stop_at=3)
     # As a run killed after logging step 3 and before its save: the newest checkpoint is step 2.
     (run / "checkpoints" / "latest").write_text("step_00000002")
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": 3, "loss": 9')  # and the kill tore the line it was writing
-    train(_cfg(*args), run, resume=True)
-    recs = _records(run)
+    train(small_cfg(*args), run, resume=True)
+    recs = read_records(run)
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
-    assert [r["loss"] for r in recs] == [r["loss"] for r in _records(ref)]
+    assert [r["loss"] for r in recs] == [r["loss"] for r in read_records(ref)]
 
 
 class _RecordingWandb:

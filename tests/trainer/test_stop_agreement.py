@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from k3train.trainer.checkpoint import latest_checkpoint, verify_checkpoint
-from tests.trainer.test_train import SMALL, _records
+from tests.helpers import SMALL, read_records
 from tests.multiproc import run_multiprocess
 
 ARGS = [*SMALL, "train.steps=4", "train.log_interval=1", "checkpoint.interval=2"]
@@ -49,7 +49,7 @@ def reference(tmp_path_factory):
     run = tmp_path_factory.mktemp("reference")
     rc, out = _run([*TORCHRUN, "-m", "k3train", *TRAIN, "--run-dir", str(run), *ARGS], timeout=240)
     assert rc == 0, out[-3000:]
-    return {r["step"]: r["loss"] for r in _records(run)}, _model(run)
+    return {r["step"]: r["loss"] for r in read_records(run)}, _model(run)
 
 
 def _model(run):
@@ -60,7 +60,7 @@ def _model(run):
 
 def _assert_matches(run, reference):
     losses, model = reference
-    assert {r["step"]: r["loss"] for r in _records(run)} == losses
+    assert {r["step"]: r["loss"] for r in read_records(run)} == losses
     mine = _model(run)
     assert mine.keys() == model.keys()
     for name, value in model.items():

@@ -10,27 +10,13 @@ from k3train.config import load_config
 from k3train.trainer.checkpoint import CheckpointError, latest_checkpoint, verify_checkpoint
 from k3train.trainer.loop import train
 from k3train.trainer.state_io import consolidated_state
-
-SMALL = ["model.hidden_size=64", "model.num_layers=4", "model.kda.num_heads=2", "model.kda.head_dim=32",
-         "model.mla.num_heads=2", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=32",
-         "model.mla.qk_nope_head_dim=16", "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=16",
-         "model.ffn.intermediate_size=128", "moe.num_experts=4", "moe.latent_size=32",
-         "moe.expert_ffn_size=32", "moe.shared_ffn_size=64", "train.seq_len=32", "train.micro_batch_size=4",
-         "train.eval_batches=2", "logging.wandb.mode=disabled", "logging.progress_bar=false"]
-
-
-def _cfg(*extra):
-    return load_config("configs/k3_tiny.yaml", [*SMALL, *extra])
-
-
-def _records(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+from tests.helpers import SMALL, small_cfg, read_records
 
 
 def test_tiny_run_learns_and_writes_run_dir(tmp_path):
-    cfg = _cfg("train.steps=40", "train.log_interval=5", "train.eval_interval=20", "optim.warmup_steps=5")
+    cfg = small_cfg("train.steps=40", "train.log_interval=5", "train.eval_interval=20", "optim.warmup_steps=5")
     summary = train(cfg, tmp_path)
-    recs = _records(tmp_path)
+    recs = read_records(tmp_path)
     assert [r["step"] for r in recs] == list(range(5, 41, 5))
     for key in ("step", "loss", "lr", "tokens_per_s", "grad_norm", "mfu", "moe/maxvio"):
         assert key in recs[0]
@@ -50,12 +36,12 @@ def test_tiny_run_learns_and_writes_run_dir(tmp_path):
 def test_resume_equals_uninterrupted_bit_for_bit(tmp_path, optim_name):
     extra = ["train.steps=6", "train.log_interval=1", "train.microbatches=2", f"optim.name={optim_name}"]
     full, split = tmp_path / "full", tmp_path / "split"
-    train(_cfg(*extra), full)
-    train(_cfg(*extra), split, stop_at=3)
-    train(_cfg(*extra), split, resume=True)
-    assert [r["loss"] for r in _records(full)] == [r["loss"] for r in _records(split)]
+    train(small_cfg(*extra), full)
+    train(small_cfg(*extra), split, stop_at=3)
+    train(small_cfg(*extra), split, resume=True)
+    assert [r["loss"] for r in read_records(full)] == [r["loss"] for r in read_records(split)]
     # The load tracker is checkpointed: the running MaxVio continues instead of restarting.
-    running = [[r["moe/maxvio_running"] for r in _records(d)] for d in (full, split)]
+    running = [[r["moe/maxvio_running"] for r in read_records(d)] for d in (full, split)]
     assert running[0] == running[1]
     a, b = (consolidated_state(latest_checkpoint(d / "checkpoints")) for d in (full, split))
     assert a["model"].keys() == b["model"].keys() and a["optim"].keys() == b["optim"].keys()
@@ -69,14 +55,14 @@ def test_resume_equals_uninterrupted_bit_for_bit(tmp_path, optim_name):
 
 
 def test_corrupted_checkpoint_is_refused(tmp_path):
-    train(_cfg("train.steps=2"), tmp_path)
+    train(small_cfg("train.steps=2"), tmp_path)
     ckpt = latest_checkpoint(tmp_path / "checkpoints")
     shard = ckpt / "rank_00000.pt"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="rank_00000.pt is corrupted"):
-        train(_cfg("train.steps=4"), tmp_path, resume=True)
+        train(small_cfg("train.steps=4"), tmp_path, resume=True)
 
 
 def test_resume_refuses_a_different_parallel_layout_for_an_old_format_checkpoint(tmp_path):
@@ -84,14 +70,14 @@ def test_resume_refuses_a_different_parallel_layout_for_an_old_format_checkpoint
     per-rank format (no tensor index in the manifest) still only resumes under its own layout."""
     from k3train.trainer.checkpoint import CheckpointError
 
-    train(_cfg("train.steps=2"), tmp_path)
+    train(small_cfg("train.steps=2"), tmp_path)
     manifest = latest_checkpoint(tmp_path / "checkpoints") / "manifest.json"
     data = json.loads(manifest.read_text())
     del data["tensors"]  # the older format
     data["layout"]["pp"] = 2  # as if the run had been launched with parallel.pp=2
     manifest.write_text(json.dumps(data))
     with pytest.raises(CheckpointError, match=r"different parallel layout: pp=2 \(now 1\)"):
-        train(_cfg("train.steps=4"), tmp_path, resume=True)
+        train(small_cfg("train.steps=4"), tmp_path, resume=True)
 
 
 def test_cli_prepare_data_then_train(tmp_path, capsys):
@@ -103,7 +89,7 @@ def test_cli_prepare_data_then_train(tmp_path, capsys):
     run = tmp_path / "run"
     overrides = [*SMALL, "train.steps=3", f"data.source={prefix}"]
     assert cli_main(["train", "--config", "configs/k3_tiny.yaml", "--run-dir", str(run), *overrides]) == 0
-    assert len(_records(run)) == 1
+    assert len(read_records(run)) == 1
     assert "data: TokenSource" in capsys.readouterr().out
 
 
@@ -216,7 +202,7 @@ def test_schedule_lr_warms_up_then_decays_every_group(world1):
     from k3train.runtime.distributed import init_distributed
     from k3train.trainer.state import TrainState
 
-    cfg = _cfg("optim.name=muon", "optim.lr=1e-3", "optim.warmup_steps=4", "train.steps=12",
+    cfg = small_cfg("optim.name=muon", "optim.lr=1e-3", "optim.warmup_steps=4", "train.steps=12",
                "optim.schedule=cosine", "optim.min_lr_ratio=0.1")
     state = TrainState(cfg, init_distributed(device="cpu"), torch.device("cpu"))
     groups = state.optimizer.param_groups

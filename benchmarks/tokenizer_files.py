@@ -1,4 +1,4 @@
-"""Make tokenizer files of the other kinds locally (tests and benchmarks; no download).
+"""Make tokenizer files of the other kinds locally, for tests and benchmarks (no download; not part of the installed package).
 
 * ``write_tiktoken(tokenizer_json, out)``: the BPE of a byte-level ``tokenizer.json`` (as
   ``k3train train-tokenizer`` writes) as a tiktoken file, ``<base64 token bytes> <rank>`` per
