@@ -35,6 +35,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from k3train.ops import autotune_picks
+from k3train.ops import backends as ops_backends
 
 _state = {"configured": False, "compile_only": False}
 
@@ -68,34 +69,32 @@ def configure_autotune() -> str:
     the mode in force.
 
     Patches the ``Autotuner`` class once per process, so it covers kernels imported before and
-    after the call; the patch asks ``k3train.ops.kernels.autotune_mode()`` at each pruning, so the
+    after the call; the patch asks ``k3train.ops.ops_backends.current().autotune`` at each pruning, so the
     run's config decides (``full`` leaves the candidates as their authors set them)."""
-    from k3train.ops import kernels
-
     mods = _triton()
     if mods is None or _state["configured"]:
-        return kernels.autotune_mode()
+        return ops_backends.current().autotune
     autotuner = mods[0].Autotuner
     prune = autotuner.prune_configs
 
     def prune_by_mode(self, kwargs):
         configs = prune(self, kwargs)
-        if kernels.autotune_mode() == "fixed":
+        if ops_backends.current().autotune == "fixed":
             return [smallest_config(configs)]
         autotune_picks.note_tuner(self)
         if len(configs) > 1:
             # A pick recorded on this GPU model (kernels.autotune_picks): only it compiles and
             # nothing is timed; a launch the picks do not cover is tuned as usual.
-            chosen = autotune_picks.pick(self, kwargs, configs, autotune_picks.table(kernels.autotune_picks_spec()))
+            chosen = autotune_picks.pick(self, kwargs, configs, autotune_picks.table(ops_backends.current().autotune_picks))
             if chosen is not None:
                 return [chosen]
         announce_autotune(self, len(configs))
-        set_bench_window(self, kernels.autotune_bench_ms())
+        set_bench_window(self, ops_backends.current().autotune_bench_ms)
         return configs
 
     autotuner.prune_configs = prune_by_mode
     _state["configured"] = True
-    return kernels.autotune_mode()
+    return ops_backends.current().autotune
 
 
 def set_bench_window(tuner, ms: float) -> None:
@@ -278,10 +277,8 @@ def compile_ahead(fn, threads: int | None = None, label: str = "") -> dict:
 
     threads = threads or os.cpu_count() or 4
     t0 = time.perf_counter()
-    from k3train.ops import kernels
-
     mode_name = configure_autotune()
-    picks = autotune_picks.source(kernels.autotune_picks_spec()) if mode_name == "full" else None
+    picks = autotune_picks.source(ops_backends.current().autotune_picks) if mode_name == "full" else None
     print(f"[k3train] compiling Triton kernels ahead{' for ' + label if label else ''} "
           f"({threads} threads, autotune={mode_name}{', picks from ' + picks if picks else ''}) ...",
           file=sys.stderr, flush=True)

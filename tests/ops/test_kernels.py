@@ -13,9 +13,8 @@ from k3train.ops import kernels
 from k3train.config import ConfigError, load_config
 from k3train.config.schema import KernelsConfig
 from k3train.errors import K3TrainError
-from moe import compile as moe_compile
-from moe import permute_fused, topk
-from optim import muon
+from moe import backends as moe_backends
+from optim import backends as optim_backends
 
 FAMILIES = ("kda", "attnres", "short_conv", "router_topk", "moe_permute", "muon_momentum", "ns_gemm")
 
@@ -30,7 +29,10 @@ def _no_env_overrides(monkeypatch):
 
 
 def _installed(monkeypatch, **have):
+    """Pretend only the backends in ``have`` are installed, and resolve the defaults again (the
+    choices are frozen when resolved: a later install check does not change them)."""
     monkeypatch.setattr(kernels, "installed", lambda b: b == "torch" or have.get(b, False))
+    kernels.apply(KernelsConfig(), pipeline_gpu=False)
 
 
 def test_every_family_is_torch_off_cuda(monkeypatch):
@@ -55,20 +57,21 @@ def test_config_fields_choose_and_reach_moe_and_optim(monkeypatch):
     _installed(monkeypatch, fla=True, k3train=True)
     kernels.apply(KernelsConfig(short_conv="fla", router_topk="torch", ns_gemm="torch", compile=False))
     assert kernels.backend("short_conv", "cuda") == "fla" and kernels.backend("router_topk", "cuda") == "torch"
-    assert topk._KERNEL["router_topk"] == "torch"
-    assert muon._KERNELS == {"momentum": "k3train", "ns_gemm": "torch"}
-    assert moe_compile._ENABLED["cuda"] is False and not kernels.compile_enabled("cuda")
+    assert moe_backends.current() == moe_backends.Backends(router_topk="torch", moe_permute="k3train",
+                                                           compile=False)
+    assert optim_backends.current() == optim_backends.Backends(momentum="k3train", ns_gemm="torch")
+    assert not kernels.compile_enabled("cuda")
     kernels.apply(KernelsConfig(backend="torch"))
     assert all(kernels.backend(f, "cuda") == "torch" for f in FAMILIES)
-    assert topk._KERNEL["router_topk"] == "torch" and muon._KERNELS == {"momentum": "torch", "ns_gemm": "torch"}
-    assert permute_fused._KERNEL["moe_permute"] == "torch"
+    assert moe_backends.current() == moe_backends.Backends(router_topk="torch", moe_permute="torch", compile=False)
+    assert optim_backends.current() == optim_backends.Backends(momentum="torch", ns_gemm="torch")
     assert not kernels.uses_triton("cuda")
 
 
 def test_compile_auto_is_off_exactly_for_pipeline_gpu_runs():
     assert kernels.compile_enabled("cuda")
     kernels.apply(load_config("configs/k3_tiny.yaml", ["parallel.pp=2", "train.device=cuda"]))
-    assert not kernels.compile_enabled("cuda") and moe_compile._ENABLED["cuda"] is False
+    assert not kernels.compile_enabled("cuda") and moe_backends.current().compile is False
     kernels.apply(load_config("configs/k3_tiny.yaml", ["parallel.pp=2", "train.device=cuda", "kernels.compile=true"]))
     assert kernels.compile_enabled("cuda")
     kernels.apply(load_config("configs/k3_tiny.yaml", ["parallel.pp=2", "train.device=cpu"]))
@@ -90,21 +93,24 @@ def test_environment_overrides_one_field_each(monkeypatch):
     monkeypatch.setenv("K3TRAIN_KERNELS", "torch")
     monkeypatch.setenv("K3TRAIN_COMPILE", "0")
     monkeypatch.setenv("K3TRAIN_AUTOTUNE", "fixed")
+    assert kernels.backend("kda", "cuda") == "fla"  # read when resolved, not per call
+    kernels.apply(KernelsConfig())
     assert kernels.backend("kda", "cuda") == "torch" and not kernels.compile_enabled("cuda")
     assert kernels.autotune_mode() == "fixed"
     rec = kernels.resolved("cuda")
     assert rec["env_overrides"] == {"K3TRAIN_KERNELS": "torch", "K3TRAIN_COMPILE": "0", "K3TRAIN_AUTOTUNE": "fixed"}
     monkeypatch.setenv("K3TRAIN_COMPILE", "maybe")
     with pytest.raises(K3TrainError, match=r"K3TRAIN_COMPILE='maybe' \(overrides kernels.compile\)"):
-        kernels.compile_enabled("cuda")
+        kernels.apply(KernelsConfig())
+    assert kernels.autotune_mode() == "fixed"  # the refused resolve left the choices in force
     monkeypatch.delenv("K3TRAIN_COMPILE")
 
 
 def test_using_restores_the_settings(monkeypatch):
     _installed(monkeypatch, fla=True, k3train=True)
     with kernels.using(short_conv="torch", ns_gemm="torch"):
-        assert kernels.backend("short_conv", "cuda") == "torch" and muon._KERNELS["ns_gemm"] == "torch"
-    assert kernels.backend("short_conv", "cuda") == "k3train" and muon._KERNELS["ns_gemm"] == "k3train"
+        assert kernels.backend("short_conv", "cuda") == "torch" and optim_backends.current().ns_gemm == "torch"
+    assert kernels.backend("short_conv", "cuda") == "k3train" and optim_backends.current().ns_gemm == "k3train"
 
 
 def test_resolved_record_round_trips(tmp_path):
