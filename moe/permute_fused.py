@@ -45,7 +45,7 @@ def _triton():
 
 class TritonRows:
     """Our Triton row passes as a backend: whether they are importable, and whether they take
-    a source of rows ``t`` (a CUDA tensor in fp32/bf16/fp16)."""
+    a source of rows ``t`` (fp32/bf16/fp16; the device is the run's choice, checked by the op)."""
 
     @staticmethod
     def is_available() -> bool:
@@ -53,7 +53,7 @@ class TritonRows:
 
     @staticmethod
     def verify(t: torch.Tensor) -> bool:
-        return t.is_cuda and t.dtype in _KERNEL_DTYPES
+        return t.dtype in _KERNEL_DTYPES
 
 
 def _use_triton(t: torch.Tensor) -> bool:

@@ -33,8 +33,9 @@ def _triton_topk():
 
 class TritonTopk:
     """Our Triton top-k kernel as a backend: whether it is importable, and whether it takes
-    these inputs (CUDA scores ``[N, E]`` in fp32/bf16/fp16 with ``E <= MAX_COLUMNS``,
-    ``0 < k <= MAX_K``, a contiguous bias ``[E]`` of those dtypes or None)."""
+    these shapes and dtypes (scores ``[N, E]`` in fp32/bf16/fp16 with ``E <= MAX_COLUMNS``,
+    ``0 < k <= MAX_K``, a contiguous bias ``[E]`` of those dtypes or None). The device is the
+    run's choice, checked by the op."""
 
     @staticmethod
     def is_available() -> bool:
@@ -42,7 +43,7 @@ class TritonTopk:
 
     @staticmethod
     def verify(scores: torch.Tensor, k: int, bias: torch.Tensor | None) -> bool:
-        if not scores.is_cuda or scores.ndim != 2 or scores.dtype not in _KERNEL_DTYPES:
+        if scores.ndim != 2 or scores.dtype not in _KERNEL_DTYPES:
             return False
         if bias is not None and (bias.dtype not in _KERNEL_DTYPES or bias.shape != scores.shape[-1:]
                                  or not bias.is_contiguous()):

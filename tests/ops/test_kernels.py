@@ -3,11 +3,13 @@ moe and optim; the documented environment overrides; the run directory's record;
 that no other module reads a behaviour-steering environment variable."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from k3train.ops import kernels
 from k3train.config import ConfigError, load_config
@@ -139,3 +141,38 @@ def test_no_behaviour_steering_variable_is_read_outside_the_registry():
                 if var not in _NOT_STEERING:
                     offenders.append(f"{path.relative_to(root)}:{n}: {var}")
     assert not offenders, offenders
+
+
+def test_each_backend_verifies_shapes_and_dtypes_beside_it():
+    """The verifiers sit beside the kernels, so the ops ask one question; the limits here are the
+    kernels' own (topk: 2-D scores of fp32/bf16/fp16, up to 1024 columns, 0 < k <= 32, a
+    contiguous [E] bias; row passes: those dtypes; short conv: [B, T, C] with a [C, W] weight)."""
+    from k3train.ops.short_conv import TritonShortConv
+    from moe.permute_fused import TritonRows
+    from moe.topk import TritonTopk
+
+    if not TritonTopk.is_available():
+        pytest.skip("Triton is not importable here")
+    s = torch.zeros(4, 64)
+    assert TritonTopk.verify(s, 16, None) and TritonTopk.verify(s.bfloat16(), 32, torch.zeros(64))
+    assert not TritonTopk.verify(s, 33, None)                         # k above MAX_K
+    assert not TritonTopk.verify(torch.zeros(4, 1025), 4, None)       # columns above MAX_COLUMNS
+    assert not TritonTopk.verify(s.double(), 4, None)                 # dtype
+    assert not TritonTopk.verify(s[None], 4, None)                    # not [N, E]
+    assert not TritonTopk.verify(s, 4, torch.zeros(63))               # bias not [E]
+    assert not TritonTopk.verify(s, 4, torch.zeros(128)[::2])         # bias not contiguous
+    assert TritonRows.verify(torch.zeros(3, 8, dtype=torch.bfloat16))
+    assert not TritonRows.verify(torch.zeros(3, 8, dtype=torch.float64))
+    assert TritonShortConv.verify(torch.zeros(2, 5, 8), torch.zeros(8, 4))
+    assert not TritonShortConv.verify(torch.zeros(2, 5, 8), torch.zeros(6, 4))
+    assert not TritonShortConv.verify(torch.zeros(5, 8), torch.zeros(8, 4))
+
+
+def test_choices_are_frozen_and_the_environment_is_not_read_per_call(monkeypatch):
+    _installed(monkeypatch, fla=True, k3train=True)
+    choices = kernels.current()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        choices.compile_cuda = False
+    monkeypatch.setenv("K3TRAIN_KERNELS", "torch")   # after resolving: nothing changes
+    assert kernels.current() is choices and kernels.backend("short_conv", "cuda") == "k3train"
+    assert moe_backends.current().router_topk == "k3train" and optim_backends.current().ns_gemm == "k3train"
