@@ -25,6 +25,7 @@ from k3train.model.layer import K3Layer
 from k3train.model.layout import expand_layer_pattern
 from k3train.model.mla import GatedMLA
 from k3train.model.recompute import run_depth_mix, run_layer
+from k3train.runtime.distributed import expert_group_in_force
 from k3train.quant.recipes import apply_precision, resolve_device
 from moe import GroupedAllToAllDispatcher, LatentMoE, LocalDispatcher
 from moe.norm import autocast_dtype
@@ -45,19 +46,16 @@ def build_dispatcher(cfg: RunConfig, ep_group: dist.ProcessGroup | None = None):
     """The token dispatcher of every MoE layer: local, or grouped all-to-all over ``ep_group``.
 
     ep_group: the run's expert-parallel group (``RunContext.parallel.ep_group``; size 1 at
-    ep=1), required when ``parallel.ep > 1``; None (one-process commands) means the world
-    group, which there is this one process."""
+    ep=1). None (builders that hold no run context: model-info, the HF and MXFP4 translators)
+    takes ``expert_group_in_force``: megatron-core's expert group where the groups exist."""
     kind = cfg.moe.dispatcher
     if kind == "auto":     # static capacity (moe.capacity_factor) is a grouped_a2a mode
         static = cfg.moe.capacity_factor is not None
         kind = "grouped_a2a" if cfg.parallel.ep > 1 or static else "local"
     if kind == "local":     # the config refused local with ep > 1 or a capacity factor
         return LocalDispatcher(cfg.moe.num_experts)
-    # A multi-rank run always passes its expert group (size 1 at ep=1): None would mean the
-    # whole world, splitting the experts over the data-parallel ranks of an ep=1 run.
-    if cfg.parallel.ep > 1 and ep_group is None:
-        raise LayoutError(f"parallel.ep={cfg.parallel.ep} needs the run's expert-parallel group: build the "
-                          "model with ep_group=RunContext.parallel.ep_group")
+    if ep_group is None:
+        ep_group = expert_group_in_force(cfg.parallel.ep)
     return GroupedAllToAllDispatcher(cfg.moe.num_experts, ep_group=ep_group, capacity_factor=cfg.moe.capacity_factor)
 
 

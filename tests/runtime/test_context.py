@@ -9,11 +9,10 @@ import pytest
 import torch
 
 from k3train.config import load_config
-from k3train.errors import LayoutError
 from k3train.model.model import build_dispatcher, build_model
 from k3train.ops import kernels
 from k3train.runtime.context import RunContext
-from k3train.runtime.distributed import parallel_context
+from k3train.runtime.distributed import parallel_context, shutdown_distributed
 from moe import GroupedAllToAllDispatcher
 
 
@@ -38,7 +37,10 @@ def test_the_dispatchers_take_the_contexts_expert_group(world1):
     assert all(d.group is parallel.ep_group and d.ep_size == 1 for d in dispatchers)
 
 
-def test_an_expert_parallel_model_without_its_group_is_refused():
-    cfg = load_config("configs/k3_tiny.yaml", ["parallel.ep=2"])
-    with pytest.raises(LayoutError, match=r"^parallel.ep=2 needs the run's expert-parallel group"):
-        build_dispatcher(cfg)
+def test_without_a_context_the_dispatchers_take_megatrons_group_where_it_exists(world1):
+    """Builders that hold no run context (model-info, the HF and MXFP4 translators) get
+    megatron-core's expert group where the groups exist, never the world group."""
+    cfg = load_config("configs/k3_tiny.yaml", ["moe.dispatcher=grouped_a2a"])
+    assert build_dispatcher(cfg).group is parallel_context(world1).ep_group
+    shutdown_distributed()
+    assert build_dispatcher(cfg).group is None and build_dispatcher(cfg).ep_size == 1
