@@ -67,7 +67,7 @@ def check_topk(scores: torch.Tensor, bias: torch.Tensor, k: int) -> dict:
 
 
 def bench_case(n: int, e: int, k: int, device: str = "cuda") -> dict:
-    from moe import topk
+    from moe import backends as moe_backends
     from moe.balancing import quantile_balance
     from moe.topk_triton import row_topk_triton
 
@@ -82,14 +82,15 @@ def bench_case(n: int, e: int, k: int, device: str = "cuda") -> dict:
         row["us"][f"{name}_top{kk}_torch"], row["us"][f"{name}_top{kk}_ours"] = t_torch, t_ours
     want = _brute_force_bias(scores, bias, k)
     for backend in ("k3train", "torch"):
-        topk.set_kernel(backend)
+        previous = moe_backends.current()
+        moe_backends.set_backends(moe_backends.Backends(router_topk=backend))
         try:
             got = quantile_balance(scores, bias, k)
             row["check"][f"qb_{backend}_equal_brute_force"] = bool(torch.equal(got, want))
             row["us"][f"qb_update_{backend}"] = _device_us(lambda: quantile_balance(scores, bias, k),
                                                            device)
         finally:
-            topk.set_kernel("k3train")
+            moe_backends.set_backends(previous)
     q = n * k // e
     m = torch.randn(n, e, device=device, generator=gen)
     ways = {

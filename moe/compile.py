@@ -7,13 +7,7 @@ from typing import Callable
 
 import torch
 
-_ENABLED = {"cuda": True}
-
-
-def set_compile(enabled: bool) -> None:
-    """Whether CUDA calls go through ``torch.compile``. Called by ``k3train.ops.kernels.apply`` from
-    the run's ``kernels.compile`` (off for pipeline GPU runs by default); nothing else sets it."""
-    _ENABLED["cuda"] = bool(enabled)
+from .backends import current as current_backends
 
 
 def autocast_free(device_type: str):
@@ -28,7 +22,8 @@ def autocast_free(device_type: str):
 def compile_for(fn: Callable, *, device_types: tuple[str, ...] = ("cuda",),
                 outside_autocast: bool = False, **options) -> Callable:
     """``fn`` through ``torch.compile(fn, **options)`` when its first argument is a tensor on one
-    of ``device_types`` and compiling is on (``set_compile``), eager otherwise (debugging,
+    of ``device_types`` and compiling is on (``moe.backends``' ``compile``, from the run's
+    ``kernels.compile``; off for pipeline GPU runs by default), eager otherwise (debugging,
     pipeline runs, a torch without Inductor). The compile happens at the first such call.
 
     ``outside_autocast=True`` runs the compiled call with autocast off on the tensor's device
@@ -42,7 +37,7 @@ def compile_for(fn: Callable, *, device_types: tuple[str, ...] = ("cuda",),
 
     @functools.wraps(fn)
     def run(first: torch.Tensor, *args, **kwargs):
-        if first.device.type not in device_types or not _ENABLED["cuda"]:
+        if first.device.type not in device_types or not current_backends().compile:
             return fn(first, *args, **kwargs)
         if outside_autocast:
             with autocast_free(first.device.type):

@@ -16,7 +16,7 @@ token's k rows back and reduces them with the routing weights (fp32 accumulate).
   gradient with the slot's row (dropped slots: zero).
 
 On CUDA the row passes are Triton kernels (``permute_triton``; ``kernels.moe_permute``,
-handed over by ``k3train.ops.kernels.apply`` through ``set_kernel``); elsewhere, for other dtypes,
+handed over by ``k3train.ops.kernels.apply`` in ``moe.backends``); elsewhere, for other dtypes,
 or where the registry chose torch, they are the torch forms below (the reference: gathers of a
 zero-padded tensor, then ``weighted_sum_eager``'s fp32 reduction).
 """
@@ -26,21 +26,12 @@ import functools
 
 import torch
 
+from .backends import current as current_backends
 from .permute import weighted_sum_eager
 
-__all__ = ["combine_rows", "dispatch_rows", "set_kernel"]
+__all__ = ["combine_rows", "dispatch_rows"]
 
-KERNELS = ("k3train", "torch")
-_KERNEL = {"moe_permute": "k3train"}
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def set_kernel(name: str) -> None:
-    """The backend for CUDA tensors, ``"k3train"`` (Triton) or ``"torch"``. Called by
-    ``k3train.ops.kernels.apply`` from the run's config; nothing else sets it."""
-    if name not in KERNELS:
-        raise ValueError(f"moe.permute_fused kernel {name!r}: allowed values are {', '.join(KERNELS)}")
-    _KERNEL["moe_permute"] = name
 
 
 @functools.cache
@@ -52,9 +43,23 @@ def _triton():
     return permute_triton
 
 
+class TritonRows:
+    """Our Triton row passes as a backend: whether they are importable, and whether they take
+    a source of rows ``t`` (fp32/bf16/fp16; the device is the run's choice, checked by the op)."""
+
+    @staticmethod
+    def is_available() -> bool:
+        return _triton() is not None
+
+    @staticmethod
+    def verify(t: torch.Tensor) -> bool:
+        return t.dtype in _KERNEL_DTYPES
+
+
 def _use_triton(t: torch.Tensor) -> bool:
-    return (t.is_cuda and _KERNEL["moe_permute"] == "k3train" and t.dtype in _KERNEL_DTYPES
-            and _triton() is not None)
+    """Whether the run chose our row passes and they can take ``t``."""
+    return (current_backends().moe_permute == "k3train" and t.is_cuda
+            and TritonRows.is_available() and TritonRows.verify(t))
 
 
 def _pad(t: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,8 @@ top-17 included), it runs one Triton kernel (``topk_triton``: several times fast
 ``torch.topk`` on k3_mini's ``[16384, 64]``; measured: see
 benchmarks/README.md; at the real router sizes:
 benchmarks/README.md); elsewhere, for other shapes or dtypes, or where the run's kernel registry
-chose torch (``kernels.router_topk``, handed over by ``k3train.ops.kernels.apply`` through
-``set_kernel``), it is ``torch.topk(scores + bias, k, dim=-1)``. Triton comes with CUDA builds of
+chose torch (``kernels.router_topk``, handed over by ``k3train.ops.kernels.apply`` in
+``moe.backends``), it is ``torch.topk(scores + bias, k, dim=-1)``. Triton comes with CUDA builds of
 torch; it is imported only when a CUDA tensor arrives.
 """
 from __future__ import annotations
@@ -15,19 +15,11 @@ import functools
 
 import torch
 
+from .backends import current as current_backends
+
 __all__ = ["row_topk"]
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_KERNEL = {"router_topk": "k3train"}
-KERNELS = ("k3train", "torch")
-
-
-def set_kernel(name: str) -> None:
-    """The backend for CUDA tensors, ``"k3train"`` (ours) or ``"torch"``. Called by
-    ``k3train.ops.kernels.apply`` from the run's config; nothing else sets it."""
-    if name not in KERNELS:
-        raise ValueError(f"moe.topk kernel {name!r}: allowed values are {', '.join(KERNELS)}")
-    _KERNEL["router_topk"] = name
 
 
 @functools.cache
@@ -39,16 +31,31 @@ def _triton_topk():
     return topk_triton
 
 
+class TritonTopk:
+    """Our Triton top-k kernel as a backend: whether it is importable, and whether it takes
+    these shapes and dtypes (scores ``[N, E]`` in fp32/bf16/fp16 with ``E <= MAX_COLUMNS``,
+    ``0 < k <= MAX_K``, a contiguous bias ``[E]`` of those dtypes or None). The device is the
+    run's choice, checked by the op."""
+
+    @staticmethod
+    def is_available() -> bool:
+        return _triton_topk() is not None
+
+    @staticmethod
+    def verify(scores: torch.Tensor, k: int, bias: torch.Tensor | None) -> bool:
+        if scores.ndim != 2 or scores.dtype not in _KERNEL_DTYPES:
+            return False
+        if bias is not None and (bias.dtype not in _KERNEL_DTYPES or bias.shape != scores.shape[-1:]
+                                 or not bias.is_contiguous()):
+            return False
+        mod = _triton_topk()
+        return 0 < k <= mod.MAX_K and scores.shape[1] <= mod.MAX_COLUMNS
+
+
 def _use_kernel(scores: torch.Tensor, k: int, bias: torch.Tensor | None) -> bool:
-    if not scores.is_cuda or _KERNEL["router_topk"] != "k3train":
-        return False
-    if scores.ndim != 2 or scores.dtype not in _KERNEL_DTYPES:
-        return False
-    if bias is not None and (bias.dtype not in _KERNEL_DTYPES or bias.shape != scores.shape[-1:]
-                             or not bias.is_contiguous()):
-        return False
-    mod = _triton_topk()
-    return mod is not None and 0 < k <= mod.MAX_K and scores.shape[1] <= mod.MAX_COLUMNS
+    """Whether the run chose our kernel and it can take these inputs."""
+    return (current_backends().router_topk == "k3train" and scores.is_cuda
+            and TritonTopk.is_available() and TritonTopk.verify(scores, k, bias))
 
 
 def row_topk(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None

@@ -29,6 +29,8 @@ from typing import Any, Iterable
 
 import torch
 
+from .backends import current as current_backends
+
 __all__ = ["NS_COEFFICIENTS", "apply_muon_updates", "largest_first", "newton_schulz", "muon_scale",
            "scratch_muon_updates",
            "muon_update", "muon_updates", "Muon"]
@@ -44,22 +46,6 @@ def _ns_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.bfloat16 if t.is_cuda else torch.float32
 
 
-_KERNELS = {"momentum": "k3train", "ns_gemm": "k3train"}
-"""The CUDA backends: ``momentum``, the momentum + Nesterov pass (ours: one Triton pass,
-``optim/momentum_triton.py``; or two torch adds), and ``ns_gemm``, Newton-Schulz's
-``beta * C + alpha * A @ B`` (ours reads C in its epilogue, ``optim/ns_gemm_triton.py``; torch's
-``baddbmm`` first copies C into its output). CPU always uses torch. Set by ``set_kernels``."""
-KERNELS = ("k3train", "torch")
-
-
-def set_kernels(*, momentum: str, ns_gemm: str) -> None:
-    """Choose Muon's CUDA backends, each ``"k3train"`` or ``"torch"``. Called by
-    ``k3train.ops.kernels.apply`` from the run's config (``kernels.muon_momentum``,
-    ``kernels.ns_gemm``); nothing else sets them."""
-    for name, value in (("momentum", momentum), ("ns_gemm", ns_gemm)):
-        if value not in KERNELS:
-            raise ValueError(f"optim.muon {name} kernel {value!r}: allowed values are {', '.join(KERNELS)}")
-    _KERNELS.update(momentum=momentum, ns_gemm=ns_gemm)
 
 
 @functools.cache
@@ -74,8 +60,8 @@ def _triton_kernel(module: str, name: str):
 
 def _cuda_kernel(t: torch.Tensor, family: str, module: str, name: str):
     """Our Triton kernel ``module.name`` for tensors like ``t``: None off CUDA, where ``family``'s
-    backend is torch, or without Triton."""
-    if not t.is_cuda or _KERNELS[family] != "k3train":
+    backend is torch (``optim.backends``, set by the run's kernel registry), or without Triton."""
+    if not t.is_cuda or getattr(current_backends(), family) != "k3train":
         return None
     return _triton_kernel(module, name)
 

@@ -11,9 +11,9 @@ import contextlib
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from megatron.core import parallel_state
 
 from k3train.errors import LayoutError
 from k3train.config.schema import RunConfig
@@ -25,6 +25,7 @@ from k3train.model.layer import K3Layer
 from k3train.config.layer_pattern import expand_layer_pattern
 from k3train.model.mla import GatedMLA
 from k3train.model.recompute import run_depth_mix, run_layer
+from k3train.runtime.distributed import expert_group_in_force
 from k3train.quant.recipes import apply_precision, resolve_device
 from moe import GroupedAllToAllDispatcher, LatentMoE, LocalDispatcher
 from moe.norm import autocast_dtype
@@ -41,20 +42,21 @@ def seeded(seed: int, salt: int):
         yield
 
 
-def build_dispatcher(cfg: RunConfig):
-    """The token dispatcher of every MoE layer: local, or grouped all-to-all over megatron-core's
-    expert-parallel group (which must exist when ``parallel.ep > 1``)."""
+def build_dispatcher(cfg: RunConfig, ep_group: dist.ProcessGroup | None = None):
+    """The token dispatcher of every MoE layer: local, or grouped all-to-all over ``ep_group``.
+
+    ep_group: the run's expert-parallel group (``RunContext.parallel.ep_group``; size 1 at
+    ep=1). None (builders that hold no run context: model-info, the HF and MXFP4 translators)
+    takes ``expert_group_in_force``: megatron-core's expert group where the groups exist."""
     kind = cfg.moe.dispatcher
     if kind == "auto":     # static capacity (moe.capacity_factor) is a grouped_a2a mode
         static = cfg.moe.capacity_factor is not None
         kind = "grouped_a2a" if cfg.parallel.ep > 1 or static else "local"
     if kind == "local":     # the config refused local with ep > 1 or a capacity factor
         return LocalDispatcher(cfg.moe.num_experts)
-    # Always megatron-core's expert group where it exists (size 1 at ep=1): None would mean the
-    # whole world, splitting the experts over the data-parallel ranks of an ep=1 run.
-    group = (parallel_state.get_expert_model_parallel_group()
-             if cfg.parallel.ep > 1 or parallel_state.model_parallel_is_initialized() else None)
-    return GroupedAllToAllDispatcher(cfg.moe.num_experts, ep_group=group, capacity_factor=cfg.moe.capacity_factor)
+    if ep_group is None:
+        ep_group = expert_group_in_force(cfg.parallel.ep)
+    return GroupedAllToAllDispatcher(cfg.moe.num_experts, ep_group=ep_group, capacity_factor=cfg.moe.capacity_factor)
 
 
 def moe_layer_indices(cfg: RunConfig) -> list[int]:
@@ -62,7 +64,8 @@ def moe_layer_indices(cfg: RunConfig) -> list[int]:
     return list(range(cfg.model.dense_layers, cfg.model.num_layers))
 
 
-def build_layer(cfg: RunConfig, index: int) -> K3Layer:
+def build_layer(cfg: RunConfig, index: int, ep_group: dist.ProcessGroup | None = None) -> K3Layer:
+    """Layer ``index`` (global); ``ep_group``: the MoE dispatcher's group (``build_dispatcher``)."""
     m, moe = cfg.model, cfg.moe
     kind = expand_layer_pattern(m.layer_pattern, m.num_layers)[index]
     std = m.init_std
@@ -87,7 +90,7 @@ def build_layer(cfg: RunConfig, index: int) -> K3Layer:
             ffn = LatentMoE(hidden_size=m.hidden_size, latent_size=moe.latent_size, num_experts=moe.num_experts,
                             topk=moe.topk, expert_ffn_size=moe.expert_ffn_size,
                             num_shared_experts=moe.num_shared_experts, shared_ffn_size=moe.shared_ffn_size,
-                            dispatcher=build_dispatcher(cfg),
+                            dispatcher=build_dispatcher(cfg, ep_group),
                             aux_loss_coef=moe.aux_loss_coef if moe.balancing == "aux_loss" else 0.0,
                             init_std=std)
         block = m.attnres.block_size if m.attnres.enabled else None
@@ -118,7 +121,8 @@ class K3Chunk(nn.Module):
     the others a ``StageIO``.
     """
 
-    def __init__(self, cfg: RunConfig, start: int, end: int, first: bool, last: bool):
+    def __init__(self, cfg: RunConfig, start: int, end: int, first: bool, last: bool, *,
+                 ep_group: dist.ProcessGroup | None = None):
         super().__init__()
         m = cfg.model
         self.first, self.last, self.attnres = first, last, m.attnres.enabled
@@ -128,7 +132,7 @@ class K3Chunk(nn.Module):
             with seeded(cfg.train.seed, _EMBED_SALT):
                 self.embed = nn.Embedding(m.vocab_size, m.hidden_size)
                 nn.init.normal_(self.embed.weight, std=m.init_std)
-        self.layers = nn.ModuleList(build_layer(cfg, i) for i in range(start, end))
+        self.layers = nn.ModuleList(build_layer(cfg, i, ep_group) for i in range(start, end))
         if last:
             with seeded(cfg.train.seed, _HEAD_SALT):
                 if self.attnres:
@@ -182,6 +186,7 @@ class K3Chunk(nn.Module):
         return [layer.index for layer in self.layers if isinstance(layer.ffn, LatentMoE)]
 
 
-def build_model(cfg: RunConfig) -> K3Chunk:
-    """The whole model as one chunk (single device, or the reference for pipeline tests)."""
-    return K3Chunk(cfg, 0, cfg.model.num_layers, first=True, last=True)
+def build_model(cfg: RunConfig, *, ep_group: dist.ProcessGroup | None = None) -> K3Chunk:
+    """The whole model as one chunk (single device, or the reference for pipeline tests);
+    ``ep_group``: the run's expert-parallel group (``build_dispatcher``)."""
+    return K3Chunk(cfg, 0, cfg.model.num_layers, first=True, last=True, ep_group=ep_group)

@@ -5,8 +5,8 @@ import functools
 
 import torch
 
+from k3train.ops import backends as ops_backends
 from k3train.ops.layers import rms_norm
-from k3train.ops import kernels
 from moe.compile import autocast_free
 
 __all__ = ["head_norm_gate", "head_norm_gate_torch"]
@@ -27,7 +27,7 @@ def _compiled():
 
 def head_norm_gate(o: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
     """``head_norm_gate_torch``, through ``torch.compile`` on CUDA (same shapes and result)."""
-    if kernels.compile_enabled(o.device):
+    if o.device.type == "cuda" and ops_backends.current().compile:
         # Entered with autocast off (its casts are explicit; sigmoid and products are not
         # autocast ops): autocast state would otherwise be a Dynamo guard, one compile per state.
         with autocast_free(o.device.type):

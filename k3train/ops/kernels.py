@@ -1,10 +1,11 @@
 """The kernel backend registry: which implementation each op family runs in this process.
 
-One place decides, from the run's ``kernels:`` config section (``KernelsConfig``), and every op
-family asks it (``backend(family, device)``). ``train()`` calls ``apply(cfg)`` before it builds
-anything and writes ``resolved(device)`` to ``RUN_DIR/kernels.json``, so two runs of one config
-run the same kernels and the run directory says which. Until ``apply`` is called the defaults
-hold (``KernelsConfig()``: the fastest installed kernel on CUDA, torch elsewhere).
+One place decides, from the run's ``kernels:`` config section (``KernelsConfig``): ``resolve``
+turns it (with the environment overrides, read once) into a frozen ``KernelChoices``, and
+``apply`` resolves and delivers it. ``train()`` calls ``apply(cfg)`` before it builds anything
+and writes ``resolved(device)`` to ``RUN_DIR/kernels.json``, so two runs of one config run the
+same kernels and the run directory says which. Until ``apply`` is called the defaults hold
+(``KernelsConfig()``: the fastest installed kernel on CUDA, torch elsewhere).
 
 Families and their backends (``auto`` is the first one listed that is installed):
 
@@ -20,33 +21,42 @@ muon_momentum  k3train, torch            Muon momentum + Nesterov input in one p
 ns_gemm        k3train, torch            Newton-Schulz ``beta C + alpha A B`` (ours; baddbmm)
 ============== ========================= ==================================================
 
-Off CUDA every family is ``torch`` (the CPU path is the reference). ``moe`` and ``optim`` do
-not import ``k3train``: ``apply`` hands them their resolved choices (``moe.topk.set_kernel``,
-``moe.compile.set_compile``, ``optim.muon.set_kernels``), and they read nothing else.
+Off CUDA every family is ``torch`` (the CPU path is the reference). Delivery is one mechanism
+for all three packages: ``k3train.ops.backends``, ``moe.backends`` and ``optim.backends`` each
+define a frozen ``Backends`` dataclass and ``set_backends``; ``deliver`` fills all three (``moe``
+and ``optim`` never import ``k3train``), and the ops read their package's ``current()``. Beside
+each Triton backend sits its verifier of shapes and dtypes (``moe.topk.TritonTopk``,
+``moe.permute_fused.TritonRows``, ``k3train.ops.short_conv.TritonShortConv``).
 
 Environment overrides, each of one field and read only here (documented in the README):
 ``K3TRAIN_KERNELS`` (``kernels.backend``), ``K3TRAIN_COMPILE=0|1`` (``kernels.compile``),
-``K3TRAIN_AUTOTUNE`` (``kernels.autotune``). The resolved file records the values in force.
+``K3TRAIN_AUTOTUNE`` (``kernels.autotune``), read once when the choices are resolved (never
+per call). The resolved file records the values in force.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 import json
 import os
+import types
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import torch
 
 from k3train.config.schema import KernelsConfig
 from k3train.errors import K3TrainError
 from k3train.ops import autotune_picks
-from k3train.ops.triton_compile import AutotuneSettings, configure_autotune
-from moe import compile as moe_compile
-from moe import permute_fused, topk
-from optim import muon
+from k3train.ops import backends as ops_backends
+from k3train.ops.backends import Backends as OpsBackends
+from k3train.ops.triton_compile import configure_autotune
+from moe import backends as moe_backends
+from moe.backends import Backends as MoeBackends
+from optim import backends as optim_backends
+from optim.backends import Backends as OptimBackends
 
 FAMILIES: dict[str, tuple[str, ...]] = {
     "kda": ("fla", "torch"),
@@ -66,11 +76,12 @@ class KernelChoiceError(K3TrainError, ValueError):
     """A requested backend cannot run here (not installed), or an override has a bad value."""
 
 
-def _env_overrides(cfg: KernelsConfig) -> KernelsConfig:
-    """``cfg`` with the documented environment overrides applied (validated like the fields)."""
+def _env_overrides(cfg: KernelsConfig, env: Mapping[str, str]) -> KernelsConfig:
+    """``cfg`` with the documented environment overrides ``env`` (variable -> value, read once
+    by ``resolve``) applied, validated like the fields."""
     updates = {}
     for var, field in ENV_OVERRIDES.items():
-        raw = os.environ.get(var)
+        raw = env.get(var)
         if raw is None or raw == "":
             continue
         if field == "compile":
@@ -82,26 +93,6 @@ def _env_overrides(cfg: KernelsConfig) -> KernelsConfig:
                                     f"{', '.join(map(repr, allowed))}")
         updates[field] = value
     return cfg.model_copy(update=updates) if updates else cfg
-
-
-class _Registry:
-    """The process's kernel settings: the config section in force and the pipeline depth."""
-
-    def __init__(self):
-        self.cfg = KernelsConfig()
-        self.pipeline_gpu = False  # a PP > 1 run on GPUs: compile=auto resolves to off
-        self._cached: tuple | None = None  # (cfg, override values, settings)
-
-    def settings(self) -> KernelsConfig:
-        # Asked on every op call: recompute (a pydantic copy) only when the config or an
-        # override changed, not per call.
-        env = tuple(os.environ.get(var) for var in ENV_OVERRIDES)
-        if self._cached is None or self._cached[0] is not self.cfg or self._cached[1] != env:
-            self._cached = (self.cfg, env, _env_overrides(self.cfg))
-        return self._cached[2]
-
-
-_REGISTRY = _Registry()
 
 
 @functools.cache
@@ -130,41 +121,67 @@ def _resolve(family: str, settings: KernelsConfig, device_type: str) -> str:
     return want
 
 
-def backend(family: str, device: torch.device | str) -> str:
-    """The backend ``family`` runs for tensors on ``device``: one of ``FAMILIES[family]``."""
-    return _resolve(family, _REGISTRY.settings(), torch.device(device).type)
+@dataclasses.dataclass(frozen=True)
+class KernelChoices:
+    """The kernel choices of one process, resolved once (``resolve``) and then read-only.
 
+    ``families``: each family's backend on CUDA (off CUDA every family is torch);
+    ``compile_cuda``: whether CUDA calls of the small fused pieces go through ``torch.compile``;
+    ``autotune``, ``autotune_bench_ms``, ``autotune_picks``: the Triton autotuning settings;
+    ``requested``: the config section with the environment overrides applied;
+    ``env_overrides``: the override variables that were set when it was resolved."""
 
-def uses_triton(device: torch.device | str) -> bool:
-    """Whether any family runs a Triton kernel (fla's or ours) on ``device``: what makes a
-    compile-ahead pass worth running."""
-    return any(backend(f, device) != "torch" for f in FAMILIES)
+    families: Mapping[str, str]
+    compile_cuda: bool
+    autotune: str
+    autotune_bench_ms: float
+    autotune_picks: str
+    requested: KernelsConfig
+    env_overrides: Mapping[str, str]
+    pipeline_gpu: bool = False
 
+    def backend(self, family: str, device: torch.device | str) -> str:
+        """The backend ``family`` runs for tensors on ``device``: one of ``FAMILIES[family]``."""
+        if family not in FAMILIES:
+            raise KeyError(f"unknown kernel family {family!r}; known: {', '.join(FAMILIES)}")
+        return self.families[family] if torch.device(device).type == "cuda" else "torch"
 
-def compile_enabled(device: torch.device | str) -> bool:
-    """Whether the small fused pieces go through ``torch.compile`` for tensors on ``device``."""
-    s = _REGISTRY.settings()
-    if torch.device(device).type != "cuda" or s.backend == "torch" and s.compile == "auto":
-        return False
-    if s.compile == "auto":
-        return not _REGISTRY.pipeline_gpu
-    return bool(s.compile)
+    def compile_enabled(self, device: torch.device | str) -> bool:
+        """Whether the small fused pieces go through ``torch.compile`` for tensors on ``device``."""
+        return torch.device(device).type == "cuda" and self.compile_cuda
 
+    def uses_triton(self, device: torch.device | str) -> bool:
+        """Whether any family runs a Triton kernel (fla's or ours) on ``device``."""
+        return any(self.backend(f, device) != "torch" for f in FAMILIES)
 
-def autotune_mode() -> str:
-    """``full`` or ``fixed``: how Triton's autotuners pick a candidate (``kernels.autotune``)."""
-    return _REGISTRY.settings().autotune
+    def record(self, device: torch.device | str) -> dict:
+        """Every family's backend on ``device``, the compile switch and the autotune settings,
+        plus the config values and overrides they came from: what ``RUN_DIR/kernels.json`` holds."""
+        return {"device": torch.device(device).type,
+                "families": {f: self.backend(f, device) for f in FAMILIES},
+                "compile": self.compile_enabled(device), "autotune": self.autotune,
+                "autotune_bench_ms": self.autotune_bench_ms,
+                "autotune_picks": self._picks_in_force(device),
+                "requested": self.requested.model_dump(), "env_overrides": dict(self.env_overrides)}
 
+    def _picks_in_force(self, device) -> str | None:
+        """The picks file a full-autotune CUDA run reads (None: every kernel is tuned)."""
+        if torch.device(device).type != "cuda" or self.autotune != "full":
+            return None
+        return autotune_picks.source(self.autotune_picks)
 
-def autotune_bench_ms() -> float:
-    """Timed window per candidate under ``full`` autotuning, ms (``kernels.autotune_bench_ms``;
-    0: Triton's default)."""
-    return _REGISTRY.settings().autotune_bench_ms
+    def ops_backends(self) -> OpsBackends:
+        return OpsBackends(kda=self.families["kda"], attnres=self.families["attnres"],
+                           short_conv=self.families["short_conv"], compile=self.compile_cuda,
+                           autotune=self.autotune, autotune_bench_ms=self.autotune_bench_ms,
+                           autotune_picks=self.autotune_picks)
 
+    def moe_backends(self) -> MoeBackends:
+        return MoeBackends(router_topk=self.families["router_topk"],
+                           moe_permute=self.families["moe_permute"], compile=self.compile_cuda)
 
-def autotune_picks_spec() -> str:
-    """``kernels.autotune_picks``: ``auto``, ``none`` or the path of a picks file."""
-    return _REGISTRY.settings().autotune_picks
+    def optim_backends(self) -> OptimBackends:
+        return OptimBackends(momentum=self.families["muon_momentum"], ns_gemm=self.families["ns_gemm"])
 
 
 def check_autotune_picks(spec: str) -> None:
@@ -180,78 +197,93 @@ def check_autotune_picks(spec: str) -> None:
         raise KernelChoiceError(str(exc)) from None
 
 
-def resolved(device: torch.device | str) -> dict:
-    """Every family's backend on ``device``, the compile switch and the autotune mode, plus the
-    config values and overrides they came from: what ``RUN_DIR/kernels.json`` records."""
-    s = _REGISTRY.settings()
-    overrides = {var: os.environ[var] for var in ENV_OVERRIDES if os.environ.get(var)}
-    return {"device": torch.device(device).type,
-            "families": {f: backend(f, device) for f in FAMILIES},
-            "compile": compile_enabled(device), "autotune": s.autotune,
-            "autotune_bench_ms": s.autotune_bench_ms, "autotune_picks": _picks_in_force(s, device),
-            "requested": s.model_dump(), "env_overrides": overrides}
+def resolve(cfg, *, pipeline_gpu: bool | None = None) -> KernelChoices:
+    """``cfg`` (a ``RunConfig`` or its ``KernelsConfig``) resolved into the frozen choices.
 
-
-def _picks_in_force(s: KernelsConfig, device) -> str | None:
-    """The picks file a full-autotune CUDA run reads (None: every kernel is tuned)."""
-    if torch.device(device).type != "cuda" or s.autotune != "full":
-        return None
-    return autotune_picks.source(s.autotune_picks)
-
-
-def _push_to_packages(device_type: str = "cuda") -> None:
-    """Hand ``moe`` and ``optim`` (which never import k3train) their CUDA choices."""
-    moe_compile.set_compile(compile_enabled(device_type))
-    topk.set_kernel(backend("router_topk", device_type))
-    permute_fused.set_kernel(backend("moe_permute", device_type))
-    muon.set_kernels(momentum=backend("muon_momentum", device_type), ns_gemm=backend("ns_gemm", device_type))
-
-
-def apply(cfg, *, pipeline_gpu: bool | None = None) -> None:
-    """Make ``cfg`` (a ``RunConfig`` or its ``KernelsConfig``) the process's kernel settings.
-
-    ``pipeline_gpu``: whether this is a pipeline-parallel GPU run (default: read from a
-    ``RunConfig``'s ``parallel.pp`` and ``train.device``). Raises ``KernelChoiceError`` when a
+    The environment overrides are read here, once, and recorded. ``pipeline_gpu``: whether this
+    is a pipeline-parallel GPU run, where ``compile=auto`` resolves to off (default: read from a
+    ``RunConfig``'s ``parallel.pp`` and ``train.device``). Every choice is validated as CUDA
+    would see it, now, rather than at a kernel's first call: raises ``KernelChoiceError`` when a
     requested backend is not installed or an override is malformed."""
     kernels = getattr(cfg, "kernels", cfg)
     if pipeline_gpu is None:
         pipeline_gpu = hasattr(cfg, "parallel") and cfg.parallel.pp > 1 and cfg.train.device != "cpu"
-    previous = (_REGISTRY.cfg, _REGISTRY.pipeline_gpu)
-    _REGISTRY.cfg, _REGISTRY.pipeline_gpu = kernels, bool(pipeline_gpu)
-    try:
-        # Validate every choice as CUDA would see it, now, rather than at a kernel's first call.
-        for family in FAMILIES:
-            _resolve(family, _REGISTRY.settings(), "cuda")
-        check_autotune_picks(_REGISTRY.settings().autotune_picks)
-        _push_to_packages()
-    except Exception:
-        _REGISTRY.cfg, _REGISTRY.pipeline_gpu = previous
-        _push_to_packages()
-        raise
-    configure_triton()
+    env = {var: os.environ[var] for var in ENV_OVERRIDES if os.environ.get(var)}
+    s = _env_overrides(kernels, env)
+    families = {f: _resolve(f, s, "cuda") for f in FAMILIES}
+    check_autotune_picks(s.autotune_picks)
+    if s.backend == "torch" and s.compile == "auto":
+        compile_cuda = False
+    elif s.compile == "auto":
+        compile_cuda = not pipeline_gpu
+    else:
+        compile_cuda = bool(s.compile)
+    return KernelChoices(families=types.MappingProxyType(families), compile_cuda=compile_cuda,
+                         autotune=s.autotune, autotune_bench_ms=s.autotune_bench_ms,
+                         autotune_picks=s.autotune_picks, requested=s,
+                         env_overrides=types.MappingProxyType(env), pipeline_gpu=bool(pipeline_gpu))
 
 
-def autotune_settings() -> AutotuneSettings:
-    """The autotune fields in force, as the patched Triton autotuner reads them."""
-    s = _REGISTRY.settings()
-    return AutotuneSettings(mode=s.autotune, picks_spec=s.autotune_picks, bench_ms=s.autotune_bench_ms)
+def deliver(choices: KernelChoices) -> None:
+    """Hand every package its part of ``choices``, the one way: ``k3train.ops``, ``moe`` and
+    ``optim`` each take a frozen ``Backends`` through their ``set_backends``."""
+    _CURRENT[0] = choices
+    ops_backends.set_backends(choices.ops_backends())
+    moe_backends.set_backends(choices.moe_backends())
+    optim_backends.set_backends(choices.optim_backends())
+    configure_autotune()
 
 
-def configure_triton() -> str:
-    """Point Triton's autotuners (fla's included) at this registry's autotune fields."""
-    return configure_autotune(autotune_settings)
+def apply(cfg, *, pipeline_gpu: bool | None = None) -> KernelChoices:
+    """Resolve ``cfg`` (``resolve``) and make it the process's kernel choices (``deliver``);
+    returns the frozen choices. On a refused config the choices in force stay."""
+    choices = resolve(cfg, pipeline_gpu=pipeline_gpu)
+    deliver(choices)
+    return choices
+
+
+def current() -> KernelChoices:
+    """The choices in force (the defaults with the environment's overrides until a run applies
+    its config)."""
+    return _CURRENT[0]
+
+
+def backend(family: str, device: torch.device | str) -> str:
+    """The backend ``family`` runs for tensors on ``device`` under the choices in force."""
+    return current().backend(family, device)
+
+
+def uses_triton(device: torch.device | str) -> bool:
+    """Whether any family runs a Triton kernel (fla's or ours) on ``device``: what makes a
+    compile-ahead pass worth running."""
+    return current().uses_triton(device)
+
+
+def compile_enabled(device: torch.device | str) -> bool:
+    """Whether the small fused pieces go through ``torch.compile`` for tensors on ``device``."""
+    return current().compile_enabled(device)
+
+
+def autotune_mode() -> str:
+    """``full`` or ``fixed``: how Triton's autotuners pick a candidate (``kernels.autotune``)."""
+    return current().autotune
+
+
+def resolved(device: torch.device | str) -> dict:
+    """``current().record(device)``: what ``RUN_DIR/kernels.json`` records."""
+    return current().record(device)
 
 
 @contextlib.contextmanager
-def using(**fields) -> Iterator[None]:
+def using(**fields) -> Iterator[KernelChoices]:
     """Run a block with some ``kernels`` fields changed (benchmarks comparing backends side by
-    side; tests), restoring the settings after. ``with kernels.using(short_conv="fla"): ...``"""
-    previous = (_REGISTRY.cfg, _REGISTRY.pipeline_gpu)
-    apply(_REGISTRY.cfg.model_copy(update=fields), pipeline_gpu=_REGISTRY.pipeline_gpu)
+    side; tests), restoring the choices after. ``with kernels.using(short_conv="fla"): ...``"""
+    previous = current()
+    choices = apply(previous.requested.model_copy(update=fields), pipeline_gpu=previous.pipeline_gpu)
     try:
-        yield
+        yield choices
     finally:
-        apply(previous[0], pipeline_gpu=previous[1])
+        deliver(previous)
 
 
 def write_resolved(run_dir: str | Path, device: torch.device | str) -> dict:
@@ -261,9 +293,10 @@ def write_resolved(run_dir: str | Path, device: torch.device | str) -> dict:
     return out
 
 
-# The packages start from the defaults (and the environment's overrides) even before a run
-# applies its config: scripts and tests that build modules directly get the same choices.
-_push_to_packages()
+# Until a run applies its config, the defaults (with the environment's overrides, read once
+# here) hold, so scripts and tests that build modules directly get the same choices.
+_CURRENT: list[KernelChoices] = [resolve(KernelsConfig(), pipeline_gpu=False)]
+deliver(_CURRENT[0])
 
 
 def report_lines() -> list[str]:

@@ -11,7 +11,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from k3train.ops import kernels
+from k3train.ops import backends as ops_backends
 from k3train.ops import fla_kernel
 
 __all__ = ["short_conv_silu", "short_conv_silu_torch"]
@@ -35,11 +35,24 @@ def _triton_conv():
     return short_conv_silu_triton
 
 
+class TritonShortConv:
+    """Our Triton short conv as a backend: whether it is importable, and whether it takes these
+    shapes (x ``[B, T, C]``, weight ``[C, W]``; the device is the run's choice)."""
+
+    @staticmethod
+    def is_available() -> bool:
+        return _triton_conv() is not None
+
+    @staticmethod
+    def verify(x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return x.ndim == 3 and weight.ndim == 2 and weight.shape[0] == x.shape[-1]
+
+
 def short_conv_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``short_conv_silu_torch`` on the backend the registry picks for ``x``'s device (same
     result). x ``[B, T, C]``, weight ``[C, W]``."""
-    choice = kernels.backend("short_conv", x.device)
-    if choice == "k3train" and _triton_conv() is not None:
+    choice = ops_backends.current().backend("short_conv", x.device.type)
+    if choice == "k3train" and TritonShortConv.is_available() and TritonShortConv.verify(x, weight):
         return _triton_conv()(x, weight)
     fused = fla_kernel("short_conv", x.device, "fla.modules.causal_conv1d", "causal_conv1d")
     if fused is not None:

@@ -33,24 +33,11 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Callable
 
 from k3train.ops import autotune_picks
+from k3train.ops import backends as ops_backends
 
-
-@dataclass(frozen=True)
-class AutotuneSettings:
-    """The ``kernels.autotune*`` fields in force (``k3train.ops.kernels.autotune_settings``)."""
-
-    mode: str = "full"          # full | fixed
-    picks_spec: str = "auto"    # auto | none | a picks file
-    bench_ms: float = 25.0      # timed window per candidate under full (0: Triton's own)
-
-
-# "settings": where the patched autotuner reads the settings at each pruning. The kernel registry
-# hands its accessor in (configure_autotune), so this module never imports the registry.
-_state: dict = {"configured": False, "compile_only": False, "settings": AutotuneSettings}
+_state = {"configured": False, "compile_only": False}
 
 
 def _triton():
@@ -77,41 +64,37 @@ def smallest_config(configs: list):
     return min(configs, key=cost)
 
 
-def configure_autotune(settings: Callable[[], AutotuneSettings] | None = None) -> str:
+def configure_autotune() -> str:
     """Put the ``kernels.autotune`` switch into every Triton autotuner (fla's included); returns
     the mode in force.
 
-    ``settings``: the accessor the patch asks at each pruning (the kernel registry's
-    ``autotune_settings``), kept for later calls. Patches the ``Autotuner`` class once per
-    process, so it covers kernels imported before and after the call; the run's config decides
-    (``full`` leaves the candidates as their authors set them)."""
-    if settings is not None:
-        _state["settings"] = settings
+    Patches the ``Autotuner`` class once per process, so it covers kernels imported before and
+    after the call; the patch asks ``k3train.ops.ops_backends.current().autotune`` at each pruning, so the
+    run's config decides (``full`` leaves the candidates as their authors set them)."""
     mods = _triton()
     if mods is None or _state["configured"]:
-        return _state["settings"]().mode
+        return ops_backends.current().autotune
     autotuner = mods[0].Autotuner
     prune = autotuner.prune_configs
 
     def prune_by_mode(self, kwargs):
         configs = prune(self, kwargs)
-        current = _state["settings"]()
-        if current.mode == "fixed":
+        if ops_backends.current().autotune == "fixed":
             return [smallest_config(configs)]
         autotune_picks.note_tuner(self)
         if len(configs) > 1:
             # A pick recorded on this GPU model (kernels.autotune_picks): only it compiles and
             # nothing is timed; a launch the picks do not cover is tuned as usual.
-            chosen = autotune_picks.pick(self, kwargs, configs, autotune_picks.table(current.picks_spec))
+            chosen = autotune_picks.pick(self, kwargs, configs, autotune_picks.table(ops_backends.current().autotune_picks))
             if chosen is not None:
                 return [chosen]
         announce_autotune(self, len(configs))
-        set_bench_window(self, current.bench_ms)
+        set_bench_window(self, ops_backends.current().autotune_bench_ms)
         return configs
 
     autotuner.prune_configs = prune_by_mode
     _state["configured"] = True
-    return _state["settings"]().mode
+    return ops_backends.current().autotune
 
 
 def set_bench_window(tuner, ms: float) -> None:
@@ -143,7 +126,7 @@ def kernel_label(jit_fn) -> str:
 def announce_autotune(tuner, n_configs: int, out=None) -> None:
     """Print "autotuning KERNEL (N configs)" the first time a kernel is tuned in this process.
     Triton prunes right before it benchmarks a new shape, so this is what a silent first step
-    waits for; later shapes of the same kernel stay quiet."""
+    waits for (issue 22); later shapes of the same kernel stay quiet."""
     if n_configs < 2 or _state["compile_only"]:  # compile-ahead has its own progress line
         return
     label = kernel_label(tuner)
@@ -171,7 +154,7 @@ def _launches_compile_only(mode=None, names: dict | None = None):
         before = len(mode.raw_futures) if names is not None else 0
         # Triton's async mode is a ContextVar, set in the thread that entered it. The autograd
         # engine runs CUDA backward in its own thread, where it is unset, so every backward
-        # kernel compiled synchronously, one candidate after another (two minutes
+        # kernel compiled synchronously, one candidate after another (issue 22: two minutes
         # after the forward's compiles ended). Set it for this launch in whatever thread.
         token = active.set(mode) if active is not None and active.get() is None else None
         try:
@@ -295,7 +278,7 @@ def compile_ahead(fn, threads: int | None = None, label: str = "") -> dict:
     threads = threads or os.cpu_count() or 4
     t0 = time.perf_counter()
     mode_name = configure_autotune()
-    picks = autotune_picks.source(_state["settings"]().picks_spec) if mode_name == "full" else None
+    picks = autotune_picks.source(ops_backends.current().autotune_picks) if mode_name == "full" else None
     print(f"[k3train] compiling Triton kernels ahead{' for ' + label if label else ''} "
           f"({threads} threads, autotune={mode_name}{', picks from ' + picks if picks else ''}) ...",
           file=sys.stderr, flush=True)

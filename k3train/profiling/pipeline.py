@@ -11,11 +11,10 @@ import time
 from pathlib import Path
 
 import torch
-from megatron.core import parallel_state
 
 from k3train.errors import LayoutError
 from k3train.config import RunConfig
-from k3train.runtime.distributed import init_distributed
+from k3train.runtime.distributed import init_distributed, parallel_context
 from k3train.trainer.data import build_data
 from k3train.runtime.device import resolve_device
 from k3train.trainer.state import TrainState
@@ -26,9 +25,10 @@ TRANSPORTS = ("naive", "cached")
 
 def _run_transport(cfg: RunConfig, info, device, transport: str, steps: int):
     cfg = cfg.model_copy(update={"pipeline": cfg.pipeline.model_copy(update={"attnres_transport": transport})})
-    data = build_data(cfg, parallel_state.get_data_parallel_rank(), info.dp)
+    parallel = parallel_context(info, p2p_backend=cfg.pipeline.p2p_backend)
+    data = build_data(cfg, parallel.dp_rank, info.dp)
     recorder = CommRecorder()
-    state = TrainState(cfg, info, device, recorder=recorder)
+    state = TrainState(cfg, info, device, recorder=recorder, parallel=parallel)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -36,7 +36,7 @@ def _run_transport(cfg: RunConfig, info, device, transport: str, steps: int):
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    recorder.gather(parallel_state.get_pipeline_model_parallel_group())
+    recorder.gather(parallel.pp_group)
     return recorder, sorted(times)[len(times) // 2]
 
 

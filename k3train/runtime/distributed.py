@@ -172,6 +172,16 @@ def parallel_context(info: ParallelInfo, *, p2p_backend: str = "auto") -> Parall
     )
 
 
+def expert_group_in_force(ep: int) -> dist.ProcessGroup | None:
+    """The expert-parallel group for a builder that holds no run context: megatron-core's where
+    its groups exist (size 1 at ep=1), and None (the world group) where they do not, as in a
+    meta-device model-info. Never None in a multi-process run: the world group would split the
+    experts over the data-parallel ranks of an ep=1 run. ``ep > 1`` requires the groups."""
+    if ep > 1 or parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_expert_model_parallel_group()
+    return None
+
+
 def shutdown_distributed() -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

@@ -18,6 +18,7 @@ from k3train.ops import kernels
 from k3train.ops.autotune_picks import write_picks
 from k3train.runtime.cuda_env import prepare_cuda_env
 from k3train.runtime.device import resolve_device
+from k3train.trainer.context import RunContext
 from k3train.runtime.distributed import init_distributed, parallel_context
 from k3train.runtime.env_report import commit as source_commit
 from k3train.trainer import faults
@@ -110,7 +111,7 @@ class Trainer:
         (``plan_run_dir``) and a resume's load have succeeded."""
         cfg, run_dir = self.cfg, self.run_dir
         prepare_cuda_env(cfg)
-        kernels.apply(cfg)  # the run's kernels: section decides every op family's backend
+        choices = kernels.apply(cfg)  # the run's kernels: section decides every op family's backend
         self.device = device = resolve_device(cfg.train.device).type
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
@@ -125,6 +126,7 @@ class Trainer:
             lambda: plan_run_dir(run_dir, self.resume, self.overwrite, info.world_size, self.layout))
 
         ctx = parallel_context(info, p2p_backend=cfg.pipeline.p2p_backend)
+        self.context = RunContext(parallel=ctx, device=dev, kernels=choices)  # built once per run
         self.data = build_data(cfg, ctx.dp_rank, info.dp)
         self.state = state = TrainState(cfg, info, dev, targets=self.data.targets, parallel=ctx)
         self.peak_flops = measure_peak_flops(dev)

@@ -26,7 +26,7 @@ def build_parts(cfg: RunConfig, device: torch.device, parallel: ParallelContext,
     """Returns (module holding this rank's parameters, engine or None); the engine gets its
     groups from ``parallel`` (k3train.runtime.distributed makes them)."""
     if cfg.parallel.pp == 1 and cfg.parallel.vpp == 1:
-        return build_model(cfg).to(device), None
+        return build_model(cfg, ep_group=parallel.ep_group).to(device), None
     return build_pipeline_parts(cfg, device, parallel, recorder)
 
 
@@ -39,7 +39,7 @@ def build_pipeline_parts(cfg: RunConfig, device: torch.device, parallel: Paralle
     ranges = [(r.start, r.stop) for r in map(layout.layer_range, range(layout.num_chunks))]
     rank = parallel.pp_rank
     last = layout.num_chunks - 1
-    chunks = LocalChunks({str(c): K3Chunk(cfg, *ranges[c], first=c == 0, last=c == last)
+    chunks = LocalChunks({str(c): K3Chunk(cfg, *ranges[c], first=c == 0, last=c == last, ep_group=parallel.ep_group)
                           for c in layout.chunks_of_rank(rank)}).to(device)
     # dp_group stays None: the trainer reduces gradients itself (expert weights need their own group).
     engine = PipelineEngine(

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from k3train.ops import kernels
 from k3train.config import load_config
-from k3train.ops import autotune_picks as ap
+from k3train.ops import autotune_picks as ap, kernels
+from k3train.ops.triton_compile import configure_autotune
 
 GPU = "NVIDIA H200"
 
@@ -76,6 +76,7 @@ def test_writing_merges_with_the_file_for_the_same_gpu(tmp_path, fresh):
 
 def test_the_pruning_hook_keeps_only_the_pick(tmp_path, fresh):
     triton = pytest.importorskip("triton")
+
     @triton.jit
     def scale(x, N, BK: triton.language.constexpr):
         pass
@@ -87,7 +88,7 @@ def test_the_pruning_hook_keeps_only_the_pick(tmp_path, fresh):
     done = _tuner({(128, "torch.bfloat16"): configs[1]})
     done.fn = tuner  # same kernel: the autotuner's own function
     path = ap.write_picks(tmp_path / "picks.json", device_name=GPU, tuners=[done])
-    kernels.configure_triton()
+    configure_autotune()
     with kernels.using(autotune="full", autotune_picks=str(path)):
         assert tuner.prune_configs({}) == [configs[1]]
     with kernels.using(autotune="full", autotune_picks="none"):

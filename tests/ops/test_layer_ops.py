@@ -13,6 +13,8 @@ from k3train.ops.attnres import attnres_backend, depth_mix, depth_mix_torch
 from k3train.ops.gated_norm import head_norm_gate
 from k3train.ops.kda import kda_backend, kda_gated, kda_gated_state, naive_recurrent_kda
 from k3train.ops.short_conv import short_conv_silu
+from k3train.config.schema import KernelsConfig
+from k3train.ops import kernels
 
 F64 = dict(dtype=torch.float64)
 
@@ -95,7 +97,8 @@ def test_depth_mix_matches_per_token_softmax():
 def test_kernel_switch(monkeypatch):
     assert kda_backend("cpu") == "torch" and attnres_backend("cpu") == "torch"
     monkeypatch.setenv("K3TRAIN_KERNELS", "torch")
+    kernels.apply(KernelsConfig())  # the overrides are read when the choices are resolved
     assert kda_backend("cuda") == "torch" and attnres_backend("cuda") == "torch"
     monkeypatch.setenv("K3TRAIN_KERNELS", "triton")
     with pytest.raises(ValueError, match="K3TRAIN_KERNELS='triton' .*allowed values are 'auto', 'torch'"):
-        kda_backend("cuda")
+        kernels.apply(KernelsConfig())

@@ -10,19 +10,20 @@ import torch
 
 from k3train.config import load_config
 from k3train.runtime.distributed import init_distributed
-from k3train.ops import triton_compile
+from k3train.config.schema import KernelsConfig
+from k3train.ops import backends as ops_backends
+from k3train.ops import kernels, triton_compile
 from k3train.trainer import state as state_mod
 from k3train.trainer.state import TrainState
 
 
 def test_autotune_mode_rejects_unknown(monkeypatch):
-    from k3train.ops import kernels
-
     monkeypatch.setenv("K3TRAIN_AUTOTUNE", "fastest")
     with pytest.raises(ValueError, match="K3TRAIN_AUTOTUNE='fastest' .*'full', 'fixed'"):
-        kernels.autotune_mode()
+        kernels.apply(KernelsConfig())
     monkeypatch.setenv("K3TRAIN_AUTOTUNE", "fixed")
-    assert kernels.autotune_mode() == "fixed"
+    kernels.apply(KernelsConfig())  # the override is read when the choices are resolved
+    assert kernels.autotune_mode() == "fixed" and ops_backends.current().autotune == "fixed"
 
 
 def test_smallest_config_least_tiles_then_stages_then_warps():
@@ -130,7 +131,6 @@ def test_autotuning_is_announced_once_per_kernel(capsys):
     """Full autotuning names the kernel it is about to benchmark, once per kernel; fixed mode
     (one candidate) and single-candidate kernels stay quiet."""
     triton = pytest.importorskip("triton")
-    from k3train.ops import kernels
 
     @triton.autotune(configs=[triton.Config({"B": 16}), triton.Config({"B": 32}), triton.Config({"B": 64})],
                      key=["n"])
@@ -194,7 +194,6 @@ def test_full_autotuning_times_each_candidate_for_the_configured_window(monkeypa
     run's step 1) with its window; 0 keeps Triton's benchmark, and a kernel's own is kept."""
     triton = pytest.importorskip("triton")
     from triton import testing
-    from k3train.ops import kernels
 
     configs = [triton.Config({"B": 16}), triton.Config({"B": 32})]
 
