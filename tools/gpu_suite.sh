@@ -91,7 +91,7 @@ stage engine_kernels 420 python3 -m benchmarks.bench_engine_overhead --shape pip
 stage engine_graph 320 "${FIXED[@]}" python3 -m benchmarks.bench_engine_overhead --shape pipeline --vpp 1,2 --steps 6 \
   --graph --kernels --json "$OUT/engine_graph.json"
 # The timing model from 4-layer chunks, with each variant's GPU-busy share of its chunk spans.
-stage predict_busy 200 python3 -m benchmarks.predict_pipeline --layers-per-chunk 4 --json "$OUT/predict.json"
+stage predict_busy 200 python3 -m benchmarks.timing_model gpu --layers-per-chunk 4 --json "$OUT/predict.json"
 # The seeded studies (docs/ablations.md): unpack benchmarks/results/h200-2026-12-02c/study_runs.tgz into
 # OUTDIR/studies first (STUDIES_FROM), so each sweep trains only what is missing; the run directories
 # come back in OUTDIR (packed without checkpoints). At most 12 runs at once.
