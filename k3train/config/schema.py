@@ -496,6 +496,14 @@ class RunConfig(_Strict):
         if p.vpp > 1 and p.pp == 1:
             return (f"parallel.vpp={p.vpp} needs parallel.pp > 1 (virtual stages interleave over "
                     f"pipeline ranks); set parallel.vpp=1 or parallel.pp >= 2")
+        m = self.train.microbatches
+        if p.vpp > 1 and (m < p.pp or m % p.pp):
+            return (f"train.microbatches={m} cannot run the interleaved schedule of parallel.pp={p.pp} "
+                    f"x parallel.vpp={p.vpp} (chunks would wait on each other); use a multiple of "
+                    f"{p.pp}, at least {p.pp}, or parallel.vpp=1")
+        if self.model.tie_embeddings and p.pp > 1:
+            return (f"model.tie_embeddings=true needs the embedding and the head on one pipeline rank "
+                    f"(got parallel.pp={p.pp}); set model.tie_embeddings=false or parallel.pp=1")
         if p.ep > 1 and p.tp > 1:
             return (f"parallel.ep={p.ep} together with parallel.tp={p.tp} is not supported yet (experts "
                     f"would need expert-tensor-parallel groups); use parallel.tp=1 with ep, or ep=1")

@@ -144,6 +144,11 @@ def test_fp8_recipe_offers_only_what_runs():
 LAYOUT_REFUSALS = {
     "vpp-without-pp": (["parallel.vpp=2"], "parallel.vpp",
                        "parallel.vpp=2 needs parallel.pp > 1", "set parallel.vpp=1 or parallel.pp >= 2"),
+    "interleave-microbatches": (["parallel.pp=2", "parallel.vpp=2", "train.microbatches=3"], "train.microbatches",
+                                "train.microbatches=3 cannot run the interleaved schedule",
+                                "use a multiple of 2, at least 2, or parallel.vpp=1"),
+    "tied-over-pp": (["parallel.pp=2", "model.tie_embeddings=true"], "model.tie_embeddings",
+                     "needs the embedding and the head on one pipeline rank", "set model.tie_embeddings=false"),
     "ep-with-tp": (["parallel.ep=2", "parallel.tp=2"], "parallel.ep",
                    "parallel.ep=2 together with parallel.tp=2 is not supported yet", "use parallel.tp=1 with ep"),
     "experts-over-ep": (["parallel.ep=3"], "moe.num_experts",
