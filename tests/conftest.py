@@ -1,4 +1,5 @@
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,3 +27,20 @@ def _seed_and_clean_process_group():
 
     shutdown_distributed()
     kernels.apply(KernelsConfig(), pipeline_gpu=False)  # a test's run must not steer the next test's kernels
+
+
+def _tree(root: Path) -> dict[str, float]:
+    return {str(p.relative_to(root)): p.stat().st_mtime for p in root.rglob("*")} if root.exists() else {}
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _users_runs_untouched():
+    """Tests write only to temporary directories: the repository's runs/ (where the README's
+    quickstart puts the user's own run) must be the same after the session as before, or
+    following the README in order (quickstart, then tests) would mix the two."""
+    runs = Path(__file__).resolve().parents[1] / "runs"
+    before = _tree(runs)
+    yield
+    after = _tree(runs)
+    changed = sorted(set(before) ^ set(after) | {p for p in before.keys() & after.keys() if before[p] != after[p]})
+    assert not changed, f"tests wrote into the repository's runs/: {changed[:10]}"

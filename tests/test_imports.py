@@ -168,6 +168,21 @@ def _cycles() -> list[list[str]]:
     return out
 
 
+def test_the_reader_sees_the_imports_it_must_judge():
+    """The checker itself, on imports known to be in the tree: a module-level one, a relative
+    submodule import inside a function (an edge to the submodule, not the package), an import
+    guarded by TYPE_CHECKING (not an edge), and the room of each kind of module."""
+    found = {(s, d): in_fn for s, d, _, in_fn, _ in edges()}
+    assert found[("k3train.trainer.loop", "k3train.trainer.restore")] is False
+    assert found[("moe.topk", "moe.topk_triton")] is True and ("moe.topk", "moe") not in found
+    assert len(found) > 300
+    assert [room(m) for m in ("k3train", "k3train.cli", "k3train.commands.train", "k3train.ops.kda.naive",
+                              "moe.layer")] == ["root", "commands", "commands", "ops", "leaf"]
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import k3train.cli\n"
+                     "def f():\n    import k3train.errors\n")
+    assert [(type(n).__name__, in_fn) for n, in_fn in _imports(tree)] == [("ImportFrom", False), ("Import", True)]
+
+
 def test_leaf_packages_never_import_k3train():
     bad = [(s, d) for s, d, *_ in edges() if room(s) == "leaf" and d.split(".")[0] == "k3train"]
     assert not bad, bad

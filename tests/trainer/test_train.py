@@ -97,7 +97,8 @@ def test_cli_bad_input_is_one_clear_line(tmp_path, capsys):
     assert cli_main(["train", "--config", "configs/k3_tiny.yaml", "--run-dir", str(tmp_path), "optim.lr=-1"]) == 2
     err = capsys.readouterr().err
     assert "optim.lr: Input should be greater than 0" in err and "Traceback" not in err
-    assert cli_main(["train", "--config", "configs/k3_tiny.yaml", "model.vocab_size=100", *SMALL]) == 2
+    assert cli_main(["train", "--config", "configs/k3_tiny.yaml", "--run-dir", str(tmp_path / "v"),
+                     "model.vocab_size=100", *SMALL]) == 2
     assert "model.vocab_size=100 is smaller than the vocabulary of tokenizer 'byte' (257)" in capsys.readouterr().err
 
 
