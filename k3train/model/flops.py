@@ -116,6 +116,23 @@ def flops_per_token(cfg: RunConfig, seq_len: int | None = None) -> float:
     return flops_breakdown(cfg, seq_len)["total"]
 
 
+# Datasheet dense bf16 peak FLOP/s of one GPU (no sparsity), by a part of the name torch reports
+# (``torch.cuda.get_device_name``); the first match wins, so a more specific name comes first.
+# MFU is counted against these, as Megatron, torchtitan and the papers count it.
+DATASHEET_BF16_PEAK: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("H800", 989e12),
+    ("A100", 312e12), ("A800", 312e12), ("B200", 2250e12), ("B100", 1750e12),
+)
+
+
+def datasheet_peak_flops(device_name: str | None) -> float | None:
+    """One GPU's datasheet dense bf16 peak FLOP/s, or None for a CPU (``None``) or an unknown
+    model, for which no MFU is reported."""
+    if not device_name:
+        return None
+    return next((peak for part, peak in DATASHEET_BF16_PEAK if part in device_name), None)
+
+
 def mfu(tokens_per_s: float, cfg: RunConfig, peak_flops: float, num_devices: int = 1,
         seq_len: int | None = None) -> float:
     """Model FLOPs utilisation: achieved training FLOP/s over the devices' peak.

@@ -26,7 +26,7 @@ from k3train.trainer.checkpoint import save_checkpoint
 from k3train.trainer.data import build_data
 from k3train.trainer.guards import last_checkpoint_note, params_finite
 from k3train.trainer.metrics import MetricsLogger
-from k3train.trainer.report import measure_peak_flops, write_end_of_run_plots
+from k3train.trainer.report import datasheet_peak, measure_peak_flops, write_end_of_run_plots
 from k3train.trainer.run_lock import RunDirLock
 from k3train.trainer.restore import data_source, init_from, restore_training
 from k3train.trainer.run_dir import decided_on_rank0, plan_run_dir, save_config
@@ -130,6 +130,7 @@ class Trainer:
         self.data = build_data(cfg, ctx.dp_rank, info.dp)
         self.state = state = TrainState(cfg, info, dev, targets=self.data.targets, parallel=ctx)
         self.peak_flops = measure_peak_flops(dev)
+        self.datasheet_flops, mfu_words = datasheet_peak(dev)
         self.flops_token = flops_per_token(cfg)
         self.start_step = 0
         if resume_from is not None:
@@ -148,8 +149,13 @@ class Trainer:
                                     resume=self.resume and self.start_step > 0, keep_through=self.start_step)
         if main:
             print(f"[k3train] code {source_commit()} | device {device} | world {info.world_size} "
-                  f"(tp {p.tp} pp {p.pp} dp {info.dp}) | {state.describe()}")
-            print(f"[k3train] data: {self.data.description}")
+                  f"(tp {p.tp} pp {p.pp} vpp {p.vpp} ep {p.ep} dp {info.dp}) | {state.describe()}")
+            print(f"[k3train] data: {self.data.description}; val loss over train.eval_batches="
+                  f"{cfg.train.eval_batches} batches (k3train eval covers the whole split)")
+            print(f"[k3train] mfu: {mfu_words}; matmul_util: against this device's measured matmul rate")
+            if cfg.optim.warmup_steps >= cfg.train.steps:
+                print(f"[k3train] warning: optim.warmup_steps={cfg.optim.warmup_steps} >= train.steps="
+                      f"{cfg.train.steps}: the learning rate never leaves its warm-up")
 
     def run_loop(self) -> None:
         """Steps ``start_step + 1`` to ``train.steps`` (or ``stop_at``); stops after a saved
@@ -204,8 +210,11 @@ class Trainer:
         """The metrics line of ``step`` (with the validation loss at eval steps)."""
         cfg, state = self.cfg, self.state
         record = {"step": step, "loss": out["loss"], "lr": lr, "grad_norm": out["grad_norm"],
-                  "tokens_per_s": tok_s, "mfu": tok_s * self.flops_token / (self.peak_flops * self.info.world_size),
+                  "tokens_per_s": tok_s,
+                  "matmul_util": tok_s * self.flops_token / (self.peak_flops * self.info.world_size),
                   "skipped": int(not out["finite"]), **state.moe_metrics(), **state.pipeline_metrics()}
+        if self.datasheet_flops is not None:
+            record["mfu"] = tok_s * self.flops_token / (self.datasheet_flops * self.info.world_size)
         if self.dev.type == "cuda":
             record["memory_gib"] = torch.cuda.max_memory_allocated(self.dev) / 2**30
         if step % cfg.train.eval_interval == 0 or step == last_step:

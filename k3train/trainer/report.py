@@ -9,14 +9,28 @@ import torch
 import torch.distributed as dist
 
 from k3train.model.attnres import DepthAttention, record_depth_weights
+from k3train.model.flops import datasheet_peak_flops
 from k3train.model.layer import K3Layer
 from k3train.model.model import K3Chunk
 from k3train.trainer.plots import plot_attnres_depth_heatmap, plot_expert_load_heatmap, write_run_plots
 
 
+def datasheet_peak(device: torch.device) -> tuple[float | None, str]:
+    """(one device's datasheet dense bf16 peak FLOP/s or None, the banner's words for it): MFU's
+    denominator, as the field counts it; none on a CPU or an unknown GPU model."""
+    if device.type != "cuda":
+        return None, f"not reported on {device.type} (no datasheet peak)"
+    name = torch.cuda.get_device_name(device)
+    peak = datasheet_peak_flops(name)
+    if peak is None:
+        return None, f"not reported: no datasheet peak known for {name} (k3train/model/flops.py)"
+    return peak, f"against {peak / 1e12:.0f} TFLOP/s ({name} datasheet, dense bf16)"
+
+
 def measure_peak_flops(device: torch.device) -> float:
     """Dense matmul FLOP/s of this device, measured once (bf16 8192^3 on CUDA, fp32 1024^3 on
-    CPU): MFU is reported against what the hardware does here, not a datasheet."""
+    CPU): ``matmul_util``'s denominator (how close the step gets to this machine's own GEMM
+    rate), which is not MFU."""
     n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (1024, torch.float32)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)

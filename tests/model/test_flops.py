@@ -4,7 +4,7 @@ import math
 import pytest
 
 from k3train.config import load_config
-from k3train.model.flops import flops_breakdown, matmul_params, mfu
+from k3train.model.flops import datasheet_peak_flops, flops_breakdown, matmul_params, mfu
 from k3train.model.model import build_model
 
 # d=8, 2 layers "KM", layer 0 dense, AttnRes blocks of 1, vocab 16, T=10.
@@ -53,3 +53,9 @@ def test_matmul_params_equal_the_built_model(world1, gate):
         counted += p.numel() * cfg.moe.topk // cfg.moe.num_experts if routed else p.numel()
     assert matmul_params(cfg)["total"] == counted
     assert math.isfinite(flops_breakdown(load_config("configs/k3_full.yaml"))["total"])
+
+
+def test_datasheet_peak_by_gpu_name():
+    assert datasheet_peak_flops("NVIDIA H200") == 989e12 and datasheet_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert datasheet_peak_flops("NVIDIA H100 PCIe") == 756e12 and datasheet_peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert datasheet_peak_flops(None) is None and datasheet_peak_flops("NVIDIA GeForce RTX 3090") is None
