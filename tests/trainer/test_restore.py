@@ -57,7 +57,7 @@ def test_one_process_layout_is_the_default_and_overrides_still_apply(tmp_path):
 
     step = tmp_path / "run" / "checkpoints" / "step_00000002"
     step.mkdir(parents=True)
-    save_config(small_cfg("parallel.pp=2", "parallel.vpp=2", "parallel.ep=2"), tmp_path / "run" / "config.yaml")
+    save_config(small_cfg("parallel.pp=2", "parallel.vpp=2", "parallel.ep=2", "train.microbatches=2"), tmp_path / "run" / "config.yaml")
     one, _ = run_config(step, one_process=True)
     assert (one.parallel.tp, one.parallel.pp, one.parallel.vpp, one.parallel.ep) == (1, 1, 1, 1)
     kept, _ = run_config(step, one_process=False)
