@@ -6,6 +6,9 @@ modification times)."""
 import json
 import multiprocessing
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +19,8 @@ import k3train.trainer.loop as loop
 from k3train.cli import main as cli_main
 from k3train.data import ByteTokenizer, prepare_data
 from k3train.sweep import runner
+from tests.cli_runs import cli_env, wait_for
+from tests.helpers import SMALL
 
 TOK = ByteTokenizer()
 
@@ -212,3 +217,27 @@ def test_sweep_stopped_with_variants_left_exits_with_its_own_status(tmp_path, mo
                         or run_dir.mkdir(parents=True, exist_ok=True) or {"steps": cfg.train.steps})
     assert cli_main(["sweep", str(path), "--out", str(out)]) == 0
     assert len(calls) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signalled_sweep_exits_3_and_starts_no_further_variant(tmp_path, sig):
+    """A real ``k3train sweep`` process signalled while its first variant trains: the variant
+    saves, the second variant never starts, and the process exits 3."""
+    path = tmp_path / "ablation.yaml"
+    path.write_text(yaml.safe_dump({"name": "unit", "base": str(Path("configs/k3_tiny.yaml").resolve()),
+                                    "overrides": [*SMALL, "train.steps=100000", "train.log_interval=1"],
+                                    "grid": {"optim.lr": [1e-3, 2e-3]}}))
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "k3train", "sweep", str(path), "--out", str(out)],
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = out / "lr-0.001" / "metrics.jsonl"
+    try:
+        assert wait_for(lambda: first.exists() and len(first.read_text().splitlines()) >= 2)
+    finally:
+        proc.send_signal(sig)
+        log, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 3, log
+    assert (out / "lr-0.001" / "checkpoints" / "latest").is_file(), log
+    assert not (out / "lr-0.002").exists(), log
+    assert "Traceback" not in log and "1 variant(s) left" not in log and "2 variant(s) left" in log, log
