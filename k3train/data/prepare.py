@@ -8,7 +8,7 @@ as one sequence that ends with the tokenizer's EOD token, so the ``.bin`` file r
 is the flat training stream ``doc0 EOD doc1 EOD ...``.
 
 A sidecar ``<prefix>.meta.json`` records the tokenizer (kind, hash of its files, vocab size, EOD
-id, spec) and counts; readers check it so a dataset is never read with a tokenizer it was not
+id, spec), counts and the sha256 of the dataset's own bytes (``content_sha256``); readers check it so a dataset is never read with a tokenizer it was not
 made with.
 
 ``workers > 1`` tokenizes in that many processes (chunks of documents, results taken in input
@@ -19,6 +19,7 @@ place, so a crash never leaves a half-written dataset that a reader would accept
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -34,7 +35,7 @@ import numpy as np
 from k3train.data.tokenizer import load_tokenizer
 from k3train.errors import DataError
 
-__all__ = ["prepare_data", "prepare_documents", "read_documents", "tokenizer_meta", "meta_path", "token_dtype",
+__all__ = ["prepare_data", "prepare_documents", "content_sha256", "read_documents", "tokenizer_meta", "meta_path", "token_dtype",
            "ALLOWED_EXTENSIONS", "TXT_SPLITS"]
 
 ALLOWED_EXTENSIONS = (".txt", ".jsonl", ".parquet")
@@ -174,6 +175,17 @@ def read_documents(path: Path, text_key: str = "text", txt_split: str = "none") 
     if suffix == ".jsonl":
         return _read_jsonl(path, text_key)
     return _read_parquet(path, text_key)
+
+
+def content_sha256(bin_path: str | Path, idx_path: str | Path) -> str:
+    """sha256 of a dataset's ``.bin`` bytes followed by its ``.idx`` bytes: the dataset's
+    identity (recorded in its meta file as ``content_sha256``), whatever its path."""
+    digest = hashlib.sha256()
+    for path in (bin_path, idx_path):
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                digest.update(block)
+    return digest.hexdigest()
 
 
 def _remove_quietly(*paths: Path) -> None:
@@ -436,6 +448,9 @@ def _write_dataset(documents, prefix: Path, tokenizer, *, inputs, total_bytes, p
             "num_documents": num_docs,
             "num_tokens": num_tokens,
             "inputs": list(inputs or []),
+            # Read back once (much faster than the tokenizing): tells re-prepared data at the
+            # same prefix apart from the data a checkpoint was trained on.
+            "content_sha256": content_sha256(tmp_bin, tmp_idx),
         }
         tmp_meta.write_text(json.dumps(stats, indent=2) + "\n")
         # Drop the old commit marker first: between the renames below the final names may hold
@@ -479,7 +494,7 @@ def prepare_data(
     tokenizer processes (0 = ``auto_workers``; capped at the cores available). ``overwrite``:
     replace a dataset already at ``output_prefix`` (refused otherwise, before any work). Returns the stats written to the meta file:
     ``tokenizer``, ``tokenizer_kind``, ``tokenizer_files_hash``, ``tokenizer_spec``,
-    ``vocab_size``, ``eod_id``, ``dtype``, ``num_documents``, ``num_tokens``, ``inputs``, plus ``empty_documents`` (skipped; not in the
+    ``vocab_size``, ``eod_id``, ``dtype``, ``num_documents``, ``num_tokens``, ``inputs``, ``content_sha256`` (``content_sha256()``), plus ``empty_documents`` (skipped; not in the
     meta file).
     """
     if txt_split not in TXT_SPLITS:

@@ -3,6 +3,7 @@
 Every bad-input case runs through the CLI (``k3train.cli.main``): exit status 2, one line on
 stderr and no traceback, and the directory listed before and after is unchanged (names, sizes,
 modification times)."""
+import hashlib
 import json
 import multiprocessing
 import os
@@ -18,6 +19,7 @@ import yaml
 import k3train.trainer.loop as loop
 from k3train.cli import main as cli_main
 from k3train.data import ByteTokenizer, prepare_data
+from k3train.data.dataset import dataset_content_hash
 from k3train.sweep import runner
 from tests.cli_runs import cli_env, wait_for
 from tests.helpers import SMALL
@@ -241,3 +243,20 @@ def test_signalled_sweep_exits_3_and_starts_no_further_variant(tmp_path, sig):
     assert (out / "lr-0.001" / "checkpoints" / "latest").is_file(), log
     assert not (out / "lr-0.002").exists(), log
     assert "Traceback" not in log and "1 variant(s) left" not in log and "2 variant(s) left" in log, log
+
+
+def test_dataset_records_its_content_hash(tmp_path):
+    """Item 6 (data side): the meta file records sha256(.bin bytes + .idx bytes), so data
+    re-prepared at the same prefix is told apart from the data a checkpoint was trained on."""
+    (tmp_path / "a.txt").write_text("one\ntwo\n")
+    (tmp_path / "b.txt").write_text("one\ntwo\nthree\n")
+    prefix = tmp_path / "ds"
+    prepare_data([tmp_path / "a.txt"], prefix, TOK, txt_split="lines")
+    reference = hashlib.sha256((tmp_path / "ds.bin").read_bytes() + (tmp_path / "ds.idx").read_bytes()).hexdigest()
+    first = dataset_content_hash(prefix)
+    assert first == reference
+    prepare_data([tmp_path / "a.txt"], tmp_path / "same", TOK, txt_split="lines")
+    assert dataset_content_hash(tmp_path / "same") == first  # the path is not part of it
+    prepare_data([tmp_path / "b.txt"], prefix, TOK, txt_split="lines", overwrite=True)
+    assert dataset_content_hash(prefix) not in (None, first)
+    assert dataset_content_hash(tmp_path / "absent") is None
