@@ -22,8 +22,10 @@ def add_arguments(p) -> None:
     split.add_argument("--split-blank-lines", action="store_true",
                        help="each blank-line-separated paragraph of a .txt file is a document")
     p.add_argument("--workers", type=int, default=0,
-                   help="tokenizer processes; 0: one per core (up to 8) when the inputs total 16 MiB or "
-                        "more, else 1")
+                   help="tokenizer processes, capped at the cores available; 0: one per core (up to 8) "
+                        "when the inputs total 16 MiB or more, else 1")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a dataset already at --output-prefix (refused otherwise)")
     p.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
                    help="progress bar (documents, tokens, bytes/s) on stderr; auto: for 16 MiB or more")
 
@@ -35,9 +37,10 @@ def run(args) -> int:
     tokenizer = load_tokenizer(args.tokenizer)
     stats = prepare_data(args.inputs, args.output_prefix, tokenizer, text_key=args.text_key,
                          progress=None if args.progress == "auto" else args.progress == "on",
-                         txt_split=split, workers=args.workers)
+                         txt_split=split, workers=args.workers, overwrite=args.overwrite)
+    empty = f", {stats['empty_documents']:,} empty documents skipped" if stats["empty_documents"] else ""
     print(f"wrote {args.output_prefix}.bin/.idx/.meta.json: {stats['num_documents']:,} documents, "
-          f"{stats['num_tokens']:,} tokens ({tokenizer.name}, vocab {tokenizer.vocab_size})")
+          f"{stats['num_tokens']:,} tokens ({tokenizer.name}, vocab {tokenizer.vocab_size}){empty}")
     vocab = "" if tokenizer.vocab_size <= 320 else f" model.vocab_size={-(-tokenizer.vocab_size // 64) * 64}"
     print(f"train on it with: k3train train --config configs/k3_tiny.yaml data.source={args.output_prefix}{vocab}")
     return 0

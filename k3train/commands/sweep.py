@@ -22,8 +22,16 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from k3train.sweep.runner import run_sweep
+    """0: every variant done; EXIT_SWEEP_STOPPED (3): a stop signal ended it with variants left
+    (rerun to resume); 2 (the CLI): refused."""
+    import sys
 
-    run_sweep(args.ablation, args.out, args.overrides, dry_run=args.dry_run, seeds=args.seeds,
-              only=args.only, jobs=args.jobs, collect=args.collect)
+    from k3train.sweep.runner import EXIT_SWEEP_STOPPED, SweepStopped, run_sweep
+
+    try:
+        run_sweep(args.ablation, args.out, args.overrides, dry_run=args.dry_run, seeds=args.seeds,
+                  only=args.only, jobs=args.jobs, collect=args.collect)
+    except SweepStopped as exc:
+        print(f"k3train: {exc}", file=sys.stderr)
+        return EXIT_SWEEP_STOPPED
     return 0

@@ -19,6 +19,8 @@ def add_arguments(p) -> None:
     p.add_argument("--vocab-size", type=int, required=True, help="tokens including 256 bytes and <|endoftext|>")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--min-frequency", type=int, default=2, help="merge only pairs seen this often")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a tokenizer.json already in --out (refused otherwise)")
     p.add_argument("--text-key", default="text", help="field (.jsonl) or column (.parquet) holding the text")
 
 
@@ -39,7 +41,7 @@ def run(args) -> int:
         paths = check_inputs(args.files)
         docs = (d for p in paths for d in read_documents(p, args.text_key))
     path = train_bpe(docs, args.vocab_size, args.out, min_frequency=args.min_frequency,
-                     progress=sys.stderr.isatty())
+                     progress=sys.stderr.isatty(), overwrite=args.overwrite)
     tok = load_tokenizer(path)
     print(f"wrote {path}: byte-level BPE, vocab {tok.vocab_size}, eod {tok.eod_id} (<|endoftext|>)")
     print(f"use it with: k3train prepare-data FILES --tokenizer {Path(args.out)} --output-prefix PREFIX")

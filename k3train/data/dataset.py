@@ -23,7 +23,7 @@ from k3train.data.corpus import embedded_documents
 from k3train.data.prepare import META_FORMAT, meta_path
 from k3train.data.tokenizer import ByteTokenizer
 
-__all__ = ["TokenSource", "SequenceDataset", "BatchIterator", "eval_batches"]
+__all__ = ["TokenSource", "SequenceDataset", "BatchIterator", "eval_batches", "dataset_content_hash"]
 
 _SPLITS = ("train", "val", "all")
 _IDX_MAGIC = b"MMIDIDX\x00\x00"  # first bytes of every megatron-core .idx file
@@ -152,6 +152,18 @@ class TokenSource:
         tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(n_tok,))
         check_token_range(tokens, vocab, str(bin_path))
         return cls(_split(tokens, split, val_fraction), vocab, f"{prefix}:{split}")
+
+
+def dataset_content_hash(prefix: str | Path) -> str | None:
+    """The ``content_sha256`` that ``prepare_data`` recorded for the dataset at ``prefix`` (sha256
+    of its ``.bin`` then ``.idx`` bytes); None for a dataset without one (prepared by an older
+    version, or a Megatron dataset without k3train's meta file)."""
+    try:
+        info = json.loads(meta_path(prefix).read_text())
+    except (OSError, ValueError):
+        return None
+    value = info.get("content_sha256") if isinstance(info, dict) else None
+    return value if isinstance(value, str) else None
 
 
 def meta_tokenizer(info: dict) -> tuple[str, str | None]:

@@ -8,7 +8,7 @@ as one sequence that ends with the tokenizer's EOD token, so the ``.bin`` file r
 is the flat training stream ``doc0 EOD doc1 EOD ...``.
 
 A sidecar ``<prefix>.meta.json`` records the tokenizer (kind, hash of its files, vocab size, EOD
-id, spec) and counts; readers check it so a dataset is never read with a tokenizer it was not
+id, spec), counts and the sha256 of the dataset's own bytes (``content_sha256``); readers check it so a dataset is never read with a tokenizer it was not
 made with.
 
 ``workers > 1`` tokenizes in that many processes (chunks of documents, results taken in input
@@ -19,12 +19,15 @@ place, so a crash never leaves a half-written dataset that a reader would accept
 
 from __future__ import annotations
 
+import hashlib
 import json
+import multiprocessing as mp
 import os
 import re
 import socket
 import sys
 from pathlib import Path
+from collections import deque
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -32,7 +35,7 @@ import numpy as np
 from k3train.data.tokenizer import load_tokenizer
 from k3train.errors import DataError
 
-__all__ = ["prepare_data", "prepare_documents", "read_documents", "tokenizer_meta", "meta_path", "token_dtype",
+__all__ = ["prepare_data", "prepare_documents", "content_sha256", "read_documents", "tokenizer_meta", "meta_path", "token_dtype",
            "ALLOWED_EXTENSIONS", "TXT_SPLITS"]
 
 ALLOWED_EXTENSIONS = (".txt", ".jsonl", ".parquet")
@@ -96,7 +99,18 @@ def _read_txt(path: Path, txt_split: str = "none") -> Iterator[str]:
         yield from _BLANK_LINES.split(text)
 
 
+def _not_utf8(path: Path, e: UnicodeError) -> DataError:
+    return DataError(f"{path} is not valid UTF-8 ({e.reason} at byte {e.start}); re-encode it as UTF-8")
+
+
 def _read_jsonl(path: Path, text_key: str) -> Iterator[str]:
+    try:
+        yield from _read_jsonl_lines(path, text_key)
+    except UnicodeDecodeError as e:  # raised by the line iterator, mid-file
+        raise _not_utf8(path, e) from None
+
+
+def _read_jsonl_lines(path: Path, text_key: str) -> Iterator[str]:
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -120,6 +134,11 @@ def _read_jsonl(path: Path, text_key: str) -> Iterator[str]:
                     f"{path}:{lineno}: field {text_key!r} (--text-key) is {type(text).__name__}, "
                     f"expected a string"
                 )
+            try:  # JSON escapes can spell a lone surrogate ("\\ud800"), which no tokenizer can encode
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise DataError(f"{path}:{lineno}: field {text_key!r} holds a lone surrogate escape "
+                                f"(not valid Unicode text); fix or drop that line") from None
             yield text
 
 
@@ -130,7 +149,12 @@ def _read_parquet(path: Path, text_key: str) -> Iterator[str]:
         raise DataError(
             f"reading {path} needs pyarrow, which is not installed: pip install 'k3train[parquet]'"
         ) from None
-    pf = pq.ParquetFile(path)
+    import pyarrow as pa
+
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path} is not a readable parquet file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     names = pf.schema_arrow.names
     if text_key not in names:
         raise DataError(
@@ -151,6 +175,17 @@ def read_documents(path: Path, text_key: str = "text", txt_split: str = "none") 
     if suffix == ".jsonl":
         return _read_jsonl(path, text_key)
     return _read_parquet(path, text_key)
+
+
+def content_sha256(bin_path: str | Path, idx_path: str | Path) -> str:
+    """sha256 of a dataset's ``.bin`` bytes followed by its ``.idx`` bytes: the dataset's
+    identity (recorded in its meta file as ``content_sha256``), whatever its path."""
+    digest = hashlib.sha256()
+    for path in (bin_path, idx_path):
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                digest.update(block)
+    return digest.hexdigest()
 
 
 def _remove_quietly(*paths: Path) -> None:
@@ -220,11 +255,13 @@ def _worker_encode(job: tuple[list[str], str]) -> list[np.ndarray]:
     return _encode_chunk(_worker_tokenizer, texts, np.dtype(dtype))
 
 
-def _chunks(docs: Iterator[str], max_bytes: int) -> Iterator[list[str]]:
-    """Non-empty documents grouped into lists of about ``max_bytes`` characters."""
+def _chunks(docs: Iterator[str], max_bytes: int, empty: list[int]) -> Iterator[list[str]]:
+    """Non-empty documents grouped into lists of about ``max_bytes`` characters; ``empty[0]``
+    counts the empty ones skipped."""
     chunk, size = [], 0
     for text in docs:
         if not text:
+            empty[0] += 1
             continue
         chunk.append(text)
         size += len(text)
@@ -235,16 +272,13 @@ def _chunks(docs: Iterator[str], max_bytes: int) -> Iterator[list[str]]:
         yield chunk
 
 
-def _encoded_chunks(docs: Iterator[str], tokenizer, dtype, workers: int) -> Iterator[tuple[list[str], list[np.ndarray]]]:
-    chunks = _chunks(docs, _CHUNK_CHARS)
+def _encoded_chunks(docs: Iterator[str], tokenizer, dtype, workers: int,
+                    empty: list[int]) -> Iterator[tuple[list[str], list[np.ndarray]]]:
+    chunks = _chunks(docs, _CHUNK_CHARS, empty)
     if workers <= 1:
         for chunk in chunks:
             yield chunk, _encode_chunk(tokenizer, chunk, dtype)
         return
-    import multiprocessing as mp
-
-    from collections import deque
-
     # spawn: the parent may hold threads (torch, the tokenizer libraries) that fork would copy
     # in an unknown state. Results are taken in submission order, so the output equals
     # workers=1's; at most 2 chunks per worker are in flight, so memory stays bounded.
@@ -267,6 +301,73 @@ def tokenizer_meta(tokenizer) -> dict:
             "vocab_size": int(tokenizer.vocab_size), "eod_id": int(tokenizer.eod_id)}
 
 
+def available_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
+def cap_workers(workers: int) -> int:
+    """``workers`` bounded by ``available_cores()``: more processes than cores only add
+    start-up cost and memory (``--workers 10000`` once forked without bound). A capped request
+    says so in one line on stderr."""
+    if workers < 1:
+        raise DataError(f"--workers must be >= 1 (or 0 for automatic), got {workers}")
+    cores = available_cores()
+    if workers > cores:
+        print(f"[prepare-data] --workers {workers} capped at {cores}, the cores available", file=sys.stderr)
+        return cores
+    return workers
+
+
+def _existing_outputs(prefix: Path) -> list[Path]:
+    return [p for p in (Path(f"{prefix}.bin"), Path(f"{prefix}.idx"), meta_path(prefix)) if p.exists()]
+
+
+def check_output_prefix(prefix: Path, overwrite: bool) -> None:
+    """Refuse, before any work and changing nothing, an output prefix that cannot be written or
+    that holds a dataset (``overwrite`` not given): one ``DataError`` line."""
+    existing = _existing_outputs(prefix)
+    if existing and not overwrite:
+        raise DataError(f"{existing[0]} exists (a prepared dataset at {prefix}); pass --overwrite to "
+                        f"replace it, or choose another --output-prefix")
+    for p in existing:
+        if not p.is_file():
+            raise DataError(f"{p} exists and is not a file; choose another --output-prefix")
+    parent = prefix.parent
+    for above in (parent, *parent.parents):  # the nearest existing ancestor must be a directory
+        if above.exists():
+            if not above.is_dir():
+                raise DataError(f"output prefix {prefix}: {above} is a file, not a directory")
+            if not os.access(above, os.W_OK | os.X_OK):
+                raise DataError(f"output prefix {prefix}: directory {above} is not writable")
+            break
+
+
+def _make_parents(parent: Path) -> list[Path]:
+    """Create ``parent`` and its missing ancestors; returns those created (deepest first)."""
+    missing = []
+    for p in (parent, *parent.parents):
+        if p.exists():
+            break
+        missing.append(p)
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        _remove_dirs(missing)
+        raise DataError(f"cannot create output directory {parent}: {e.strerror or e}") from None
+    return missing
+
+
+def _remove_dirs(created: list[Path]) -> None:
+    for p in created:  # deepest first; a directory someone else filled meanwhile stays
+        try:
+            p.rmdir()
+        except OSError:
+            pass
+
+
 def prepare_documents(
     documents: Iterable[str],
     output_prefix: str | Path,
@@ -276,19 +377,34 @@ def prepare_documents(
     total_bytes: int | None = None,
     progress: bool | None = None,
     workers: int = 1,
+    overwrite: bool = False,
 ) -> dict:
     """Tokenize ``documents`` in order into ``<output_prefix>.{bin,idx,meta.json}``.
 
-    Empty documents are skipped. ``total_bytes`` (the input size, when known) sizes the progress
-    bar; ``progress=None`` shows it when that is 16 MiB or more. Returns the meta file's stats.
+    Empty documents are skipped and counted (``empty_documents`` in the returned stats, not in
+    the meta file). ``total_bytes`` (the input size, when known) sizes the progress bar;
+    ``progress=None`` shows it when that is 16 MiB or more. ``workers`` is capped at the cores
+    available. An existing dataset at the prefix is replaced only with ``overwrite``; any
+    refusal or failure leaves the disk as it was. Returns the meta file's stats.
     """
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
     from tqdm import tqdm
 
-    if workers < 1:
-        raise DataError(f"--workers must be >= 1, got {workers}")
+    workers = cap_workers(workers)
     prefix = Path(output_prefix)
-    prefix.parent.mkdir(parents=True, exist_ok=True)
+    check_output_prefix(prefix, overwrite)
+    created = _make_parents(prefix.parent)
+    try:
+        return _write_dataset(documents, prefix, tokenizer, inputs=inputs, total_bytes=total_bytes,
+                              progress=progress, workers=workers, builder_cls=IndexedDatasetBuilder,
+                              tqdm=tqdm)
+    except BaseException:
+        _remove_dirs(created)
+        raise
+
+
+def _write_dataset(documents, prefix: Path, tokenizer, *, inputs, total_bytes, progress, workers,
+                   builder_cls, tqdm) -> dict:
     dtype = token_dtype(tokenizer.vocab_size)
     if progress is None:
         progress = (total_bytes or 0) >= _PROGRESS_MIN_BYTES
@@ -300,13 +416,17 @@ def prepare_documents(
     tmp = Path(f"{prefix}.tmp{os.getpid()}-{_this_host()}")
     tmp_bin, tmp_idx, tmp_meta = Path(f"{tmp}.bin"), Path(f"{tmp}.idx"), Path(f"{tmp}.meta.json")
     num_docs = num_tokens = 0
+    empty = [0]
     builder = None
     try:
-        builder = IndexedDatasetBuilder(str(tmp_bin), dtype=dtype)
+        try:
+            builder = builder_cls(str(tmp_bin), dtype=dtype)
+        except OSError as e:
+            raise DataError(f"cannot write {tmp_bin}: {e.strerror or e}") from None
         # Bytes drive the bar (its rate is bytes/s); documents and tokens ride in the postfix.
         bar = tqdm(desc="tokenizing", total=total_bytes, unit="B", unit_scale=True, disable=not progress,
                    file=sys.stderr, mininterval=0.5)
-        for texts, encoded in _encoded_chunks(iter(documents), tokenizer, dtype, workers):
+        for texts, encoded in _encoded_chunks(iter(documents), tokenizer, dtype, workers, empty):
             for ids in encoded:
                 builder.add_document(ids, [ids.size])
                 num_tokens += ids.size
@@ -328,6 +448,9 @@ def prepare_documents(
             "num_documents": num_docs,
             "num_tokens": num_tokens,
             "inputs": list(inputs or []),
+            # Read back once (much faster than the tokenizing): tells re-prepared data at the
+            # same prefix apart from the data a checkpoint was trained on.
+            "content_sha256": content_sha256(tmp_bin, tmp_idx),
         }
         tmp_meta.write_text(json.dumps(stats, indent=2) + "\n")
         # Drop the old commit marker first: between the renames below the final names may hold
@@ -336,11 +459,14 @@ def prepare_documents(
         os.replace(tmp_bin, f"{prefix}.bin")
         os.replace(tmp_idx, f"{prefix}.idx")
         os.replace(tmp_meta, meta_path(prefix))
+    except OSError as e:  # disk full, permissions changed under us: one line, temporaries removed
+        raise DataError(f"preparing the dataset {prefix} failed: {e.strerror or e}"
+                        f"{f' ({e.filename})' if e.filename else ''}") from None
     finally:
         if builder is not None:
             builder.data_file.close()  # a no-op after finalize; needed when reading failed
         _remove_quietly(tmp_bin, tmp_idx, tmp_meta)
-    return stats
+    return {**stats, "empty_documents": empty[0]}
 
 
 def auto_workers(total_bytes: int) -> int:
@@ -348,7 +474,7 @@ def auto_workers(total_bytes: int) -> int:
     more than it saves), else one per CPU core up to 8."""
     if total_bytes < _PROGRESS_MIN_BYTES:
         return 1
-    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+    return max(1, min(8, available_cores()))
 
 
 def prepare_data(
@@ -360,17 +486,21 @@ def prepare_data(
     *,
     txt_split: str = "none",
     workers: int = 1,
+    overwrite: bool = False,
 ) -> dict:
     """Tokenize the files ``inputs`` in order into ``<output_prefix>.{bin,idx,meta.json}``.
 
     ``txt_split``: how a ``.txt`` file becomes documents (one of ``TXT_SPLITS``). ``workers``:
-    tokenizer processes (0 = ``auto_workers``). Returns the stats written to the meta file:
+    tokenizer processes (0 = ``auto_workers``; capped at the cores available). ``overwrite``:
+    replace a dataset already at ``output_prefix`` (refused otherwise, before any work). Returns the stats written to the meta file:
     ``tokenizer``, ``tokenizer_kind``, ``tokenizer_files_hash``, ``tokenizer_spec``,
-    ``vocab_size``, ``eod_id``, ``dtype``, ``num_documents``, ``num_tokens``, ``inputs``.
+    ``vocab_size``, ``eod_id``, ``dtype``, ``num_documents``, ``num_tokens``, ``inputs``, ``content_sha256`` (``content_sha256()``), plus ``empty_documents`` (skipped; not in the
+    meta file).
     """
     if txt_split not in TXT_SPLITS:
         raise DataError(f"txt_split {txt_split!r}; allowed: {', '.join(TXT_SPLITS)}")
     paths = check_inputs(list(inputs))
+    check_output_prefix(Path(output_prefix), overwrite)
     total = sum(p.stat().st_size for p in paths)
     workers = auto_workers(total) if workers == 0 else workers
 
@@ -379,4 +509,4 @@ def prepare_data(
             yield from read_documents(path, text_key, txt_split)
 
     return prepare_documents(documents(), output_prefix, tokenizer, inputs=[str(p) for p in paths],
-                             total_bytes=total, progress=progress, workers=workers)
+                             total_bytes=total, progress=progress, workers=workers, overwrite=overwrite)

@@ -7,6 +7,7 @@ stripped. ``<|endoftext|>`` is the one special token and the EOD id. The result 
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -35,9 +36,30 @@ def corpus_documents(name: str, split: str = "train") -> Iterator[str]:
         raise DataError(f"unknown corpus {name!r}; allowed: {', '.join(CORPORA)}")
 
 
+def check_tokenizer_out(out_dir: Path, overwrite: bool) -> None:
+    """Refuse, changing nothing, an ``out_dir`` that is a file or already holds a
+    ``tokenizer.json`` (without ``overwrite``): a dataset made with it could no longer be decoded."""
+    existing = out_dir / "tokenizer.json"
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DataError(f"--out {out_dir} is a file, not a directory; choose another --out")
+    if existing.exists() and not overwrite:
+        raise DataError(f"{existing} exists (a trained tokenizer); pass --overwrite to replace it, "
+                        f"or choose another --out")
+    for above in (out_dir, *out_dir.parents):  # the nearest existing ancestor must be writable
+        if above.exists():
+            if not above.is_dir():
+                raise DataError(f"--out {out_dir}: {above} is a file, not a directory")
+            if not os.access(above, os.W_OK | os.X_OK):
+                raise DataError(f"--out {out_dir}: directory {above} is not writable")
+            break
+
+
 def train_bpe(documents: Iterable[str], vocab_size: int, out_dir: str | Path, *,
-              min_frequency: int = 2, progress: bool = False) -> Path:
+              min_frequency: int = 2, progress: bool = False, overwrite: bool = False) -> Path:
     """Train on ``documents`` and write ``out_dir/tokenizer.json``; returns its path.
+
+    An existing ``out_dir/tokenizer.json`` is replaced only with ``overwrite`` (refused before
+    training otherwise).
 
     ``vocab_size`` counts the 256 bytes and ``<|endoftext|>``; the trainer stops early when no
     pair occurs ``min_frequency`` times, so a small corpus may give fewer tokens.
@@ -46,6 +68,8 @@ def train_bpe(documents: Iterable[str], vocab_size: int, out_dir: str | Path, *,
         raise DataError(f"--vocab-size {vocab_size} is too small: a byte-level BPE needs at least "
                         f"{_MIN_VOCAB} (256 bytes + <|endoftext|>)")
 
+    out = Path(out_dir)
+    check_tokenizer_out(out, overwrite)
     tk = _require("tokenizers", "tokenizers")
     tok = tk.Tokenizer(tk.models.BPE())
     tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -63,7 +87,6 @@ def train_bpe(documents: Iterable[str], vocab_size: int, out_dir: str | Path, *,
     tok.train_from_iterator(counted(), trainer=trainer)
     if seen[0] == 0:
         raise DataError("train-tokenizer found no documents in its inputs")
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "tokenizer.json"
     tmp = out / "tokenizer.json.tmp"

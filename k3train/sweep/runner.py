@@ -48,14 +48,29 @@ from pathlib import Path
 import yaml
 
 from k3train.config import ConfigError, RunConfig, load_config
-from k3train.errors import RunDirError
+from k3train.errors import K3TrainError, RunDirError
 # the module, not its function: ``loop.train`` looked up at call time stays patchable in tests
 from k3train.trainer import loop
 from k3train.trainer.plots import plot_loss_curves, plot_metric_curves
 from k3train.sweep.spec import Sweep, Variant
 from k3train.sweep.results import format_cell, collect_result, unfinished_progress, write_results
 
-__all__ = ["Sweep", "Variant", "load_sweep", "run_sweep", "collect_result", "write_results"]
+__all__ = ["Sweep", "Variant", "load_sweep", "run_sweep", "collect_result", "write_results",
+           "SweepStopped", "EXIT_SWEEP_STOPPED"]
+
+# `k3train sweep`'s exit status when a stop signal (SIGTERM, SIGINT) ended it with variants left:
+# distinct from 0 (done) and 2 (refused), so `k3train sweep ... && next` does not move on and a
+# scheduler can requeue. docs/ablations.md documents it.
+EXIT_SWEEP_STOPPED = 3
+
+
+class SweepStopped(K3TrainError):
+    """A stop signal ended a variant early; the sweep started no further variant. ``rows``: the
+    result rows tabulated for the variants finished so far."""
+
+    def __init__(self, message: str, rows: list[dict]):
+        super().__init__(message)
+        self.rows = rows
 
 _NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
 # What a tuned key can be chosen by; recall is best high, the others low.
@@ -321,7 +336,7 @@ def run_sweep(path: str | Path, out: str | Path | None = None, extra: list[str] 
         todo = []
     if jobs > 1 and len(todo) > 1:
         _train_in_subprocesses(path, out, todo, list(extra), seeds, jobs)
-    rows, curves = [], {}
+    rows, curves, stopped = [], {}, None
     for v, cfg in configs:
         run_dir = out / v.name
         if (run_dir / "DONE").is_file():
@@ -334,6 +349,7 @@ def run_sweep(path: str | Path, out: str | Path | None = None, extra: list[str] 
             summary = loop.train(cfg, run_dir, resume=True)
             if summary.get("steps", 0) < cfg.train.steps:  # stopped by a signal: leave it resumable
                 print(f"[sweep] {v.name} stopped at step {summary.get('steps')}; rerun the sweep to resume")
+                stopped = (v.name, summary.get("steps"), cfg.train.steps)
                 break
             (run_dir / "DONE").write_text(json.dumps({"steps": summary.get("steps"),
                                                       "config_key": config_key(cfg)}) + "\n")
@@ -355,4 +371,11 @@ def run_sweep(path: str | Path, out: str | Path | None = None, extra: list[str] 
                                     ylabel="MaxVio (max load / mean load - 1)")
         print(f"[sweep] results: {md}, {out / 'results.csv'}, {out / 'loss_curves.png'}"
               + (f", {maxvio}" if maxvio else ""))
+    if stopped is not None:
+        finished = {r["variant"] for r in rows}
+        left = [v.name for v, _ in configs if v.name not in finished]
+        name, step, steps = stopped
+        raise SweepStopped(f"sweep stopped by a signal: variant {name} saved at step {step} of {steps}; "
+                           f"{len(left)} variant(s) left ({', '.join(left)}); rerun the same command to "
+                           f"resume", rows)
     return rows
