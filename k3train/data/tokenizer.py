@@ -258,6 +258,25 @@ def _is_tiktoken_file(path: Path) -> bool:
     return bool(_TIKTOKEN_LINE.match(first))
 
 
+def _is_json_tokenizer(path: Path) -> bool:
+    """A Hugging Face ``tokenizer.json`` under any name: a JSON object with a ``model`` entry."""
+    with open(path, "rb") as f:
+        head = f.read(1).lstrip()
+    if head != b"{":
+        return False
+    try:
+        return "model" in json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return False
+
+
+def _is_sentencepiece_file(path: Path) -> bool:
+    """A sentencepiece model under any name (``tokenizer.model.v3`` as mistral-common ships them):
+    a serialised ModelProto starts with its first piece, protobuf field 1 (byte 0x0a)."""
+    with open(path, "rb") as f:
+        return f.read(1) == b"\x0a"
+
+
 def load_tokenizer(spec: str | Path):
     """The tokenizer ``spec`` names (see the module docstring for what a spec may be)."""
     if str(spec) == "byte":
@@ -269,11 +288,13 @@ def load_tokenizer(spec: str | Path):
         path = path / "tokenizer.json"
     if not path.is_file():
         raise DataError(f"unknown tokenizer {str(spec)!r} (no such file); allowed: {SPEC_HELP}")
-    if path.suffix == ".json":
+    # The name decides where it is conventional; otherwise the content does, so that versioned
+    # names (tokenizer.model.v3, tok.json.bak) load as what they hold.
+    if path.suffix == ".json" or _is_json_tokenizer(path):
         return HFTokenizer(path)
     if path.suffix == ".tiktoken" or _is_tiktoken_file(path):
         return TiktokenTokenizer(path)
-    if path.suffix == ".model":
+    if path.suffix == ".model" or _is_sentencepiece_file(path):
         return SentencePieceTokenizer(path)
     raise DataError(f"cannot tell which kind of tokenizer {path} is from its name or content; "
                     f"allowed: {SPEC_HELP}")

@@ -5,6 +5,7 @@ the embedded corpus, the same BPE written as a tiktoken file, and a sentencepiec
 """
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -197,3 +198,21 @@ def test_trained_tokenizer_short_run_learns(tmp_path):
     assert losses[0] > 5.5
     assert np.mean(losses[-5:]) < losses[0] - 0.8
     assert summary["val_loss"] < losses[0] - 0.6
+
+
+@pytest.mark.parametrize("kind, name", [("sentencepiece", "tokenizer.model.v3"), ("hf", "tokenizer.json.v2"),
+                                        ("tiktoken", "vocab.v1")])
+def test_a_tokenizer_file_under_a_versioned_name_loads_by_its_content(tokenizer_files, tmp_path, kind, name):
+    src = Path(tokenizer_files[kind])
+    src = src / "tokenizer.json" if src.is_dir() else src
+    renamed = tmp_path / name
+    renamed.write_bytes(src.read_bytes())
+    tok, ref = load_tokenizer(renamed), load_tokenizer(src)
+    assert tok.kind == kind and tok.encode("ship it, 1 2 3") == ref.encode("ship it, 1 2 3")
+
+
+def test_a_file_of_no_known_kind_is_one_line(tmp_path):
+    junk = tmp_path / "tok.bin"
+    junk.write_bytes(b"\x00\x01garbage")
+    with pytest.raises(DataError, match="cannot tell which kind of tokenizer"):
+        load_tokenizer(junk)
