@@ -344,9 +344,11 @@ def run_sweep(path: str | Path, out: str | Path | None = None, extra: list[str] 
         else:
             resume = (run_dir / "checkpoints" / "latest").is_file()
             print(f"[sweep] {v.name}: {'resuming' if resume else 'training'} in {run_dir}")
-            # resume=True for a new variant too: an empty directory starts at step 0, and one that a
-            # killed sweep left without a checkpoint is archived first (k3train/trainer/run_dir.py).
-            summary = loop.train(cfg, run_dir, resume=True)
+            # resume=True wherever the variant left anything: a checkpoint resumes, and a directory
+            # that a killed sweep left without one is archived first (k3train/trainer/run_dir.py).
+            # A fresh variant starts plainly (no "--resume: nothing to resume" line per variant).
+            started = run_dir.is_dir() and any(run_dir.iterdir())
+            summary = loop.train(cfg, run_dir, resume=started)
             if summary.get("steps", 0) < cfg.train.steps:  # stopped by a signal: leave it resumable
                 print(f"[sweep] {v.name} stopped at step {summary.get('steps')}; rerun the sweep to resume")
                 stopped = (v.name, summary.get("steps"), cfg.train.steps)

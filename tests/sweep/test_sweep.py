@@ -345,3 +345,20 @@ def test_done_written_before_a_config_field_was_added_stays_done(tmp_path):
     save_config(cfg, run / "config.yaml")
     assert _done_state(run, cfg) == "done"
     assert _done_state(run, load_config("configs/k3_tiny.yaml", ["optim.lr=2e-3"])) == "stale"
+
+
+def test_a_fresh_variant_starts_plainly_and_a_started_one_resumes(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_train(cfg, run_dir, resume=False):
+        calls.append((run_dir.name, resume))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return {"steps": cfg.train.steps}
+
+    monkeypatch.setattr(loop, "train", fake_train)
+    path = _ablation(tmp_path, overrides=["train.steps=2"], grid={"optim.name": ["adamw", "muon"]})
+    out = tmp_path / "out"
+    (out / "name-muon").mkdir(parents=True)
+    (out / "name-muon" / "metrics.jsonl").write_text("")  # what a killed variant left behind
+    run_sweep(path, out)
+    assert calls == [("name-adamw", False), ("name-muon", True)]
