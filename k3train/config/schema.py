@@ -265,7 +265,8 @@ class TrainConfig(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: CUDA when available, else CPU."""
     threads: int = Field(0, ge=0)
-    """CPU threads for torch (0 leaves torch's default)."""
+    """CPU threads for torch in every command (train, eval, generate). 0: the cores available
+    divided by the processes torchrun starts on this host, or OMP_NUM_THREADS where set."""
     compile_ahead: bool = True
     """On CUDA with fla's kernels: compile every Triton kernel of the step in parallel before
     step 1 (a throwaway forward/backward; weights untouched). No effect on CPU."""

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import k3train
+from k3train.runtime.threads import thread_lines
 
 # Distribution names in the order a reader wants them; the extra each belongs to (None: core).
 PACKAGES = [("torch", None), ("megatron-core", None), ("numpy", None), ("pydantic", None),
@@ -135,7 +136,7 @@ def report(kernel_lines: list[str] = ()) -> str:
            "dependencies (range = versions this project has run):"]
     for r in dependency_rows():
         out.append(f"  {r['name']:<24}{r['installed'] or '-':<18}{r['range'] or '-':<18}{r['status']}")
-    out += ["", *device_lines()]
+    out += ["", *device_lines(), *thread_lines()]
     if kernel_lines:
         out += ["", *kernel_lines]
     return "\n".join(out)

@@ -22,6 +22,7 @@ from k3train.errors import UsageError
 from k3train.ops.kernels import apply as apply_kernels
 from k3train.runtime.device import resolve_device
 from k3train.runtime.one_process import process_groups
+from k3train.runtime.threads import apply_threads
 from k3train.trainer.data import build_data, run_tokenizer
 from k3train.trainer.restore import load_weights_into, open_checkpoint, resolve_checkpoint, run_config
 from k3train.trainer.state import TrainState
@@ -48,6 +49,7 @@ def evaluate_checkpoint(checkpoint: str | Path, *, config: str | None = None, ov
     cfg, _ = run_config(step_dir, config, [*overrides, *([f"data.source={data}"] if data else [])])
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"eval_batches": batches or 1 << 30})})
     apply_kernels(cfg)
+    apply_threads(cfg.train.threads)
     device = resolve_device(cfg.train.device).type
     p = cfg.parallel
     with process_groups(p.tp, p.pp, p.vpp, p.ep, device) as info:

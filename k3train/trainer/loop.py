@@ -18,18 +18,19 @@ from k3train.ops import kernels
 from k3train.ops.autotune_picks import write_picks
 from k3train.runtime.cuda_env import prepare_cuda_env
 from k3train.runtime.device import resolve_device
-from k3train.trainer.context import RunContext
 from k3train.runtime.distributed import init_distributed, parallel_context
 from k3train.runtime.env_report import commit as source_commit
+from k3train.runtime.threads import apply_threads
 from k3train.trainer import faults
 from k3train.trainer.checkpoint import save_checkpoint
+from k3train.trainer.context import RunContext
 from k3train.trainer.data import build_data
 from k3train.trainer.guards import last_checkpoint_note, params_finite
 from k3train.trainer.metrics import MetricsLogger
 from k3train.trainer.report import datasheet_peak, measure_peak_flops, write_end_of_run_plots
-from k3train.trainer.run_lock import RunDirLock
 from k3train.trainer.restore import data_source, init_from, restore_training
 from k3train.trainer.run_dir import decided_on_rank0, plan_run_dir, save_config
+from k3train.trainer.run_lock import RunDirLock
 from k3train.trainer.state import TrainState
 from k3train.trainer.state_io import rank_state
 from k3train.trainer.stop import stop_agreed
@@ -113,8 +114,7 @@ class Trainer:
         prepare_cuda_env(cfg)
         choices = kernels.apply(cfg)  # the run's kernels: section decides every op family's backend
         self.device = device = resolve_device(cfg.train.device).type
-        if cfg.train.threads:
-            torch.set_num_threads(cfg.train.threads)
+        apply_threads(cfg.train.threads)
         p = cfg.parallel
         self.info = info = init_distributed(p.tp, p.pp, p.vpp, p.ep, device)
         if device == "cuda":
