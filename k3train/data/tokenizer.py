@@ -192,14 +192,24 @@ class TiktokenTokenizer(_FileTokenizer):
     def __init__(self, path: Path) -> None:
         tiktoken = _require("tiktoken", "tiktoken")
         ranks: dict[bytes, int] = {}
+        line_of_rank: dict[int, int] = {}  # a rank is a token id: two tokens cannot share one
         for lineno, line in enumerate(path.read_bytes().splitlines(), start=1):
             if not line.strip():
                 continue
             try:
-                token, rank = line.split()
-                ranks[base64.b64decode(token, validate=True)] = int(rank)
+                token, rank_text = line.split()
+                token_bytes, rank = base64.b64decode(token, validate=True), int(rank_text)
             except ValueError:
                 raise DataError(f"{path}:{lineno}: expected '<base64 token> <rank>'") from None
+            if rank < 0:
+                raise DataError(f"{path}:{lineno}: rank {rank} is negative; ranks are token ids >= 0")
+            if rank in line_of_rank:
+                raise DataError(f"{path}:{lineno}: rank {rank} repeats line {line_of_rank[rank]}'s; every "
+                                f"token needs its own rank")
+            if token_bytes in ranks:
+                raise DataError(f"{path}:{lineno}: token {token.decode('ascii')} repeats (rank "
+                                f"{ranks[token_bytes]} before); every token appears once")
+            ranks[token_bytes], line_of_rank[rank] = rank, lineno
         missing = [b for b in range(256) if bytes([b]) not in ranks]
         if missing:
             raise DataError(f"{path} lacks {len(missing)} of the 256 single-byte tokens (first: byte "
