@@ -3,7 +3,6 @@ checkpoints, signals) and the end of the run."""
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -33,38 +32,7 @@ from k3train.trainer.run_dir import decided_on_rank0, plan_run_dir, save_config
 from k3train.trainer.run_lock import RunDirLock
 from k3train.trainer.state import TrainState
 from k3train.trainer.state_io import rank_state
-from k3train.trainer.stop import stop_agreed
-
-
-class _SignalGuard:
-    """First SIGTERM/SIGINT: finish the step, checkpoint, exit 0. Another one, ``REPEAT_S`` or
-    more later: abort at once. Repeats within ``REPEAT_S`` are the same stop request delivered
-    more than once: SLURM signals every process of a job step, and torchrun and
-    scripts/run_torchrun.sh forward the one they got, so a worker sees two or three SIGTERMs
-    within milliseconds and must still save."""
-
-    REPEAT_S = 5.0
-
-    def __init__(self):
-        self.requested = False
-        self._first = 0.0
-        self._previous = {}
-
-    def _handle(self, signum, frame):
-        now = time.monotonic()
-        if self.requested and now - self._first >= self.REPEAT_S:
-            raise KeyboardInterrupt(f"second signal {signum}: aborting without a checkpoint")
-        if not self.requested:
-            self.requested, self._first = True, now
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+from k3train.trainer.stop import SignalGuard, stop_agreed
 
 
 def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, stop_at: int | None = None,
@@ -76,7 +44,8 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: bool = False, stop_at: in
     (k3train/trainer/run_lock.py) for the whole run, before anything in the directory is read or
     written; a second run on the directory raises ``RunDirError``."""
     # The global rank from torchrun's environment: the lock comes before the process group.
-    with RunDirLock(run_dir, enabled=int(os.environ.get("RANK", "0")) == 0):
+    # The stop-signal guard covers the whole run, end-of-run work included (trainer/stop.py).
+    with SignalGuard(), RunDirLock(run_dir, enabled=int(os.environ.get("RANK", "0")) == 0):
         return Trainer(cfg, run_dir, resume=resume, stop_at=stop_at, overwrite=overwrite).run()
 
 
@@ -159,7 +128,7 @@ class Trainer:
 
     def run_loop(self) -> None:
         """Steps ``start_step + 1`` to ``train.steps`` (or ``stop_at``); stops after a saved
-        step when any rank got SIGTERM/SIGINT (``_SignalGuard``)."""
+        step when any rank got SIGTERM/SIGINT (``SignalGuard``)."""
         cfg, state, data, main, dev = self.cfg, self.state, self.data, self.main, self.dev
         summary, info = self.summary, self.info
         tokens_per_step = cfg.train.micro_batch_size * cfg.train.microbatches * info.dp * cfg.train.seq_len
@@ -167,7 +136,7 @@ class Trainer:
         bar = tqdm(total=last_step, initial=self.start_step, disable=not (main and cfg.logging.progress_bar),
                    desc="train", dynamic_ncols=True, file=sys.stdout)
         skips, window_tokens, window_start = 0, 0, time.perf_counter()
-        with _SignalGuard() as guard:
+        with SignalGuard() as guard:  # shares the run's guard entered in train()
             for step in range(self.start_step + 1, last_step + 1):
                 lr = state.schedule_lr(step)
                 faults.maybe_crash(step)

@@ -138,7 +138,7 @@ def test_inductor_compile_workers_are_killed_not_awaited():
 
 
 def test_repeats_of_one_stop_signal_count_once():
-    from k3train.trainer.loop import _SignalGuard
+    from k3train.trainer.stop import SignalGuard as _SignalGuard
 
     with _SignalGuard() as guard:
         os.kill(os.getpid(), signal.SIGTERM)
