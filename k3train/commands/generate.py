@@ -11,7 +11,7 @@ HELP = ("sample a continuation of --prompt from a checkpoint (any layout), "
 def add_arguments(p) -> None:
     add_checkpoint_arg(p)
     p.add_argument("--prompt", required=True, help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to sample (default 100)")
+    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to sample (default 100, at most 100,000)")
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default 0.8)")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (1: off; default 0.95)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")

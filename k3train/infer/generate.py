@@ -6,6 +6,7 @@ each new token then costs one cached step (``k3train.infer.cache``). Sampling: t
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 
@@ -16,9 +17,13 @@ from k3train.infer.cache import CachedModel
 from k3train.ops import kernels, triton_compile
 from k3train.runtime.device import resolve_device
 from k3train.runtime.one_process import process_groups
+from k3train.runtime.threads import apply_threads
 from k3train.trainer.data import run_tokenizer
 from k3train.trainer.restore import load_model
 
+
+# The most tokens one generate call samples: a typo of a few zeros must not run for hours.
+MAX_NEW_TOKENS = 100_000
 
 def text_codec(cfg):
     """(encode: str -> list[int], decode: list[int] -> str, vocabulary size) of the run's
@@ -73,14 +78,17 @@ def generate_ids(cached, prompt: list[int], max_new_tokens: int, temperature: fl
 def run_generate(args) -> int:
     """``k3train generate``: ``args.checkpoint`` (a run, checkpoints/ or step directory of any
     layout) opened in one process by ``k3train.trainer.restore.load_model``."""
-    if args.max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens {args.max_new_tokens}: expected at least 1")
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        raise UsageError(f"--temperature {args.temperature} --top-p {args.top_p}: need temperature >= 0 "
-                         f"and 0 < top-p <= 1")
+    if not 1 <= args.max_new_tokens <= MAX_NEW_TOKENS:
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens}: expected 1 to {MAX_NEW_TOKENS:,}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise UsageError(f"--temperature {args.temperature}: expected a finite number >= 0 (0: greedy)")
+    if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
+        raise UsageError(f"--top-p {args.top_p}: expected 0 < top-p <= 1")
+
     with process_groups():
         device = resolve_device(args.device, setting="--device").type
         model, cfg, step_dir = load_model(args.checkpoint, args.config, args.overrides, device)
+        apply_threads(cfg.train.threads)
         kernels.apply(cfg)
         encode, decode, vocab = text_codec(cfg)
         prompt = encode(args.prompt)
