@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -178,11 +179,25 @@ def _prune(ckpt_dir: Path, keep_last: int, step: int) -> None:
 
 
 def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
-    """The directory named by ``latest``, or None when the run has no checkpoint yet."""
+    """The directory named by ``latest``, or None when the run has no checkpoint yet.
+
+    ``latest`` must be a file naming one ``step_XXXXXXXX`` directory of this ``checkpoints/``
+    (what ``save_checkpoint`` writes): a pointer that is a directory, not text, empty, ``..``, an
+    absolute path or a name of another form is refused (``CheckpointError``), never followed into
+    another run."""
     pointer = Path(ckpt_dir) / "latest"
+    if pointer.is_dir():
+        raise CheckpointError(f"{pointer} is a directory, not the pointer file k3train writes; move it "
+                              f"out of {ckpt_dir} (it would block every save)")
     if not pointer.is_file():
         return None
-    target = Path(ckpt_dir) / pointer.read_text().strip()
+    try:
+        name = pointer.read_bytes().decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{pointer} is not text; it should name a step_XXXXXXXX directory") from None
+    if not re.fullmatch(r"step_\d{8}", name):
+        raise CheckpointError(f"{pointer} names {name!r}, not a step_XXXXXXXX directory of {ckpt_dir}")
+    target = Path(ckpt_dir) / name
     if not target.is_dir():
         raise CheckpointError(f"{pointer} names {target.name}, which does not exist")
     return target

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from k3train.config import RunConfig, load_config
 from k3train.config.schema import ParallelConfig
-from k3train.errors import CheckpointError, UsageError
+from k3train.errors import CheckpointError, RunDirError, UsageError
 from k3train.hf.load import INDEX as HF_INDEX, load_hf, merge_model_config
 from k3train.model.model import build_model
 from k3train.trainer.checkpoint import latest_checkpoint, load_checkpoint, verify_checkpoint
@@ -150,6 +150,10 @@ def restore_training(state, data, path: Path, layout: dict, run_dir: Path, main:
     ctx = state.parallel
     coords = {"pp": ctx.pp_rank, "tp": ctx.tp_rank, "ep": ctx.ep_rank, "dp": ctx.dp_rank}
     manifest = verify_checkpoint(path, state.info.world_size, layout)
+    if manifest["step"] > state.cfg.train.steps:  # before anything is loaded or written
+        raise RunDirError(f"--resume: {path.name} is step {manifest['step']}, past train.steps="
+                          f"{state.cfg.train.steps}; raise train.steps to at least {manifest['step']} to "
+                          f"continue the run (nothing was changed)")
     try:
         if "tensors" in manifest:
             step, data_state, source, notes = load_rank_state(state, path, manifest, layout, coords)

@@ -138,12 +138,16 @@ def plan_run_dir(run_dir: Path, resume: bool, overwrite: bool, world_size: int, 
                               f"continue it, or --overwrite to move its files to {run_dir / ARCHIVE}/<time>/ "
                               f"and start over, or choose another --run-dir")
         return None
+    if (ckpt_dir / "latest").is_dir():
+        latest_checkpoint(ckpt_dir)  # refuses: a directory there would block every later save
     try:
         path = latest_checkpoint(ckpt_dir)
-        if path is not None:
+        if path is None:
+            why = f"{ckpt_dir / 'latest'} is missing"
+        else:
+            verify_checkpoint(path, world_size, layout)
             return path
-        why = f"{ckpt_dir / 'latest'} is missing"
-    except CheckpointError as exc:  # 'latest' names a directory that is gone
+    except CheckpointError as exc:  # a bad pointer, or the step it names is gone or corrupt
         why = str(exc)
     path, refused = _newest_verified(ckpt_dir, world_size, layout)
     if path is not None:
