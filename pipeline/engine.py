@@ -56,6 +56,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from pipeline.accounting import CommRecorder, SpanTimer
+from pipeline.chunk_graphs import ChunkGraphs, CudaGraph, capture_plan
 from pipeline.layout import chunks_of_rank
 from pipeline.p2p import MsgKey, PipeComm
 from pipeline.schedule import Op, all_schedules
@@ -134,7 +135,20 @@ class PipelineEngine:
         # (autograd saves neither it nor an alias), learnt at the chunk's first training forward.
         self._droppable: dict[int, tuple[bool, ...]] = {}
         self._schedule_cache: dict[tuple[int, bool], list] = {}
+        self.graphs: ChunkGraphs | None = None
+        self._graphed = False
         self._reset_state()
+
+    def use_graphs(self, num_microbatches: int, *, warmup: int = 2, graph_factory=CudaGraph,
+                   state=None) -> ChunkGraphs:
+        """Replay every chunk's training forward and backward from CUDA graphs, one per chunk
+        per in-flight slot of this rank's schedule (``pipeline/chunk_graphs.py``), after
+        ``warmup`` eager steps; point-to-point stays eager between replays. ``state``: the
+        forward-state hooks (``chunk_graphs.StateHooks``). Evaluation stays eager."""
+        ops = self._schedules(num_microbatches, forward_only=False)[self.rank]
+        self.graphs = ChunkGraphs(chunks=self.chunks, plan=capture_plan(ops), warmup=warmup,
+                                  graph_factory=graph_factory, state=state)
+        return self.graphs
 
     # ---- per-step state ---------------------------------------------------------------------
     def _reset_state(self):
@@ -168,7 +182,13 @@ class PipelineEngine:
         """
         m = len(microbatches)
         schedules = self._schedules(m, forward_only=False)
-        self._run(schedules[self.rank], schedules, microbatches, training=True)
+        self._graphed = self.graphs is not None and self.graphs.begin_step(m)
+        try:
+            self._run(schedules[self.rank], schedules, microbatches, training=True)
+        finally:
+            if self._graphed:
+                self.graphs.end_step()
+            self._graphed = False
         loss = self._finish_loss(m)
         if self.dp_group is not None:
             self._average_grads_over_dp()
@@ -249,7 +269,7 @@ class PipelineEngine:
         with saved.ctx() if learn else nullcontext():
             if c == 0:
                 # One chunk (P = V = 1) is first and last: it takes the tokens and the targets.
-                out = chunk(inputs, targets) if self.C == 1 else chunk(inputs)
+                out = self._call(chunk, c, mb, (inputs, targets) if self.C == 1 else (inputs,))
             else:
                 tensors = self.comm.recv(MsgKey("fwd", c - 1, mb), c)
                 has_hidden = self.comm.has_hidden[c - 1]
@@ -269,7 +289,7 @@ class PipelineEngine:
                 if training:
                     self._inputs[(c, mb)] = (hidden, hop_blocks)
                 io = StageIO(hidden, blocks)
-                out = chunk(io, targets) if c == self.C - 1 else chunk(io)
+                out = self._call(chunk, c, mb, (io, targets) if c == self.C - 1 else (io,))
         if c == self.C - 1:
             self._losses[mb] = out.detach()
             if training:
@@ -278,6 +298,12 @@ class PipelineEngine:
             self._after_forward(c, mb, out, training, saved)
         if not training and c + self.P >= self.C:      # last local chunk: the cache is done
             self._cache_drop(mb, list(self._cache.get(mb, {})))
+
+    def _call(self, chunk: nn.Module, c: int, mb: int, args: tuple):
+        """The chunk's forward: replayed from its slot's graph in a graphed training step."""
+        if self._graphed:
+            return self.graphs.forward(c, mb, args)
+        return chunk(*args)
 
     def _after_forward(self, c: int, mb: int, out: StageIO, training: bool, saved: _SavedStorages):
         if not isinstance(out, StageIO):

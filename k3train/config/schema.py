@@ -270,11 +270,14 @@ class TrainConfig(_Strict):
     compile_ahead: bool = True
     """On CUDA with fla's kernels: compile every Triton kernel of the step in parallel before
     step 1 (a throwaway forward/backward; weights untouched). No effect on CPU."""
-    cuda_graph: Union[bool, Literal["auto"]] = False
-    """Capture the step's forward and backward in a CUDA graph after two eager steps and replay
-    it (k3train/trainer/cuda_graph.py): the host no longer launches every kernel. Needs one
-    CUDA device (pp = tp = ep = dp = 1) and precision.recipe bf16 or fp32. true: required (an
-    error otherwise); "auto": on exactly when those hold; false: off."""
+    cuda_graph: Union[bool, Literal["auto"]] = "auto"
+    """Capture the step's forward and backward in CUDA graphs after two eager steps and replay
+    them (k3train/trainer/cuda_graph.py): the host no longer launches every kernel. One graph
+    of the whole step without pipeline parallelism; one per chunk per in-flight microbatch under
+    it (pipeline/chunk_graphs.py); gradients are reduced over data parallelism after the replay.
+    Needs a CUDA device and parallel.tp = parallel.ep = 1. true: required (an error otherwise);
+    "auto" (default): on exactly where supported, and the banner says what it resolved to;
+    false: off."""
     recompute: RecomputeMode = "none"
     """Activation checkpointing of every layer (k3train/model/recompute.py). none: autograd keeps
     every activation (fastest, most memory). full: a layer keeps only its inputs (hidden state
@@ -419,10 +422,9 @@ class KernelsConfig(_Strict):
     ``torch.baddbmm``."""
     compile: bool | Literal["auto"] = "auto"
     """``torch.compile`` of the small fused pieces on CUDA (RMSNorm x gate, SiTU-GLU, the MoE
-    combine, fp8's scaling and casts around each float8 GEMM): true, false, or auto: on, except
-    in pipeline-parallel GPU runs, where Inductor loading kernels at their first call inside
-    step 1 can stall GPUs that wait on each other. ``K3TRAIN_COMPILE=0|1``
-    overrides it."""
+    combine, fp8's scaling and casts around each float8 GEMM): true, false, or auto: on (under
+    pipeline parallelism too: train.compile_ahead compiles them on every rank before step 1, so
+    no rank stalls inside it while its peers wait). ``K3TRAIN_COMPILE=0|1`` overrides it."""
     autotune: Literal["full", "fixed"] = "full"
     """full: Triton's autotuners time every candidate (speed runs). fixed: one candidate per
     autotuned kernel, the one with the smallest tiles (correctness runs that should not wait for
@@ -456,35 +458,31 @@ class RunConfig(_Strict):
     logging: LoggingConfig = LoggingConfig()
     kernels: KernelsConfig = KernelsConfig()
 
-    def cuda_graph_blockers(self, *, device: str | None = None, dp: int = 1) -> dict[str, str]:
+    def cuda_graph_blockers(self, *, device: str | None = None) -> dict[str, str]:
         """What rules out ``train.cuda_graph``: setting -> one line saying why, empty when
         nothing does. The one list of graph blockers: the load-time check refuses
         ``cuda_graph: true`` with the first, ``k3train.trainer.state.use_cuda_graph`` asks again
-        with what only the run knows, ``device`` (the resolved device type) and ``dp`` (the
-        data-parallel size, from the world size)."""
+        with what only the run knows, ``device`` (the resolved device type). Pipeline
+        parallelism replays chunk graphs, data parallelism reduces after the replay, and every
+        precision recipe's scaling is computed inside the captured step (no state kept between
+        steps), so none of them rules the graph out."""
         out: dict[str, str] = {}
-        for key in ("pp", "tp", "ep"):
+        reasons = {"tp": "megatron-core's tensor-parallel linears run their collectives eagerly",
+                   "ep": "the expert-parallel dispatch reads its split sizes on the host"}
+        for key, why in reasons.items():
             value = getattr(self.parallel, key)
             if value != 1:
-                out[f"parallel.{key}"] = (f"train.cuda_graph captures a one-device forward/backward: "
-                                          f"it needs parallel.{key}=1 (got parallel.{key}={value})")
-        recipe = self.precision.recipe
-        if recipe not in ("bf16", "fp32"):
-            out["precision.recipe"] = (f"train.cuda_graph needs precision.recipe bf16 or fp32 (got "
-                                       f"{recipe}): the quantisation recipes are not run under capture")
+                out[f"parallel.{key}"] = (f"train.cuda_graph cannot capture parallel.{key}={value} ({why}); "
+                                          f"it needs parallel.{key}=1")
         dev = device if device is not None else self.train.device
         if dev not in ("cuda", "auto"):
             out["train.device"] = (f"train.cuda_graph needs a CUDA device, this run is on {dev} "
                                    f"(train.device={self.train.device})")
-        if dp > 1:
-            # Nothing data-parallel is recorded (gradients are reduced after the replay), but only
-            # the one-GPU path has been run on hardware so far.
-            out["dp"] = f"train.cuda_graph runs on one GPU only (this run has dp={dp})"
         return out
 
-    def cuda_graph_refusal(self, *, device: str | None = None, dp: int = 1) -> str | None:
+    def cuda_graph_refusal(self, *, device: str | None = None) -> str | None:
         """Why ``train.cuda_graph: true`` cannot run (the first blocker, one line), or None."""
-        blockers = self.cuda_graph_blockers(device=device, dp=dp)
+        blockers = self.cuda_graph_blockers(device=device)
         if not blockers:
             return None
         return f"{next(iter(blockers.values()))}; set train.cuda_graph=false (or auto)"

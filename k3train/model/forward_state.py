@@ -17,8 +17,10 @@ Two users, both through ``forward_state_holders``, ``snapshot`` and ``restore``:
   again; the region snapshots the holders before it and restores them after, so readers see
   each forward once;
 * CUDA graphs (``k3train/trainer/cuda_graph.py``): the state a captured forward wrote holds
-  tensors at the graph's addresses; a snapshot taken after the capture is restored after every
-  replay.
+  tensors at the graph's addresses; for the whole-step graph a snapshot taken after the capture
+  is restored after every replay; the pipeline's chunk graphs replay one chunk's forward per
+  microbatch, so what the captured forward added (``state_delta``) is added again, copied,
+  after every replay (``add_state_delta``).
 
 Adding a holder is one change: give its class ``forward_state`` and ``load_forward_state`` and
 keep it on a module; both users find it. Nothing else a forward writes may outlive the forward
@@ -26,8 +28,10 @@ keep it on a module; both users find it. Nothing else a forward writes may outli
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol, runtime_checkable
 
+import torch
 import torch.nn as nn
 
 
@@ -76,3 +80,50 @@ def restore(holders: list[ForwardState], states: list[dict]) -> None:
         raise ValueError(f"{len(states)} saved states for {len(holders)} forward-state holders")
     for h, s in zip(holders, states):
         h.load_forward_state(s)
+
+
+def _clone(obj):
+    """``obj`` with every tensor inside it (dataclass fields, dicts, lists, tuples) cloned."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _clone(getattr(obj, f.name))
+                                           for f in dataclasses.fields(obj) if f.init})
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_clone(v) for v in obj)
+    return obj
+
+
+def state_delta(before: list[dict], after: list[dict]) -> list[dict]:
+    """What forwards added between two snapshots of the same holders: per holder, each list
+    entry's new tail and each other entry that now holds another object. The rule the
+    pipeline's chunk graphs replay by (``add_state_delta``): lists grow, other fields are
+    replaced."""
+    out = []
+    for b, a in zip(before, after):
+        delta = {}
+        for key, value in a.items():
+            if isinstance(value, list):
+                if len(value) > len(b[key]):
+                    delta[key] = value[len(b[key]):]
+            elif value is not b[key]:
+                delta[key] = value
+        out.append(delta)
+    return out
+
+
+def add_state_delta(holders: list[ForwardState], deltas: list[dict]) -> None:
+    """Apply ``state_delta``'s result to the holders as if the forwards ran again, with copies
+    of its tensors: a CUDA graph refills the captured tensors at every replay, so what a reader
+    keeps past the next replay must be its own copy."""
+    if len(holders) != len(deltas):
+        raise ValueError(f"{len(deltas)} state deltas for {len(holders)} forward-state holders")
+    for h, delta in zip(holders, deltas):
+        if not delta:
+            continue
+        state = h.forward_state()
+        for key, value in delta.items():
+            state[key] = state[key] + _clone(value) if isinstance(value, list) else _clone(value)
+        h.load_forward_state(state)

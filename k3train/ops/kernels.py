@@ -201,8 +201,8 @@ def resolve(cfg, *, pipeline_gpu: bool | None = None) -> KernelChoices:
     """``cfg`` (a ``RunConfig`` or its ``KernelsConfig``) resolved into the frozen choices.
 
     The environment overrides are read here, once, and recorded. ``pipeline_gpu``: whether this
-    is a pipeline-parallel GPU run, where ``compile=auto`` resolves to off (default: read from a
-    ``RunConfig``'s ``parallel.pp`` and ``train.device``). Every choice is validated as CUDA
+    is a pipeline-parallel GPU run (recorded; default: read from a ``RunConfig``'s
+    ``parallel.pp`` and ``train.device``). Every choice is validated as CUDA
     would see it, now, rather than at a kernel's first call: raises ``KernelChoiceError`` when a
     requested backend is not installed or an override is malformed."""
     kernels = getattr(cfg, "kernels", cfg)
@@ -215,7 +215,10 @@ def resolve(cfg, *, pipeline_gpu: bool | None = None) -> KernelChoices:
     if s.backend == "torch" and s.compile == "auto":
         compile_cuda = False
     elif s.compile == "auto":
-        compile_cuda = not pipeline_gpu
+        # On under pipeline parallelism too: compile-ahead (``TrainState.compile_kernels``) runs
+        # a throwaway step through the engine on every rank before step 1, so no rank loads
+        # Inductor kernels inside step 1 while its peers wait.
+        compile_cuda = True
     else:
         compile_cuda = bool(s.compile)
     return KernelChoices(families=types.MappingProxyType(families), compile_cuda=compile_cuda,

@@ -20,12 +20,15 @@ replay), the weights and router biases (the optimizer and balancer update them i
 the activations in the pool. Autocast's weight-cast cache is off during capture, as a cached
 cast would be baked into the graph.
 
-Not supported (``train.cuda_graph: auto`` leaves the graph off there, ``true`` is refused with
-an error naming the cause): pipeline parallelism (host-driven schedule) and expert parallelism
-(split sizes read on the host) cannot be captured; tensor and data parallelism and the
-quantisation recipes have not been run under capture on hardware yet. The one list of what
-rules the graph out is ``RunConfig.cuda_graph_blockers`` (asked when the config loads, and again
-by ``k3train.trainer.state.use_cuda_graph`` with the device and dp).
+Under pipeline parallelism the schedule is driven by the host between chunks, so the step is
+not one graph: the engine replays one graph per chunk per in-flight microbatch slot
+(``pipeline/chunk_graphs.py``) and ``ChunkForwardState`` below re-adds each replayed chunk's
+forward state. Data parallelism reduces the gradients after the replay, eagerly, as without a
+graph. Not supported (``train.cuda_graph: auto`` leaves the graph off there, ``true`` is refused
+with an error naming the cause): expert parallelism (split sizes read on the host) and tensor
+parallelism. The one list of what rules the graph out is ``RunConfig.cuda_graph_blockers``
+(asked when the config loads, and again by ``k3train.trainer.state.use_cuda_graph`` with the
+device).
 ``scripts/gpu_check.py`` compares a replay with an eager pass on the same weights.
 """
 from __future__ import annotations
@@ -34,7 +37,8 @@ from typing import Callable
 
 import torch
 
-from k3train.model.forward_state import ForwardState, restore, snapshot
+from k3train.model.forward_state import (ForwardState, add_state_delta, forward_state_holders, restore,
+                                         snapshot, state_delta)
 
 
 class GraphedForwardBackward:
@@ -95,3 +99,30 @@ class GraphedForwardBackward:
         self.graph = graph
         self.grads = [p.grad for p in self.params]
         self.states = snapshot(self.holders)
+
+
+class ChunkForwardState:
+    """The forward-state hooks of the pipeline's chunk graphs (``pipeline.chunk_graphs.StateHooks``).
+
+    A captured chunk forward appends its records (MoE routing, AttnRes depth weights) once, at
+    capture, with tensors the graph refills at every replay. The capture's additions are kept
+    (``state_delta``) and taken off the holders again; after every replay they are added anew
+    as copies (``add_state_delta``), so the holders end the step as after an eager step: one
+    record per microbatch, each its own.
+
+    chunks: global chunk index -> module, this rank's chunks.
+    """
+
+    def __init__(self, chunks: dict):
+        self.holders = {c: forward_state_holders(m) for c, m in chunks.items()}
+
+    def begin_capture(self, chunk: int) -> list[dict]:
+        return snapshot(self.holders[chunk])
+
+    def end_capture(self, chunk: int, begun: list[dict]) -> list[dict]:
+        added = state_delta(begun, snapshot(self.holders[chunk]))
+        restore(self.holders[chunk], begun)
+        return added
+
+    def replayed(self, chunk: int, kept: list[dict]) -> None:
+        add_state_delta(self.holders[chunk], kept)

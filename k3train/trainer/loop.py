@@ -122,6 +122,7 @@ class Trainer:
             print(f"[k3train] data: {self.data.description}; val loss over train.eval_batches="
                   f"{cfg.train.eval_batches} batches (k3train eval covers the whole split)")
             print(f"[k3train] mfu: {mfu_words}; matmul_util: against this device's measured matmul rate")
+            print(f"[k3train] cuda graphs: {state.graph_words}")
             if cfg.optim.warmup_steps >= cfg.train.steps:
                 print(f"[k3train] warning: optim.warmup_steps={cfg.optim.warmup_steps} >= train.steps="
                       f"{cfg.train.steps}: the learning rate never leaves its warm-up")

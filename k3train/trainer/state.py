@@ -13,7 +13,7 @@ from k3train.ops import kernels
 from k3train.model.forward_state import forward_state_holders
 from k3train.model.model import moe_layer_indices
 from k3train.ops.triton_compile import compile_ahead
-from k3train.trainer.cuda_graph import GraphedForwardBackward
+from k3train.trainer.cuda_graph import ChunkForwardState, GraphedForwardBackward
 from k3train.trainer.moe_stats import MoEStats
 from k3train.trainer.optimizer import build_k3_optimizer
 from k3train.trainer.parts import build_parts
@@ -21,6 +21,7 @@ from moe import Balancer
 from optim import DataParallelGrads, GradGroups, apply_lr, lr_factor
 from optim.grads import allreduce_mean
 from pipeline import CommRecorder
+from pipeline.chunk_graphs import no_graphs
 
 
 def autocast_for(cfg: RunConfig, device: torch.device, graph: bool = False):
@@ -42,14 +43,14 @@ def _autocast_off(region):
 def use_cuda_graph(cfg: RunConfig, info: ParallelInfo, device: torch.device) -> bool:
     """``train.cuda_graph`` resolved for this run: false, "auto" (on exactly when supported) or
     true (on; raises naming what stops it). ``RunConfig.cuda_graph_blockers`` is the one list of
-    blockers; the config check already refused true for those it can see, the device and dp are
-    only known here."""
+    blockers; the config check already refused true for those it can see, the device is only
+    known here."""
     want = cfg.train.cuda_graph
     if want is False:
         return False
     if want == "auto":
-        return device.type == "cuda" and not cfg.cuda_graph_blockers(device=device.type, dp=info.dp)
-    refusal = cfg.cuda_graph_refusal(device=device.type, dp=info.dp)
+        return device.type == "cuda" and not cfg.cuda_graph_blockers(device=device.type)
+    refusal = cfg.cuda_graph_refusal(device=device.type)
     if refusal is not None:
         raise UsageError(refusal)
     return True
@@ -95,9 +96,28 @@ class TrainState:
         self._bytes_logged = 0
         graph = use_cuda_graph(cfg, info, device)
         self.autocast = autocast_for(cfg, device, graph)
+        # One graph of the whole step on one pipeline stage; under pipeline parallelism the
+        # engine replays one graph per chunk per in-flight microbatch and keeps p2p eager.
         self.graphed = (GraphedForwardBackward(self._forward_backward, self.params,
                                                forward_state_holders(self.model))
-                        if graph else None)
+                        if graph and self.engine is None else None)
+        if graph and self.engine is not None:
+            self.engine.use_graphs(cfg.train.microbatches, state=ChunkForwardState(self.engine.chunks))
+        self.graph_words = self._graph_words(graph)
+
+    def _graph_words(self, on: bool) -> str:
+        """What ``train.cuda_graph`` resolved to and why, for the banner."""
+        want = self.cfg.train.cuda_graph
+        if on and self.engine is not None:
+            plan = self.engine.graphs.plan
+            return (f"on (train.cuda_graph={want}): {plan.graphs} chunk graphs on this rank, one forward "
+                    f"and one backward per chunk per in-flight microbatch, from step 3")
+        if on:
+            return f"on (train.cuda_graph={want}): the whole forward/backward, from step 3"
+        if want is False:
+            return "off (train.cuda_graph=false)"
+        blockers = self.cfg.cuda_graph_blockers(device=self.device.type)
+        return f"off (train.cuda_graph=auto): {next(iter(blockers.values()))}"
 
     def describe(self) -> str:
         chunks = list(self.model.values()) if self.engine is not None else [self.model]
@@ -194,7 +214,8 @@ class TrainState:
                 warm()
             return loss
 
-        stats = compile_ahead(step_kernels, label="the training step")
+        with no_graphs(self.engine.graphs if self.engine is not None else None):
+            stats = compile_ahead(step_kernels, label="the training step")
         self.optimizer.zero_grad(set_to_none=True)
         for layer in self.moe_layers:
             layer.routing.clear()

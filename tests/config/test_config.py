@@ -158,17 +158,15 @@ LAYOUT_REFUSALS = {
     "local-with-capacity": (["moe.dispatcher=local", "moe.capacity_factor=1.5"], "moe.capacity_factor",
                             "moe.capacity_factor=1.5 needs moe.dispatcher=grouped_a2a or auto",
                             "unset it or change the dispatcher"),
-    "graph-pp": (["train.cuda_graph=true", "parallel.pp=2"], "train.cuda_graph",
-                 "train.cuda_graph captures a one-device forward/backward: it needs parallel.pp=1 "
-                 "(got parallel.pp=2)", "set train.cuda_graph=false (or auto)"),
-    "graph-ep": (["train.cuda_graph=true", "parallel.ep=2"], "train.cuda_graph", "it needs parallel.ep=1 (got parallel.ep=2)",
-                 "set train.cuda_graph=false (or auto)"),
+    "graph-tp": (["train.cuda_graph=true", "parallel.tp=2"], "train.cuda_graph",
+                 "train.cuda_graph cannot capture parallel.tp=2 (megatron-core's tensor-parallel linears run "
+                 "their collectives eagerly); it needs parallel.tp=1", "set train.cuda_graph=false (or auto)"),
+    "graph-ep": (["train.cuda_graph=true", "parallel.ep=2"], "train.cuda_graph",
+                 "cannot capture parallel.ep=2 (the expert-parallel dispatch reads its split sizes on the "
+                 "host); it needs parallel.ep=1", "set train.cuda_graph=false (or auto)"),
     "graph-cpu": (["train.cuda_graph=true", "train.device=cpu"], "train.cuda_graph",
                   "train.cuda_graph needs a CUDA device, this run is on cpu (train.device=cpu)",
                   "set train.cuda_graph=false (or auto)"),
-    "graph-recipe": (["train.cuda_graph=true", "precision.recipe=fp8"], "train.cuda_graph",
-                     "train.cuda_graph needs precision.recipe bf16 or fp32 (got fp8)",
-                     "set train.cuda_graph=false (or auto)"),
 }
 
 
@@ -188,9 +186,10 @@ def test_layout_refusals_name_the_field_in_one_line(overrides, field, wrong, all
     ["parallel.ep=4", "parallel.pp=2"],
     ["parallel.tp=2", "parallel.pp=2"],
     ["parallel.ep=3", "model.dense_layers=8"],   # no MoE layer: ep need not divide the experts
-    ["train.cuda_graph=auto", "parallel.pp=2", "precision.recipe=fp8"],   # auto: off, not refused
+    ["train.cuda_graph=auto", "parallel.ep=2"],   # auto: off, not refused
     ["train.cuda_graph=true", "train.device=cuda"],
-], ids=["pp-vpp", "ep-static", "ep-pp", "tp-pp", "dense-ep", "graph-auto", "graph-on"])
+    ["train.cuda_graph=true", "parallel.pp=2", "precision.recipe=fp8"],   # chunk graphs; fp8 captured
+], ids=["pp-vpp", "ep-static", "ep-pp", "tp-pp", "dense-ep", "graph-auto", "graph-on", "graph-pp-fp8"])
 def test_valid_layouts_load(overrides):
     cfg = load_config("configs/k3_tiny.yaml", overrides)
     for text in overrides:
@@ -208,12 +207,13 @@ def test_a_config_with_several_mistakes_lists_each_on_its_line():
 
 
 def test_graph_blockers_are_one_list_for_load_time_and_run_time():
-    """The trainer asks the same list with the device and dp it knows (use_cuda_graph)."""
-    cfg = load_config("configs/k3_tiny.yaml", ["train.cuda_graph=auto"])
-    assert cfg.cuda_graph_blockers() == {} and cfg.cuda_graph_refusal() is None
-    assert set(cfg.cuda_graph_blockers(device="cpu", dp=2)) == {"train.device", "dp"}
-    assert cfg.cuda_graph_refusal(device="cuda", dp=2) == (
-        "train.cuda_graph runs on one GPU only (this run has dp=2); set train.cuda_graph=false (or auto)")
+    """The trainer asks the same list with the device it knows (use_cuda_graph)."""
+    cfg = load_config("configs/k3_tiny.yaml", ["train.cuda_graph=auto", "parallel.tp=2"])
+    assert set(cfg.cuda_graph_blockers()) == {"parallel.tp"}
+    assert set(cfg.cuda_graph_blockers(device="cpu")) == {"parallel.tp", "train.device"}
+    assert cfg.cuda_graph_refusal(device="cuda").endswith("set train.cuda_graph=false (or auto)")
+    plain = load_config("configs/k3_tiny.yaml", ["train.cuda_graph=auto"])
+    assert plain.cuda_graph_blockers(device="cuda") == {} and plain.cuda_graph_refusal(device="cuda") is None
 
 
 def test_recompute_modes_are_defined_once():
