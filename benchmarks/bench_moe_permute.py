@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -39,6 +40,7 @@ import torch
 from k3train.ops import kernels  # noqa: E402
 from moe import GroupedAllToAllDispatcher, LatentMoE  # noqa: E402
 from benchmarks.host_reads import count_host_reads  # noqa: E402
+from moe.dispatch_a2a import all_to_all_rows  # noqa: E402
 from moe.permute_fused import combine_rows, dispatch_rows  # noqa: E402
 from benchmarks.common import timeit  # noqa: E402
 
@@ -182,8 +184,14 @@ def check_static_equals_dynamic(dev="cuda") -> list[tuple[str, bool]]:
     return [("static (c=E/k, 0 dropped) == dynamic, fp32 LatentMoE output and all grads", ok)]
 
 
-def check_cuda_graph() -> list[tuple[str, bool]]:
+def check_cuda_graph(nccl_group=None) -> list[tuple[str, bool]]:
+    """nccl_group: a one-rank NCCL group whose ``all_to_all_single`` every exchange of the static
+    dispatcher runs through (at EP=1 the dispatcher skips the exchange: here it is forced), so
+    the capture records the expert-parallel collective as an EP>1 rank's graph does."""
     moe = _layer(1.0, torch.bfloat16)
+    if nccl_group is not None:
+        moe.dispatcher._exchange = (lambda x, rows, out_s, in_s:
+                                    all_to_all_rows(x, rows, out_s, in_s, nccl_group))
     static_x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
     static_g = torch.randn_like(static_x)
 
@@ -235,7 +243,8 @@ def check_cuda_graph() -> list[tuple[str, bool]]:
     ok = reads[0] == 0 and dropped_graph == int(moe.routing.last_dropped) and not bad
     why = f"; differ: {', '.join(f'{k} {worst[k]:.1e}' for k in bad[:4])}" if bad else ""
     why += f"; reads at {sorted(set(reads[1:]))}" if reads[0] else ""
-    return [(f"CUDA graph replay of a static LatentMoE fwd+bwd == eager (dropped {dropped_graph} vs "
+    where = " with its all-to-all on a one-rank NCCL group" if nccl_group is not None else ""
+    return [(f"CUDA graph replay of a static LatentMoE fwd+bwd{where} == eager (dropped {dropped_graph} vs "
              f"{int(moe.routing.last_dropped)}, eager host reads {reads[0]}{why})", ok)]
 
 
@@ -252,6 +261,12 @@ def main() -> int:
         return 2
     if args.check:
         results = check_kernels() + check_static_equals_dynamic() + check_cuda_graph()
+        # The same capture with the all-to-all inside the graph, on a one-rank NCCL group.
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+        results += check_cuda_graph(torch.distributed.new_group([0]))
+        torch.distributed.destroy_process_group()
         for name, ok in results:
             print(f"{'ok  ' if ok else 'FAIL'} {name}")
         out = {"checks": [{"name": n, "ok": ok} for n, ok in results]}

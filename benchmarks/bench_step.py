@@ -176,7 +176,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-peer", action="store_true", help="skip the fla comparison")
     ap.add_argument("--rows", default="k3_mini,dense,peer",
-                    help="comma list of k3_mini, k3_mini_eager, k3_mini_accum, fp8, mxfp8 (each graphed and eager), dense, peer")
+                    help="comma list of k3_mini, k3_mini_eager, k3_mini_accum, fp8, mxfp8, mxfp4_qat (each graphed and eager), dense, peer")
     ap.add_argument("--profile", action="store_true", help="print the top operators of our rows")
     ap.add_argument("--profile-ops", action="store_true",
                     help="with --profile, also list aten operators and their shapes by device time "
@@ -202,7 +202,7 @@ def main() -> None:
         report("k3_mini", ours(args.config, base, args, peak))
     if "k3_mini_eager" in rows_wanted:
         report("k3_mini_eager", ours(args.config, [*base, "train.cuda_graph=false"], args, peak))
-    for recipe in ("fp8", "mxfp8"):
+    for recipe in ("fp8", "mxfp8", "mxfp4_qat"):
         # Each precision recipe graphed and eager, side by side (train.cuda_graph under the
         # quantisation recipes; the target is graphed >= 1.5x eager for fp8).
         if recipe in rows_wanted:
@@ -245,7 +245,7 @@ def main() -> None:
                   f"{r['first_loss']:>7.2f}{r['last_loss']:>7.2f}")
         else:
             print(f"{name:<22} failed: {r.get('error')}")
-    for recipe in ("fp8", "mxfp8"):
+    for recipe in ("fp8", "mxfp8", "mxfp4_qat"):
         if f"{recipe}_graph_over_eager" in result:
             print(f"{recipe}: graphed / eager tokens/s {result[f'{recipe}_graph_over_eager']:.2f}x")
     for key in ("fla_over_ours", "fla_over_ours_attnres", "fla_graph_over_ours"):

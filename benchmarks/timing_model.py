@@ -3,6 +3,7 @@
     python3 -m benchmarks.timing_model check [--pp 2,4] [--vpp 2] [--microbatches 8] [--json OUT]
     python3 -m benchmarks.timing_model account [--json OUT]
     python3 -m benchmarks.timing_model gpu --json OUT [--device cuda] [--steps 3] [--small] [--layers-per-chunk K]
+    python3 -m benchmarks.timing_model graphs [--measured RESULTS.json] [--json OUT]
 
 ``check``: the model against the real engine on CPU (gloo), at P = 2 and P = 4. For each P: (1)
 per-chunk forward/backward times of the P*V chunks, measured on one process (the engine at P = 1,
@@ -17,6 +18,13 @@ model from the one-GPU dense step's FLOP rate; runs on CPU in seconds, nothing i
 ``gpu``: per-op costs of the 2x H200 pipeline benchmark's model measured on ONE GPU (the engine
 at P = 1, K layers per chunk, CommRecorder spans), replayed by the model next to the measured
 2x H200 figures (``k3train predict-pipeline`` gives the whole P x V x m table).
+
+``graphs``: PREDICTED per-GPU throughput of k3_mini at PP = 2, 4, 8 x V = 2 on H200, with chunk
+graphs and eager, from the one-GPU engine's measured step times (``benchmarks.bench_chunk_graphs``
+at P = 1, V = 2, m = 8): each side's seconds per FLOP scales the per-layer FLOPs into per-chunk
+op costs, the H200 link carries the engine's own message bytes, and the schedule is replayed.
+Each row sets the predicted per-GPU tokens/s against the one-GPU graphed step's times the
+textbook bubble factor 1 / (1 + (P - 1) / (V m)) (target: >= 0.90). CPU, seconds.
 
 See docs/pipeline_timing_model.md.
 """
@@ -345,6 +353,49 @@ def gpu_main(args) -> None:
             print(f"{variant:<16}{V:>3}{pred:>14.1f}{meas:>13.1f}{pred / meas:>11.2f}")
 
 
+GRAPHS_MEASURED = ROOT / "benchmarks/results/2026-12-04_h200_chunk-graphs/chunk_graphs.json"
+
+
+def graphs_main(args) -> None:
+    from k3train.config import load_config
+    from k3train.model.flops import flops_per_token
+    from k3train.profiling.predict import H200_LINK, chunk_costs, flop_scaled_layer_costs, layout_messages
+    from pipeline.timing_model import predict_step
+
+    measured = json.loads(Path(args.measured).read_text())
+    V, m = measured["vpp"], measured["microbatches"]
+    cfg = load_config(str(ROOT / measured["config"]), [f"train.micro_batch_size={measured['mbs']}",
+                                                       f"train.seq_len={measured['seq']}", "train.device=cuda"])
+    tokens = m * measured["mbs"] * measured["seq"]
+    rows_in = measured["rows"]
+    one_gpu = {"graphs": rows_in[f"engine chunk graphs V={V}"], "eager": rows_in[f"engine eager V={V}"]}
+    rate = {k: r["step_ms"] * 1e-3 / (tokens * flops_per_token(cfg)) for k, r in one_gpu.items()}
+    base_tput = one_gpu["graphs"]["tokens_per_s"]
+    rows = []
+    print(f"PREDICTED: {measured['config']} (seq {measured['seq']}, micro-batch {measured['mbs']}, m={m}, V={V}) "
+          f"on H200, from one-GPU measured step times ({one_gpu['graphs']['tokens_per_s']:.0f} tokens/s graphed, "
+          f"{one_gpu['eager']['tokens_per_s']:.0f} eager)")
+    print(f"{'P':>3}{'bubble factor':>15}{'graphs tok/s/GPU':>18}{'vs 1-GPU x factor':>19}"
+          f"{'eager tok/s/GPU':>17}{'graphs/eager':>14}")
+    for P in (2, 4, 8):
+        if cfg.model.num_layers % (P * V):
+            continue
+        factor = 1 / (1 + (P - 1) / (V * m))
+        row = {"P": P, "V": V, "m": m, "bubble_factor": factor}
+        for side in ("graphs", "eager"):
+            costs = chunk_costs(flop_scaled_layer_costs(cfg, rate[side]), cfg.model.num_layers, P * V)
+            pred = predict_step(P, V, m, costs, layout_messages(cfg, P, V, wire_bytes=2), H200_LINK)
+            row[f"{side}_step_ms"] = pred.step_s * 1e3
+            row[f"{side}_tokens_per_s_per_gpu"] = tokens / pred.step_s / P
+        row["graphs_vs_ideal"] = row["graphs_tokens_per_s_per_gpu"] / (base_tput * factor)
+        rows.append(row)
+        print(f"{P:>3}{factor:>15.3f}{row['graphs_tokens_per_s_per_gpu']:>18.0f}{row['graphs_vs_ideal']:>19.3f}"
+              f"{row['eager_tokens_per_s_per_gpu']:>17.0f}"
+              f"{row['graphs_tokens_per_s_per_gpu'] / row['eager_tokens_per_s_per_gpu']:>14.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"measured": str(args.measured), "rows": rows}, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="the pipeline timing model's benchmark (see the module doc)")
     sub = ap.add_subparsers(dest="mode", required=True)
@@ -371,8 +422,12 @@ def main() -> None:
                    help="time chunks of K layers (K divides 16), each split over its layers by FLOPs")
     g.add_argument("overrides", nargs="*", metavar="key.sub=value",
                    help="extra config overrides, e.g. kernels.autotune=fixed on a fresh machine")
+    gr = sub.add_parser("graphs", help="PREDICTED PP=2/4/8 x V=2 with chunk graphs and eager (CPU, seconds)")
+    gr.add_argument("--measured", default=str(GRAPHS_MEASURED),
+                    help="bench_chunk_graphs JSON with the one-GPU step times")
+    gr.add_argument("--json")
     args = ap.parse_args()
-    {"check": check_main, "account": account_main, "gpu": gpu_main}[args.mode](args)
+    {"check": check_main, "account": account_main, "gpu": gpu_main, "graphs": graphs_main}[args.mode](args)
 
 
 if __name__ == "__main__":

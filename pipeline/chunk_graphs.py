@@ -9,13 +9,15 @@ lowest slot no in-flight microbatch of that chunk holds; the slot is free again 
 microbatch's backward. The plan is data (``CapturePlan``): the CPU tests check it against the
 schedule, as ``pipeline.schedule.simulate`` checks the op lists.
 
-Memory. Every graph of a rank captures into one memory pool. The tensors that must survive
-between graphs (each slot's static inputs, saved activations, outputs, output gradients and
-input gradients) stay referenced for the whole run, so the pool never hands their memory to
-another capture; what a graph allocates and frees inside itself (temporaries) is reused by
-every other graph, as graphs replay one at a time on one stream. So capture order need not
-follow the schedule, and peak memory is the eager engine's: one set of activations per slot,
-the slots being the schedule's in-flight microbatches.
+Memory. Each slot's two graphs capture into the slot's own memory pool. The backward graph
+frees the slot's saved activations when it ends (``torch.compile``'s backward reuses them in
+place, which rules out keeping the autograd graph), so the pool holds them only between the
+slot's forward and backward; a pool shared with another slot could give that memory to a
+graph that replays while this slot's activations are live. One pool per slot costs each
+slot its own temporaries on top of its activations; peak memory is then the eager engine's
+(one set of activations per in-flight microbatch) plus those temporaries. The tensors that
+live across graphs (static inputs, outputs, output and input gradients) stay referenced for
+the whole run.
 
 What a replay does (``ChunkGraphs.forward``): copy the chunk's inputs (the hop's tensors, the
 cached AttnRes blocks, tokens, targets) into the slot's static inputs, replay the forward
@@ -29,8 +31,7 @@ parameter (``main_grads``, zeroed at each step's start and handed to ``.grad`` a
 so accumulating over microbatches launches nothing.
 
 Capture happens at a slot's first use in the first graphed step: the forward is captured, the
-backward captured right after it (``retain_graph`` keeps the saved activations as persistent
-tensors), then both replay on the real data. Earlier steps run eagerly (``warmup``) so that
+backward captured right after it into the same pool, then both replay on the real data. Earlier steps run eagerly (``warmup``) so that
 Triton autotuning, ``torch.compile`` and the allocator settle first. Forward state (MoE
 routing records read after the step) is handled by the caller's ``state`` hooks.
 
@@ -59,8 +60,8 @@ class CapturePlan:
     slots: chunk -> the slot of each microbatch (``slots[c][mb]``).
     num_slots: chunk -> how many slots (the most microbatches of the chunk in flight at once).
     lifetimes: (chunk, microbatch) -> (index of its F op, index of its B op) in the rank's list.
-    Every graph shares the rank's one memory pool (module docstring), so the plan has no pool
-    field: ``graphs`` counts what is captured, two per slot.
+    Each slot's two graphs share one memory pool, the slot's own (module docstring): ``graphs``
+    counts what is captured (two per slot), ``pools`` the memory pools (one per slot).
     """
 
     slots: dict[int, tuple[int, ...]]
@@ -70,6 +71,10 @@ class CapturePlan:
     @property
     def graphs(self) -> int:
         return 2 * sum(self.num_slots.values())
+
+    @property
+    def pools(self) -> int:
+        return sum(self.num_slots.values())
 
 
 def capture_plan(ops: list[Op]) -> CapturePlan:
@@ -106,7 +111,8 @@ def capture_plan(ops: list[Op]) -> CapturePlan:
 
 # ---- graph objects --------------------------------------------------------------------------
 class Graph(Protocol):
-    """What ``ChunkGraphs`` needs of a graph: record a body once, replay it later."""
+    """What ``ChunkGraphs`` needs of a graph: record a body once, replay it later. ``pool``:
+    the memory pool the recording allocates from (None on CPU)."""
 
     def record(self, body: Callable[[], None], pool) -> None: ...
     def replay(self) -> None: ...
@@ -114,7 +120,7 @@ class Graph(Protocol):
 
 class CudaGraph:
     """``torch.cuda.CUDAGraph`` behind the ``Graph`` protocol: ``record`` captures ``body`` (its
-    kernels do not run), ``replay`` launches them; ``pool`` is shared by every graph of a rank."""
+    kernels do not run), ``replay`` launches them."""
 
     def __init__(self):
         self.graph = torch.cuda.CUDAGraph()
@@ -249,7 +255,6 @@ class ChunkGraphs:
         self.steps = 0
         self.active = False
         self.paused = False
-        self.pool = None
         self._anchor: torch.Tensor | None = None
 
     @property
@@ -274,7 +279,6 @@ class ChunkGraphs:
         if not self.main_grads:
             device = next(iter(p for ps in self.params.values() for p in ps)).device
             self._anchor = torch.zeros((), device=device, requires_grad=True)
-            self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
             self.main_grads = {p: torch.zeros_like(p) for ps in self.params.values() for p in ps}
         else:
             torch._foreach_zero_(list(self.main_grads.values()))
@@ -318,6 +322,7 @@ class ChunkGraphs:
     def _capture(self, chunk: int, index: int, flat: list[torch.Tensor], specs: list[tuple]) -> _Slot:
         slot = _Slot(chunk, index)
         slot.arg_specs = specs
+        pool = torch.cuda.graph_pool_handle() if flat[0].is_cuda else None
         slot.static_in = [x.detach().clone().requires_grad_(x.requires_grad) for x in flat]
         module, params = self.chunks[chunk], self.params[chunk]
         begun = self.state.begin_capture(chunk) if self.state is not None else None
@@ -327,7 +332,7 @@ class ChunkGraphs:
             slot.outs, slot.out_spec = _flatten(out)
 
         slot.fwd = self.graph_factory()
-        slot.fwd.record(forward_body, self.pool)
+        slot.fwd.record(forward_body, pool)
         if isinstance(slot.fwd, EagerGraph):
             forward_body()   # the backward body below needs outputs to build its buffers from
         if self.state is not None:
@@ -338,7 +343,7 @@ class ChunkGraphs:
         def backward_body():
             roots = [(o, g) for o, g in zip(slot.outs, slot.grad_out) if g is not None]
             grads = torch.autograd.grad([o for o, _ in roots], ins + params, [g for _, g in roots],
-                                        retain_graph=True, allow_unused=True)
+                                        allow_unused=True)
             it = iter(grads[:len(ins)])
             slot.grad_in = [next(it) if x.requires_grad else None for x in slot.static_in]
             pairs = [(self.main_grads[p], g) for p, g in zip(params, grads[len(ins):]) if g is not None]
@@ -348,7 +353,7 @@ class ChunkGraphs:
                 torch._foreach_add_([m for m, _ in pairs], [g for _, g in pairs])
 
         slot.bwd = self.graph_factory()
-        slot.bwd.record(backward_body, self.pool)
+        slot.bwd.record(backward_body, pool)
         self.slots[(chunk, index)] = slot
         return slot
 

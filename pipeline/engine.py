@@ -25,7 +25,11 @@ C = P*V chunks; chunk c lives on rank c % P; hop c is the edge chunk c -> chunk 
    process run takes; any other chunk starts from its sent outputs with the gradients hop c
    brought back. After autograd, the gradients of its input leaves go back on hop c-1 (zeros
    for an input nothing used).
-5. End: sends are waited for, the loss (mean over microbatches, on the last rank) is
+5. Graphs (``use_graphs``, CUDA): after the warm-up steps every training F(c, mb) replays the
+   forward graph of chunk c's in-flight slot and B(c, mb) its backward graph
+   (``pipeline/chunk_graphs.py``); the walk, the cache and every send and receive above stay
+   the same, eager, between replays.
+6. End: sends are waited for, the loss (mean over microbatches, on the last rank) is
    broadcast over the pipeline group, and, if a ``dp_group`` was given, loss and gradients
    are averaged over it. ``eval_step`` runs the same walk with forward-only schedules,
    without leaves, and empties a microbatch's cache after r's last chunk has run it.

@@ -275,7 +275,9 @@ class TrainConfig(_Strict):
     them (k3train/trainer/cuda_graph.py): the host no longer launches every kernel. One graph
     of the whole step without pipeline parallelism; one per chunk per in-flight microbatch under
     it (pipeline/chunk_graphs.py); gradients are reduced over data parallelism after the replay.
-    Needs a CUDA device and parallel.tp = parallel.ep = 1. true: required (an error otherwise);
+    Needs a CUDA device, parallel.tp = 1, and under parallel.ep > 1 the static dispatcher
+    (moe.capacity_factor set: its all-to-all has fixed splits and is recorded in the graph;
+    the dynamic one reads split sizes on the host). true: required (an error otherwise);
     "auto" (default): on exactly where supported, and the banner says what it resolved to;
     false: off."""
     recompute: RecomputeMode = "none"
@@ -467,13 +469,16 @@ class RunConfig(_Strict):
         precision recipe's scaling is computed inside the captured step (no state kept between
         steps), so none of them rules the graph out."""
         out: dict[str, str] = {}
-        reasons = {"tp": "megatron-core's tensor-parallel linears run their collectives eagerly",
-                   "ep": "the expert-parallel dispatch reads its split sizes on the host"}
-        for key, why in reasons.items():
-            value = getattr(self.parallel, key)
-            if value != 1:
-                out[f"parallel.{key}"] = (f"train.cuda_graph cannot capture parallel.{key}={value} ({why}); "
-                                          f"it needs parallel.{key}=1")
+        p = self.parallel
+        if p.tp != 1:
+            out["parallel.tp"] = (f"train.cuda_graph cannot capture parallel.tp={p.tp} (megatron-core's "
+                                  f"tensor-parallel linears run their collectives eagerly); it needs parallel.tp=1")
+        if p.ep != 1 and self.moe.capacity_factor is None:
+            # The static dispatcher (fixed capacity, fixed all-to-all splits) reads nothing on the
+            # host: its all-to-all is recorded in the graph (benchmarks/bench_moe_permute.py --check).
+            out["parallel.ep"] = (f"train.cuda_graph cannot capture parallel.ep={p.ep} with the dynamic "
+                                  f"dispatcher (it reads its all-to-all split sizes on the host); set "
+                                  f"moe.capacity_factor (the static dispatcher) or parallel.ep=1")
         dev = device if device is not None else self.train.device
         if dev not in ("cuda", "auto"):
             out["train.device"] = (f"train.cuda_graph needs a CUDA device, this run is on {dev} "

@@ -24,9 +24,11 @@ Under pipeline parallelism the schedule is driven by the host between chunks, so
 not one graph: the engine replays one graph per chunk per in-flight microbatch slot
 (``pipeline/chunk_graphs.py``) and ``ChunkForwardState`` below re-adds each replayed chunk's
 forward state. Data parallelism reduces the gradients after the replay, eagerly, as without a
-graph. Not supported (``train.cuda_graph: auto`` leaves the graph off there, ``true`` is refused
-with an error naming the cause): expert parallelism (split sizes read on the host) and tensor
-parallelism. The one list of what rules the graph out is ``RunConfig.cuda_graph_blockers``
+graph. Expert parallelism with the static dispatcher (``moe.capacity_factor``) records its
+fixed-split all-to-all in the graph; its dropped-slot counts and routing land in the forward
+state, read after the replay. Not supported (``train.cuda_graph: auto`` leaves the graph off
+there, ``true`` is refused with an error naming the cause): expert parallelism with the dynamic
+dispatcher (split sizes read on the host) and tensor parallelism. The one list of what rules the graph out is ``RunConfig.cuda_graph_blockers``
 (asked when the config loads, and again by ``k3train.trainer.state.use_cuda_graph`` with the
 device).
 ``scripts/gpu_check.py`` compares a replay with an eager pass on the same weights.

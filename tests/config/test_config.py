@@ -162,8 +162,8 @@ LAYOUT_REFUSALS = {
                  "train.cuda_graph cannot capture parallel.tp=2 (megatron-core's tensor-parallel linears run "
                  "their collectives eagerly); it needs parallel.tp=1", "set train.cuda_graph=false (or auto)"),
     "graph-ep": (["train.cuda_graph=true", "parallel.ep=2"], "train.cuda_graph",
-                 "cannot capture parallel.ep=2 (the expert-parallel dispatch reads its split sizes on the "
-                 "host); it needs parallel.ep=1", "set train.cuda_graph=false (or auto)"),
+                 "cannot capture parallel.ep=2 with the dynamic dispatcher (it reads its all-to-all split "
+                 "sizes on the host)", "set moe.capacity_factor (the static dispatcher) or parallel.ep=1"),
     "graph-cpu": (["train.cuda_graph=true", "train.device=cpu"], "train.cuda_graph",
                   "train.cuda_graph needs a CUDA device, this run is on cpu (train.device=cpu)",
                   "set train.cuda_graph=false (or auto)"),
@@ -189,7 +189,9 @@ def test_layout_refusals_name_the_field_in_one_line(overrides, field, wrong, all
     ["train.cuda_graph=auto", "parallel.ep=2"],   # auto: off, not refused
     ["train.cuda_graph=true", "train.device=cuda"],
     ["train.cuda_graph=true", "parallel.pp=2", "precision.recipe=fp8"],   # chunk graphs; fp8 captured
-], ids=["pp-vpp", "ep-static", "ep-pp", "tp-pp", "dense-ep", "graph-auto", "graph-on", "graph-pp-fp8"])
+    ["train.cuda_graph=true", "parallel.ep=2", "moe.capacity_factor=1.25"],  # static dispatcher
+], ids=["pp-vpp", "ep-static", "ep-pp", "tp-pp", "dense-ep", "graph-auto", "graph-on", "graph-pp-fp8",
+        "graph-ep-static"])
 def test_valid_layouts_load(overrides):
     cfg = load_config("configs/k3_tiny.yaml", overrides)
     for text in overrides:

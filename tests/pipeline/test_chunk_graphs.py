@@ -55,7 +55,7 @@ def test_capture_plan_matches_the_schedule(P, V, m):
                         fa, ba = plan.lifetimes[(c, a)]
                         fb, bb = plan.lifetimes[(c, b)]
                         assert ba < fb or bb < fa, (rank, c, a, b)
-        assert plan.graphs == 2 * sum(plan.num_slots.values())
+        assert plan.graphs == 2 * sum(plan.num_slots.values()) and plan.pools == sum(plan.num_slots.values())
         if V == 1:
             assert plan.num_slots == {rank: min(m, P - rank)}
 

@@ -147,6 +147,8 @@ def test_cuda_graph_auto_turns_on_exactly_where_supported():
     assert not use_cuda_graph(auto, one, cpu)
     for override in ("parallel.pp=2", "precision.recipe=fp8", "precision.recipe=mxfp8"):
         assert use_cuda_graph(load_config("configs/k3_tiny.yaml", ["train.cuda_graph=auto", override]), one, cuda)
+    static_ep = load_config("configs/k3_tiny.yaml", ["train.cuda_graph=auto", "parallel.ep=2", "moe.capacity_factor=1.25"])
+    assert use_cuda_graph(static_ep, one, cuda)
     for override in ("parallel.ep=2", "parallel.tp=2"):
         assert not use_cuda_graph(load_config("configs/k3_tiny.yaml", ["train.cuda_graph=auto", override]), one, cuda)
     assert use_cuda_graph(load_config(None), one, cuda)    # the default is auto
