@@ -393,7 +393,9 @@ def graphs_main(args) -> None:
               f"{row['eager_tokens_per_s_per_gpu']:>17.0f}"
               f"{row['graphs_tokens_per_s_per_gpu'] / row['eager_tokens_per_s_per_gpu']:>14.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"measured": str(args.measured), "rows": rows}, indent=1))
+        source = Path(args.measured).resolve()
+        shown = source.relative_to(ROOT) if source.is_relative_to(ROOT) else source
+        Path(args.json).write_text(json.dumps({"measured": str(shown), "rows": rows}, indent=1))
 
 
 def main() -> None:
