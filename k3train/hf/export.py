@@ -35,6 +35,7 @@ from moe.activations import DEFAULT_BETA, DEFAULT_BETA_LIN
 from k3train.config import RunConfig
 from k3train.data.tokenizer import ByteTokenizer, load_tokenizer
 from k3train.errors import UsageError
+from k3train.hf.kimi_linear import kimi_linear_misfits
 from k3train.hf.names import to_hf
 from k3train.hf.tokenizer import write_tokenizer
 from k3train.config.layer_pattern import expand_layer_pattern
@@ -46,6 +47,7 @@ ARCHITECTURE, MODEL_TYPE = "K3ForCausalLM", "k3train_k3"
 MX_ELEM, MX_BLOCK = "e2m1", 32
 EXPERT_RE = re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.\w+\.weight$")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+LAYOUTS = ("k3train", "kimi_linear")
 REMOTE_CODE = Path(__file__).parent / "remote_code"
 REMOTE_FILES = ("configuration_k3train.py", "modeling_k3train.py")
 AUTO_MAP = {"AutoConfig": "configuration_k3train.K3Config",
@@ -129,15 +131,26 @@ def _shards(tensors: dict[str, torch.Tensor], limit: int) -> list[dict[str, torc
 
 def export_hf(state: dict, cfg: RunConfig, out_dir: str | os.PathLike, *, shard_bytes: int = 5 * 10**9,
               dtype: str | None = None, mxfp4: bool = False, tokenizer=None, overwrite: bool = False,
-              log=print) -> Path:
+              layout: str = "k3train", log=print) -> Path:
     """Write ``out_dir`` from our full (one-process) model state dict ``state`` and its config.
 
     dtype: None keeps every tensor's dtype (bitwise round trip), or "bfloat16"/"float32" for the
     floating-point tensors. tokenizer: the run's tokenizer (``k3train.trainer.data.run_tokenizer``
     resolves it; default: ``data.tokenizer``, else the byte tokenizer). overwrite: replace a
     previous HF export in ``out_dir`` (never a run directory or another directory: see
-    ``k3train.runtime.files.output_dir``). Returns the directory.
+    ``k3train.runtime.files.output_dir``). layout: ``"k3train"`` (our names, loaded by
+    transformers through the remote code written beside them) or ``"kimi_linear"``
+    (transformers' own class: refused, naming each misfit, for a model that does not fit it;
+    ``k3train.hf.kimi_linear``). Returns the directory.
     """
+    if layout not in LAYOUTS:
+        raise UsageError(f"--layout {layout!r} is not a layout; allowed: {', '.join(LAYOUTS)}")
+    if layout == "kimi_linear":
+        misfits = kimi_linear_misfits(cfg)
+        # Every model k3train builds has a misfit (k3train.hf.kimi_linear says why): no writer here.
+        raise UsageError("export-hf --layout kimi_linear: this model does not fit transformers' kimi_linear: "
+                         + "; ".join(misfits) + "; the default --layout k3train loads in transformers with "
+                         "trust_remote_code=True")
     if dtype is not None and dtype not in _DTYPES:
         raise UsageError(f"--dtype {dtype!r} is not supported; allowed: {', '.join(_DTYPES)}")
     if cfg.model.kda.gate != "channel":
