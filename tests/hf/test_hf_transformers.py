@@ -81,6 +81,13 @@ def test_auto_model_reproduces_k3train_logits(tmp_path, world1, transformers_hom
         ref, got = model(tokens), hf.eval()(tokens).logits
     assert ref.abs().max() > 0.3  # logits of a size where 1e-5 means something
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    # generate (no cache: each step reads the whole prefix) continues as k3train's greedy argmax
+    seq = tokens[:1, :6]
+    with torch.no_grad():
+        for _ in range(4):
+            seq = torch.cat([seq, model(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
+        generated = hf.generate(tokens[:1, :6], max_new_tokens=4, do_sample=False)
+    assert torch.equal(generated, seq)
 
 
 def test_auto_tokenizer_encodes_as_the_byte_tokenizer(tmp_path, world1, transformers_home):

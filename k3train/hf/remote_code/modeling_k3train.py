@@ -348,6 +348,11 @@ class K3ForCausalLM(K3PreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value):
         self.lm_head = value
 
+    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, **kwargs) -> dict:
+        # No cache: every step reads the whole sequence so far (transformers' default would pass
+        # only the new token, expecting a cache to hold the rest).
+        return {"input_ids": input_ids}
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, **kwargs) -> CausalLMOutputWithPast:
         """input_ids ``[B, T]`` -> logits ``[B, T, vocab]`` (and the mean next-token loss given
