@@ -15,6 +15,8 @@ import sys
 import pytest
 import torch
 
+from benchmarks.tokenizer_files import write_tiktoken
+from k3train.data import embedded_documents
 from k3train.data.tokenizer import ByteTokenizer, load_tokenizer
 from k3train.data.train_tokenizer import train_bpe
 from k3train.errors import UsageError
@@ -102,17 +104,26 @@ def test_auto_tokenizer_encodes_as_the_byte_tokenizer(tmp_path, world1, transfor
     assert tok.decode([*ids, 256], skip_special_tokens=True) == TEXT
 
 
-def test_auto_tokenizer_loads_an_exported_bpe(tmp_path, world1, transformers_home):
-    tok_dir = tmp_path / "tok"
-    train_bpe(["the cat sat on the mat. " * 20, "a dog ran; the dog sat."] * 5, 300, tok_dir)
-    ours = load_tokenizer(str(tok_dir))
-    cfg = tiny_cfg("train.device=cpu", f"data.tokenizer={tok_dir}", f"model.vocab_size={ours.vocab_size}")
-    out = export_hf(build_model(cfg).state_dict(), cfg, tmp_path / "hf_bpe", tokenizer=ours, log=lambda *_: None)
+@pytest.mark.parametrize("kind", ["hf", "tiktoken"])
+def test_auto_tokenizer_loads_an_exported_bpe(tmp_path, world1, transformers_home, kind):
+    """A tokenizers BPE (copied) and the same BPE as a tiktoken file (converted to a
+    tokenizer.json) encode the embedded corpus and odd text to k3train's ids."""
+    docs = embedded_documents()[:40]
+    spec = train_bpe(docs, 400, tmp_path / "bpe")
+    if kind == "tiktoken":
+        spec = write_tiktoken(spec, tmp_path / "bpe.tiktoken")
+    ours = load_tokenizer(str(spec))
+    assert ours.kind == kind
+    cfg = tiny_cfg("train.device=cpu", f"data.tokenizer={spec}", f"model.vocab_size={ours.vocab_size}")
+    out = export_hf(build_model(cfg).state_dict(), cfg, tmp_path / f"hf_{kind}", tokenizer=ours, log=lambda *_: None)
     tok = transformers_home.AutoTokenizer.from_pretrained(str(out), trust_remote_code=True)
-    text = "the dog sat on the cat. a mat ran!"
-    ids = tok(text)["input_ids"]
-    assert ids == ours.encode(text) and len(ids) < len(text)  # merges applied, the same ones
-    assert tok.decode(ids) == ours.decode(ids)
+    if kind == "hf":  # (the tiktoken file made from this BPE also ranks "<|endoftext|>" as the
+        assert tok.eos_token_id == ours.eod_id  # ordinary token 0, which its special text resolves to)
+    for text in [*docs, TEXT, "don't 12345 x\r\n\r\n  y  "]:
+        ids = tok(text)["input_ids"]
+        assert ids == ours.encode(text), text[:40]
+        assert tok.decode(ids) == ours.decode(ids) == text
+    assert len(tok(docs[0])["input_ids"]) < 0.8 * len(docs[0].encode("utf-8"))  # merges applied
 
 
 def test_kimi_linear_layout_refuses_naming_each_misfit(tmp_path, world1):
