@@ -9,10 +9,12 @@ Output directory (written atomically: temp dir + rename):
     model.safetensors.index.json    ``metadata.total_size`` and ``weight_map`` {tensor: shard}
     tokenizer_config.json           which tokenizer the model was trained with, as
                                     ``transformers.AutoTokenizer`` reads it (``hf/tokenizer.py``)
-    tokenizer.json                  the byte tokenizer as a ``tokenizers`` byte-level model (a
-                                    file tokenizer's own files are copied instead)
+    tokenizer.json                  the byte or tiktoken tokenizer as a ``tokenizers`` model, or
+                                    a ``tokenizers`` one's own file (any file tokenizer's files
+                                    are copied too)
     configuration_k3train.py,       the model for ``transformers`` (``trust_remote_code``; copied
-    modeling_k3train.py             from ``k3train/hf/remote_code/``; ``auto_map`` in config.json)
+    modeling_k3train.py             from ``k3train/hf/remote_code/``; ``auto_map`` in config.json;
+                                    not with ``mxfp4``, whose packed experts transformers cannot read)
 
 With ``mxfp4=True`` every routed expert weight ``[out, in]`` is stored as ``NAME.mx_codes``
 (uint8, two E2M1 codes per byte, element 2k in the low nibble) and ``NAME.mx_scales`` (uint8
