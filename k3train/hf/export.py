@@ -7,8 +7,14 @@ Output directory (written atomically: temp dir + rename):
     model-0000K-of-0000N.safetensors  the tensors in HF names (k3train/hf/names.py), sharded so no
                                     shard exceeds ``shard_bytes`` (a bigger tensor gets its own)
     model.safetensors.index.json    ``metadata.total_size`` and ``weight_map`` {tensor: shard}
-    tokenizer_config.json           which tokenizer the model was trained with (the byte
-                                    tokenizer needs no vocabulary file)
+    tokenizer_config.json           which tokenizer the model was trained with, as
+                                    ``transformers.AutoTokenizer`` reads it (``hf/tokenizer.py``)
+    tokenizer.json                  the byte or tiktoken tokenizer as a ``tokenizers`` model, or
+                                    a ``tokenizers`` one's own file (any file tokenizer's files
+                                    are copied too)
+    configuration_k3train.py,       the model for ``transformers`` (``trust_remote_code``; copied
+    modeling_k3train.py             from ``k3train/hf/remote_code/``; ``auto_map`` in config.json;
+                                    not with ``mxfp4``, whose packed experts transformers cannot read)
 
 With ``mxfp4=True`` every routed expert weight ``[out, in]`` is stored as ``NAME.mx_codes``
 (uint8, two E2M1 codes per byte, element 2k in the low nibble) and ``NAME.mx_scales`` (uint8
@@ -26,10 +32,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from moe.activations import DEFAULT_BETA, DEFAULT_BETA_LIN
+
 from k3train.config import RunConfig
 from k3train.data.tokenizer import ByteTokenizer, load_tokenizer
 from k3train.errors import UsageError
+from k3train.hf.kimi_linear import kimi_linear_misfits
 from k3train.hf.names import to_hf
+from k3train.hf.tokenizer import write_tokenizer
 from k3train.config.layer_pattern import expand_layer_pattern
 from k3train.model.model import moe_layer_indices
 from k3train.quant.mx import pack_fp4, quantize_mx
@@ -39,6 +49,12 @@ ARCHITECTURE, MODEL_TYPE = "K3ForCausalLM", "k3train_k3"
 MX_ELEM, MX_BLOCK = "e2m1", 32
 EXPERT_RE = re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.\w+\.weight$")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+LAYOUTS = ("k3train", "kimi_linear")
+REMOTE_CODE = Path(__file__).parent / "remote_code"
+REMOTE_FILES = ("configuration_k3train.py", "modeling_k3train.py")
+AUTO_MAP = {"AutoConfig": "configuration_k3train.K3Config",
+            "AutoModel": "modeling_k3train.K3Model",
+            "AutoModelForCausalLM": "modeling_k3train.K3ForCausalLM"}
 
 
 def parse_size(text: str) -> int:
@@ -78,6 +94,10 @@ def hf_config(cfg: RunConfig, dtype: str) -> dict:
             "short_conv_kernel_size": m.kda.conv_size, "gate_lower_bound": m.kda.gate_lower_bound,
         },
         "attn_res": {"enabled": m.attnres.enabled, "block_size": m.attnres.block_size},
+        # The SiTU betas: the dense FFN's from the config; LatentMoE's experts use moe's defaults.
+        "situ": {"ffn_beta": m.ffn.situ_beta, "ffn_beta_lin": m.ffn.situ_beta_lin,
+                 "expert_beta": DEFAULT_BETA, "expert_beta_lin": DEFAULT_BETA_LIN},
+        "auto_map": AUTO_MAP,
         "k3train": {"model": m.model_dump(mode="json"), "moe": moe.model_dump(mode="json"),
                     "data": {"tokenizer": cfg.data.tokenizer}},
     }
@@ -113,15 +133,26 @@ def _shards(tensors: dict[str, torch.Tensor], limit: int) -> list[dict[str, torc
 
 def export_hf(state: dict, cfg: RunConfig, out_dir: str | os.PathLike, *, shard_bytes: int = 5 * 10**9,
               dtype: str | None = None, mxfp4: bool = False, tokenizer=None, overwrite: bool = False,
-              log=print) -> Path:
+              layout: str = "k3train", log=print) -> Path:
     """Write ``out_dir`` from our full (one-process) model state dict ``state`` and its config.
 
     dtype: None keeps every tensor's dtype (bitwise round trip), or "bfloat16"/"float32" for the
     floating-point tensors. tokenizer: the run's tokenizer (``k3train.trainer.data.run_tokenizer``
     resolves it; default: ``data.tokenizer``, else the byte tokenizer). overwrite: replace a
     previous HF export in ``out_dir`` (never a run directory or another directory: see
-    ``k3train.runtime.files.output_dir``). Returns the directory.
+    ``k3train.runtime.files.output_dir``). layout: ``"k3train"`` (our names, loaded by
+    transformers through the remote code written beside them) or ``"kimi_linear"``
+    (transformers' own class: refused, naming each misfit, for a model that does not fit it;
+    ``k3train.hf.kimi_linear``). Returns the directory.
     """
+    if layout not in LAYOUTS:
+        raise UsageError(f"--layout {layout!r} is not a layout; allowed: {', '.join(LAYOUTS)}")
+    if layout == "kimi_linear":
+        misfits = kimi_linear_misfits(cfg)
+        # Every model k3train builds has a misfit (k3train.hf.kimi_linear says why): no writer here.
+        raise UsageError("export-hf --layout kimi_linear: this model does not fit transformers' kimi_linear: "
+                         + "; ".join(misfits) + "; the default --layout k3train loads in transformers with "
+                         "trust_remote_code=True")
     if dtype is not None and dtype not in _DTYPES:
         raise UsageError(f"--dtype {dtype!r} is not supported; allowed: {', '.join(_DTYPES)}")
     if cfg.model.kda.gate != "channel":
@@ -144,6 +175,8 @@ def export_hf(state: dict, cfg: RunConfig, out_dir: str | os.PathLike, *, shard_
             "block_size": MX_BLOCK, "nibble_order": "element 2k in the low nibble of byte k",
             "modules": "model.layers.*.mlp.experts.*", "suffixes": [".mx_codes", ".mx_scales"],
             "dequantized_dtype": expert_dtype}
+        # transformers cannot read packed experts: such a directory is for ``k3train import``.
+        del config["auto_map"]
 
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else ByteTokenizer()
@@ -163,21 +196,9 @@ def export_hf(state: dict, cfg: RunConfig, out_dir: str | os.PathLike, *, shard_
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1, sort_keys=True))
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
-        _write_tokenizer(tokenizer, tmp)
+        if "auto_map" in config:
+            for name in REMOTE_FILES:
+                shutil.copyfile(REMOTE_CODE / name, tmp / name)
+        write_tokenizer(tokenizer, tmp)
     return out
 
-
-def _write_tokenizer(tokenizer, out: Path) -> None:
-    """``tokenizer_config.json``, plus a copy of the tokenizer's own files when it has any."""
-    tok = {"tokenizer_class": type(tokenizer).__name__, "k3train_tokenizer": tokenizer.name,
-           "k3train_tokenizer_kind": tokenizer.kind, "k3train_tokenizer_hash": tokenizer.files_hash,
-           "vocab_size": tokenizer.vocab_size, "eos_token_id": tokenizer.eod_id}
-    if isinstance(tokenizer, ByteTokenizer):
-        tok["note"] = "UTF-8 bytes are token ids 0..255 and 256 ends a document; no vocabulary file"
-    else:
-        src = Path(tokenizer.spec)
-        files = sorted(p for p in src.iterdir() if p.is_file()) if src.is_dir() else [src]
-        for f in files:
-            shutil.copy2(f, out / f.name)
-        tok["tokenizer_file"] = files[0].name if not src.is_dir() else "tokenizer.json"
-    (out / "tokenizer_config.json").write_text(json.dumps(tok, indent=1))

@@ -67,7 +67,7 @@ def export_mxfp4(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
 def export_hf_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
                          config: str | os.PathLike | None = None, *, overwrite: bool = False, **kwargs) -> Path:
     """``k3train.hf.export.export_hf`` of ``checkpoint`` with the run's tokenizer (``data.tokenizer``,
-    else the one its dataset's meta file records); kwargs: export_hf's shard_bytes, dtype, mxfp4, log."""
+    else the one its dataset's meta file records); kwargs: export_hf's shard_bytes, dtype, mxfp4, layout, log."""
     w = read_weights(checkpoint, config)
     try:
         tokenizer = run_tokenizer(w.cfg)

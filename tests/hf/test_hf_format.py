@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import k3train.hf
 from k3train.cli import build_parser, main
 from k3train.config import RunConfig, load_config
 from k3train.trainer.run_dir import save_config
@@ -76,6 +79,8 @@ def test_round_trip_is_bitwise_tensors_and_logits(tmp_path, world1, tied):
         held = load_file(str(out / f))
         assert len(held) == 1 or sum(t.numel() * t.element_size() for t in held.values()) <= 40_000, f
     assert (out / shards[0]).stat().st_mode & 0o777 == (out / "config.json").stat().st_mode & 0o777
+    assert (out / "modeling_k3train.py").read_bytes() == \
+        (Path(k3train.hf.__file__).parent / "remote_code" / "modeling_k3train.py").read_bytes()
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] and config["model_type"] and config["num_hidden_layers"] == 4
     assert config["linear_attn_config"]["full_attn_layers"] == [4]
@@ -134,6 +139,8 @@ def test_mxfp4_packed_experts_import_dequantised(tmp_path, world1):
     cfg, model, out = _export(tmp_path, world1, "--mxfp4")
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "mxfp4"
+    # transformers cannot read packed experts: no remote code is offered for them
+    assert "auto_map" not in config and not (out / "modeling_k3train.py").exists()
     wm = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert "model.layers.1.mlp.experts.0.gate_proj.weight.mx_codes" in wm
     assert "model.layers.1.mlp.experts.0.gate_proj.weight" not in wm
@@ -213,6 +220,15 @@ def test_export_modes_are_two_commands_and_the_old_spelling_says_so(tmp_path, ca
     assert main(["export-hf", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "o"),
                  "--shard-size", "5 parsecs"]) == 2
     assert "--shard-size '5 parsecs' is not a size" in capsys.readouterr().err
+
+
+def test_kimi_linear_layout_is_refused_in_one_line_by_the_cli(tmp_path, world1, capsys):
+    cfg = _cfg()
+    run = _run_dir(tmp_path, cfg, build_model(cfg))
+    assert main(["export-hf", "--checkpoint", str(run), "--out", str(tmp_path / "kl"), "--layout", "kimi_linear"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("k3train: error: export-hf --layout kimi_linear: this model does not fit") and "\n" not in err
+    assert "KDA forget gate" in err and not (tmp_path / "kl").exists()
 
 
 def test_export_copies_the_runs_tokenizer_files(tmp_path, world1):
