@@ -92,6 +92,14 @@ def test_generate_command_greedy_equals_argmax_of_full_forwards(tmp_path, capsys
     assert cli_main(["generate", "--checkpoint", str(tmp_path / "checkpoints"), "--prompt", "The quick",
                      "--max-new-tokens", "6", "--temperature", "0", "--device", "cpu"]) == 0
     assert capsys.readouterr().out.rstrip("\n") == want and len(passes) == 1 and len(passes[0][0][0]) == 2
+    # A batch of two prompts of different lengths: the first sample is the text above, the
+    # banner says the graph is off (CPU).
+    assert cli_main(["generate", "--checkpoint", str(tmp_path / "checkpoints"), "--prompt", "The quick",
+                     "--prompt", "A", "--max-new-tokens", "6", "--temperature", "0", "--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    samples = captured.out.split("=== sample 1 ===\n")
+    assert samples[0] == "=== sample 0 ===\n" + want + "\n" and samples[1].startswith("A")
+    assert "CUDA graph off (auto: cpu has no CUDA graphs)" in captured.err
     assert cli_main(["generate", "--checkpoint", str(tmp_path / "checkpoints"), "--prompt", "x",
                      "--top-p", "0"]) == 2
     assert "--top-p 0" in capsys.readouterr().err
