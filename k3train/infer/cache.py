@@ -16,6 +16,13 @@ everything fed since the last ``reset()``. What each layer keeps, per sequence:
 * AttnRes: nothing across time. The depth mix runs per token over that token's blocks, which
   the layer rebuilds for the new tokens as it goes.
 
+Two forms of the same arithmetic: the growing cache above (``cache``: tensors that grow, for
+the prefill and for reference), and the static decode step (``static``, bound by
+``k3train.infer.decoder``): one token per sequence against preallocated buffers updated in
+place, with the MLA latent in ``L`` fixed slots and each sequence's position in a device tensor,
+so that the step can be captured in a CUDA graph. Both share the projections, the recurrence and
+the attention code (``_one_token``, ``_project``, ``_attend``).
+
 Cache bytes per token: ``cache_bytes_per_token``; a full KV cache stores
 ``H * (qk_nope + qk_rope + v_head)`` numbers per MLA layer and token instead of
 ``kv_lora_rank + qk_rope``, and KDA layers keep a constant-size state instead of a growing one.
@@ -53,7 +60,8 @@ class CachedKDA(nn.Module):
         super().__init__()
         self.inner = inner
         self.cache: dict[str, torch.Tensor] = {}
-        # The decode step's buffers (``bind_static``), None for the growing-cache forward.
+        # The decode step's static buffers (``k3train.infer.decoder.bind``), None for the
+        # growing-cache forward.
         self.static: dict[str, torch.Tensor] | None = None
 
     def _conv(self, key: str, proj, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -142,7 +150,7 @@ class CachedMLA(nn.Module):
         super().__init__()
         self.inner = inner
         self.cache: dict[str, torch.Tensor] = {}
-        # The decode step's buffers (``bind_static``): ``c`` [B, L, rank], ``k_rope`` [B, L, rope]
+        # The decode step's static buffers (``k3train.infer.decoder.bind``): ``c`` [B, L, rank], ``k_rope`` [B, L, rope]
         # and ``pos`` [B] int64 (where each sequence's next token goes); None otherwise.
         self.static: dict[str, torch.Tensor] | None = None
 
