@@ -28,6 +28,7 @@ MAX_NEW_TOKENS = 100_000
 # The most sequences one call decodes together (the static buffers are allocated for all).
 MAX_BATCH = 1024
 
+
 def text_codec(cfg):
     """(encode: str -> list[int], decode: list[int] -> str, vocabulary size) of the run's
     tokenizer: the one place generation asks about the tokenizer."""
