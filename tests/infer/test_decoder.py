@@ -198,3 +198,35 @@ def test_graph_wrapper_captures_after_warmup_per_batch_size(cached64, monkeypatc
     off = FakeGraphs()
     Decoder(cached64, vocab=VOCAB, cuda_graph=False, graphs=off).generate(one, 5)
     assert (off.warmups, len(off.captured), off.replays) == (0, 0, 0)
+
+
+def test_the_step_reads_nothing_on_the_host(models, monkeypatch):
+    """What a CUDA capture forbids, checked on CPU in fp32 (the dtype and MoE path CUDA takes:
+    the grouped GEMM, not the per-expert loop that reads counts on the host): no op of the step
+    reads a tensor's value on the host (``.item()``, ``nonzero``, data-dependent shapes)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from moe.experts import GroupedExperts
+
+    class HostReads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.reads: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            if any(s in name for s in ("_local_scalar_dense", "nonzero", "masked_select", "unique", "bincount")):
+                self.reads.append(name)
+            return func(*args, **(kwargs or {}))
+
+    def loop(*args, **kwargs):
+        raise AssertionError("the per-expert loop (host read of the counts) ran")
+
+    monkeypatch.setattr(GroupedExperts, "forward_loop", loop)
+    dec = Decoder(models(torch.float32), vocab=VOCAB)
+    for temperature, top_p in ((0.0, 1.0), (0.8, 0.9)):
+        buf = dec.prefill(_prompts([4, 6]), 16)
+        with torch.no_grad(), HostReads() as mode:
+            dec._step(buf, temperature, top_p)
+        assert mode.reads == []
+        assert buf.pos.tolist() == [5, 7]
