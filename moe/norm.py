@@ -59,12 +59,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Rows [N, D] and a view of the weight, so that the compiled graphs serve every width and
-        # rank: Dynamo keeps a Parameter's shape static (which pinned D, and with it x's last dim,
-        # to each norm's width), and a [B, T, D] and a [N, D] input were two graphs. k3_mini's
-        # norms (widths 1024 / 384 / 256, ranks 2 and 3, training and evaluation) reached Dynamo's
-        # limit of 8 graphs on an H200; now 3 per grad mode whatever the widths, one per layout of
-        # the rows (contiguous, a slice's strided rows, a view of another base), 6 on the H200 too
+        # Contiguous rows [N, D] and a view of the weight, so that one compiled graph per grad
+        # mode serves every width, rank and layout: Dynamo keeps a Parameter's shape static
+        # (which pinned D, and with it x's last dim, to each norm's width), a [B, T, D] and a
+        # [N, D] input were two graphs, and the rows' layout is guarded too: contiguous rows, a
+        # slice's strided rows (MLA normalises a slice of its down-projection) and rows at an
+        # offset into another base were three graphs per grad mode, 6 of Dynamo's 8, and the
+        # evaluation's forwards then reached the limit on an H200 (issue 40). A strided slice
+        # is copied once here (only MLA's latent, narrower than the hidden width); every call
+        # then presents the same layout: one graph per grad mode
         # (tests/moe/test_norm_recompiles.py).
-        rows = _rms_norm(x.reshape(-1, x.shape[-1]), self.weight.view(-1), self.eps, autocast_dtype(x) or x.dtype)
-        return rows.view(x.shape)
+        D = x.shape[-1]
+        # Never a view: Dynamo guards a view input on its base's shape and strides, and the
+        # bases differ between the training and the evaluation forwards. ``_unsafe_view`` is
+        # reshape's own non-view alias (no copy; its backward reshapes the gradient back).
+        rows = torch.ops.aten._unsafe_view(x if x.is_contiguous() else x.contiguous(), [x.numel() // D, D])
+        out = _rms_norm(rows, self.weight.view(-1), self.eps, autocast_dtype(x) or x.dtype)
+        return out.view(x.shape)

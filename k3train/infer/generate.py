@@ -1,19 +1,20 @@
-"""``k3train generate``: sample a continuation of a prompt from a checkpoint, with the inference cache.
+"""``k3train generate``: sample continuations of prompts from a checkpoint, with the inference cache.
 
-The prompt is prefilled in one forward (chunked KDA, full causal attention over the latent);
-each new token then costs one cached step (``k3train.infer.cache``). Sampling: temperature
-(0 = greedy), then nucleus (top-p) filtering, drawn from a generator seeded by ``seed``.
+The prompts (``--prompt`` once and ``--batch N``: N samples of it; or several ``--prompt``, of any
+lengths) are prefilled in chunked forwards (chunked KDA, full causal attention over the
+latent); then every new token of every sequence costs one static-buffer decode step
+(``k3train.infer.decoder``), replayed from a CUDA graph where ``--cuda-graph`` resolves to on
+(``auto``: on for CUDA). Sampling: temperature (0 = greedy), then nucleus (top-p) filtering,
+drawn on the device from noise keyed by ``--seed`` (``k3train.infer.sampling``).
 """
 from __future__ import annotations
 
 import math
 import sys
-import time
-
-import torch
 
 from k3train.errors import UsageError
 from k3train.infer.cache import CachedModel
+from k3train.infer.decoder import Decoder
 from k3train.ops import kernels, triton_compile
 from k3train.runtime.device import resolve_device
 from k3train.runtime.one_process import process_groups
@@ -24,6 +25,9 @@ from k3train.trainer.restore import load_model
 
 # The most tokens one generate call samples: a typo of a few zeros must not run for hours.
 MAX_NEW_TOKENS = 100_000
+# The most sequences one call decodes together (the static buffers are allocated for all).
+MAX_BATCH = 1024
+
 
 def text_codec(cfg):
     """(encode: str -> list[int], decode: list[int] -> str, vocabulary size) of the run's
@@ -32,47 +36,34 @@ def text_codec(cfg):
     return tok.encode, tok.decode, tok.vocab_size
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> torch.Tensor:
-    """logits [B, vocab] -> next token ids [B]."""
-    if temperature == 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop = sorted_p.cumsum(-1) - sorted_p >= top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    return torch.multinomial(probs.cpu(), 1, generator=gen).squeeze(-1).to(logits.device)
+def resolve_cuda_graph(setting: str, device: str) -> tuple[bool, str]:
+    """``--cuda-graph auto|true|false`` on ``device`` -> (on, why), the reason for the banner."""
+    if setting not in ("auto", "true", "false"):
+        raise UsageError(f"--cuda-graph {setting}: expected auto, true or false")
+    if setting == "false":
+        return False, "off (--cuda-graph false)"
+    if device != "cuda":
+        if setting == "true":
+            raise UsageError(f"--cuda-graph true needs a CUDA device, and this run decodes on {device}; "
+                             "use --cuda-graph auto or false")
+        return False, f"off (auto: {device} has no CUDA graphs)"
+    return True, "on (" + ("auto: " if setting == "auto" else "") + "captured once per batch size, replayed)"
 
 
-@torch.no_grad()
-def generate_ids(cached, prompt: list[int], max_new_tokens: int, temperature: float, top_p: float,
-                 seed: int, device, vocab: int | None = None) -> tuple[list[int], dict]:
-    """Sample ``max_new_tokens`` after ``prompt`` with ``cached`` (a ``CachedModel``); returns
-    (new ids, timings {prefill_s, decode_s, decode_tokens_per_s}). vocab: the tokenizer's size;
-    the model's padded ids beyond it are never sampled."""
-    gen = torch.Generator().manual_seed(seed)
-    cached.reset()
-
-    def last(logits):
-        logits = logits[:, -1]
-        return logits if vocab is None else logits[:, :vocab]
-
-    t0 = time.perf_counter()
-    logits = last(cached(torch.tensor([prompt], device=device)))
-    t1 = time.perf_counter()
-    out = []
-    for i in range(max_new_tokens):
-        nxt = sample_next(logits, temperature, top_p, gen)
-        out.append(int(nxt[0]))
-        if i + 1 < max_new_tokens:
-            logits = last(cached(nxt[:, None]))
-    if device != "cpu" and torch.cuda.is_available():
-        torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    steps = max(max_new_tokens - 1, 1)
-    return out, {"prefill_s": t1 - t0, "decode_s": t2 - t1, "decode_tokens_per_s": steps / max(t2 - t1, 1e-9)}
+def batch_prompts(prompts: list[str], batch: int | None) -> list[str]:
+    """The prompt of each sequence: ``--prompt`` given once and ``--batch N``: that prompt N
+    times (N independent samples); several ``--prompt``: one sequence each (``--batch``, if
+    given, must equal their count)."""
+    if batch is None:
+        return list(prompts)
+    if not 1 <= batch <= MAX_BATCH:
+        raise UsageError(f"--batch {batch}: expected 1 to {MAX_BATCH:,} sequences")
+    if len(prompts) == 1:
+        return prompts * batch
+    if batch != len(prompts):
+        raise UsageError(f"--batch {batch} with {len(prompts)} --prompt values: give one --prompt "
+                         f"(repeated {batch} times) or {batch} of them, or leave --batch out")
+    return list(prompts)
 
 
 def run_generate(args) -> int:
@@ -85,28 +76,41 @@ def run_generate(args) -> int:
     if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
         raise UsageError(f"--top-p {args.top_p}: expected 0 < top-p <= 1")
 
+    texts = batch_prompts(args.prompt, args.batch)
+    if any(not t for t in texts):
+        raise UsageError("--prompt is empty: give at least one character")
+
     with process_groups():
         device = resolve_device(args.device, setting="--device").type
+        graphed, why = resolve_cuda_graph(args.cuda_graph, device)
         model, cfg, step_dir = load_model(args.checkpoint, args.config, args.overrides, device)
         apply_threads(cfg.train.threads)
         kernels.apply(cfg)
         encode, decode, vocab = text_codec(cfg)
-        prompt = encode(args.prompt)
-        if not prompt:
-            raise UsageError("--prompt is empty: give at least one character")
+        prompts = [encode(t) for t in texts]
+        if any(not p for p in prompts):
+            raise UsageError("--prompt encodes to no tokens: give at least one character")
         cached = CachedModel(model)
+        print(f"[k3train] decoding {len(prompts)} sequence{'s' if len(prompts) > 1 else ''} on {device}; "
+              f"CUDA graph {why}", file=sys.stderr, flush=True)
         if kernels.uses_triton(device):
             # fla's kernels otherwise compile on first use, one after another (minutes on a
             # fresh GPU machine): compile the prefill's and a decode step's at once, in a
-            # throwaway greedy pass (its outputs are garbage; generate_ids resets the cache).
-            triton_compile.compile_ahead(lambda: generate_ids(cached, prompt[:16], 2, 0.0, 1.0, 0, device, vocab),
+            # throwaway greedy pass (its outputs are garbage), eager and with buffers of its own.
+            warm = Decoder(cached, vocab=vocab, cuda_graph=False)
+            triton_compile.compile_ahead(lambda: warm.generate([p[:16] for p in prompts], 2),
                                          label="generation")
-        ids, timing = generate_ids(cached, prompt, args.max_new_tokens, args.temperature,
-                                   args.top_p, args.seed, device, vocab)
-    sys.stdout.write(args.prompt + decode(ids) + "\n")
-    print(f"[k3train] {len(ids)} tokens from {step_dir} in {timing['prefill_s'] + timing['decode_s']:.2f} s "
-          f"(decode {timing['decode_tokens_per_s']:.1f} tok/s, {device})", file=sys.stderr)
+        decoder = Decoder(cached, vocab=vocab, cuda_graph=graphed)
+        ids, timing = decoder.generate(prompts, args.max_new_tokens, args.temperature, args.top_p, args.seed)
+    for i, (text, new) in enumerate(zip(texts, ids)):
+        if len(ids) > 1:
+            sys.stdout.write(f"=== sample {i} ===\n")
+        sys.stdout.write(text + decode(new) + "\n")
+    total = sum(len(new) for new in ids)
+    print(f"[k3train] {total} tokens from {step_dir} in {timing['prefill_s'] + timing['decode_s']:.2f} s "
+          f"(decode {timing['decode_tokens_per_s']:.1f} tok/s over {len(ids)} sequence{'s' if len(ids) > 1 else ''}, "
+          f"{device}, CUDA graph {'on' if timing['cuda_graph'] else 'off'})", file=sys.stderr)
     return 0
 
 
-__all__ = ["generate_ids", "load_model", "run_generate", "sample_next", "text_codec"]
+__all__ = ["batch_prompts", "load_model", "resolve_cuda_graph", "run_generate", "text_codec"]

@@ -196,8 +196,8 @@ class TrainState:
 
         Runs one throwaway forward/backward with every Triton launch turned into a parallel
         compile (``k3train.ops.triton_compile``) on a batch of the step's shape, and the
-        optimizer's kernels on scratch tensors of its shapes (``warm_kernels``), then drops the
-        gradients and routing: weights, optimizer and balancer state are untouched. Without it
+        optimizer's kernels on scratch tensors of its shapes (``warm_kernels``) and one
+        validation forward (``evaluate``, no grad), then drops the gradients and routing: weights, optimizer and balancer state are untouched. Without it
         the kernels and their autotune candidates compile one at a time inside step 1. Every
         rank must call it (pipeline and expert-parallel hops run as in a real step). Returns
         the compile stats, or None where there is nothing to compile (CPU, torch kernels)."""
@@ -212,6 +212,11 @@ class TrainState:
             warm = getattr(self.optimizer, "warm_kernels", None)
             if warm is not None:
                 warm()
+            # The validation pass's forward too (no grad, eval mode, a batch of its shape): its
+            # kernels compiled at the first evaluation otherwise (about 93 s of a fresh k3_mini
+            # run on an H200, issue 40). Under the pipeline as many microbatches as a step has
+            # (a forward-only schedule the engine runs for any step's count).
+            self.evaluate([batch[:cfg.micro_batch_size]] * (cfg.microbatches if self.engine is not None else 1))
             return loss
 
         with no_graphs(self.engine.graphs if self.engine is not None else None):

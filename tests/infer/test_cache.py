@@ -4,7 +4,7 @@ import torch
 
 from k3train.runtime.distributed import init_distributed, shutdown_distributed
 from k3train.infer.cache import CachedModel, cache_bytes_per_token
-from k3train.infer.generate import sample_next
+from k3train.infer.sampling import sample_tokens
 from k3train.model.model import build_model
 from tests.helpers import small_cfg
 
@@ -49,10 +49,10 @@ def test_incremental_logits_equal_the_full_forward(model64, prefill):
 
 def test_top_p_keeps_the_smallest_prefix_reaching_the_mass():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    gen = torch.Generator().manual_seed(0)
-    draws = {int(sample_next(logits, 1.0, 0.7, gen)) for _ in range(200)}
+    seed = torch.tensor(0)
+    draws = {int(sample_tokens(logits, 1.0, 0.7, seed, torch.tensor(i))) for i in range(200)}
     assert draws == {0, 1}  # 0.5 < 0.7 <= 0.5 + 0.3
-    assert int(sample_next(logits, 0.0, 1.0, gen)) == 0  # greedy
+    assert int(sample_tokens(logits, 0.0, 1.0, seed, torch.tensor(0))) == 0  # greedy
 
 
 @pytest.mark.slow
@@ -91,7 +91,15 @@ def test_generate_command_greedy_equals_argmax_of_full_forwards(tmp_path, capsys
     monkeypatch.setattr(triton_compile, "compile_ahead", lambda fn, label="": passes.append(fn()) or {})
     assert cli_main(["generate", "--checkpoint", str(tmp_path / "checkpoints"), "--prompt", "The quick",
                      "--max-new-tokens", "6", "--temperature", "0", "--device", "cpu"]) == 0
-    assert capsys.readouterr().out.rstrip("\n") == want and len(passes) == 1 and len(passes[0][0]) == 2
+    assert capsys.readouterr().out.rstrip("\n") == want and len(passes) == 1 and len(passes[0][0][0]) == 2
+    # A batch of two prompts of different lengths: the first sample is the text above, the
+    # banner says the graph is off (CPU).
+    assert cli_main(["generate", "--checkpoint", str(tmp_path / "checkpoints"), "--prompt", "The quick",
+                     "--prompt", "A", "--max-new-tokens", "6", "--temperature", "0", "--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    samples = captured.out.split("=== sample 1 ===\n")
+    assert samples[0] == "=== sample 0 ===\n" + want + "\n" and samples[1].startswith("A")
+    assert "CUDA graph off (auto: cpu has no CUDA graphs)" in captured.err
     assert cli_main(["generate", "--checkpoint", str(tmp_path / "checkpoints"), "--prompt", "x",
                      "--top-p", "0"]) == 2
     assert "--top-p 0" in capsys.readouterr().err

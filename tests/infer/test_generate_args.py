@@ -15,3 +15,26 @@ def test_bad_sampling_arguments_are_one_line(tmp_path, capsys, flag, value, word
     assert main(["generate", "--checkpoint", str(missing), "--prompt", "hi", flag, value]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and words in err and "no_such_run" not in err
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--batch", "0"], "--batch 0: expected 1 to 1,024 sequences"),
+    (["--batch", "5000"], "--batch 5000: expected 1 to 1,024"),
+    (["--prompt", "b", "--batch", "3"], "--batch 3 with 2 --prompt values"),
+    (["--cuda-graph", "true", "--device", "cpu"], "--cuda-graph true needs a CUDA device, and this run decodes on cpu"),
+])
+def test_bad_batch_and_graph_arguments_are_one_line(tmp_path, capsys, args, words):
+    assert main(["generate", "--checkpoint", str(tmp_path / "no_such_run"), "--prompt", "hi", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and words in err
+
+
+def test_batch_repeats_one_prompt_or_takes_one_sequence_per_prompt():
+    from k3train.infer.generate import batch_prompts, resolve_cuda_graph
+
+    assert batch_prompts(["a"], 3) == ["a", "a", "a"]
+    assert batch_prompts(["a", "bc"], None) == ["a", "bc"] == batch_prompts(["a", "bc"], 2)
+    assert batch_prompts(["a"], None) == ["a"]
+    assert resolve_cuda_graph("auto", "cuda")[0] is True and resolve_cuda_graph("true", "cuda")[0] is True
+    assert resolve_cuda_graph("auto", "cpu") == (False, "off (auto: cpu has no CUDA graphs)")
+    assert resolve_cuda_graph("false", "cuda") == (False, "off (--cuda-graph false)")

@@ -53,12 +53,15 @@ def test_compile_pass_leaves_training_unchanged(monkeypatch):
     batch = torch.randint(0, cfg.model.vocab_size, (4, 33), generator=torch.Generator().manual_seed(1))
     ref = _state(cfg)
     want = [ref.train_step(batch) for _ in range(2)]
-    ran = []
+    ran, evals = [], []
     monkeypatch.setattr(state_mod.kernels, "uses_triton", lambda device: True)
     monkeypatch.setattr(state_mod, "compile_ahead", lambda fn, label="": ran.append(fn()) or {"kernels": 0})
+    evaluate = TrainState.evaluate
+    monkeypatch.setattr(TrainState, "evaluate", lambda self, b: evals.append([x.shape for x in b]) or evaluate(self, b))
     got_state = _state(cfg)
     assert got_state.compile_kernels() == {"kernels": 0}
     assert len(ran) == 1 and torch.isfinite(ran[0])  # the pass really ran a forward/backward
+    assert evals == [[(2, 33)]]  # and a validation forward of a validation batch's shape (issue 40)
     assert all(p.grad is None for p in got_state.params)
     got = [got_state.train_step(batch) for _ in range(2)]
     for g, w in zip(got, want):
