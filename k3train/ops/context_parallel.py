@@ -40,7 +40,7 @@ from k3train.ops.short_conv import short_conv_silu
 
 __all__ = [
     "CPCommLog", "all_gather_cp", "causal_attention_cp", "causal_pairs_per_rank", "cp_bytes_per_rank",
-    "fold_kda_states", "halo_exchange", "kda_cp", "kda_local_states", "mla_attention_cp", "short_conv_cp",
+    "fold_kda_states", "halo_exchange", "kda_chunks_folded", "kda_cp", "kda_local_states", "mla_attention_cp", "short_conv_cp",
 ]
 
 KdaKernel = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
@@ -264,9 +264,32 @@ def kda_cp(q, k, v, g, beta, *, group=None, scale: float | None = None, kernel: 
     V = E.shape[-1]
     EM = all_gather_cp(torch.cat([E, M], dim=-1).unsqueeze(0), group=group, dim=0, log=log, tag="kda")
     E_all, M_all = EM.split([V, EM.shape[-1] - V], dim=-1)
+    return _fold_and_correct(o0, q_tilde, E_all, M_all, rank).to(v.dtype)
+
+
+def _fold_and_correct(o0, q_tilde, E_all, M_all, rank: int) -> torch.Tensor:
+    """``o0 + q~ S_rank`` with ``S_rank`` folded from the predecessors' ``(E, M)``, in the state dtype."""
     S = fold_kda_states(E_all, M_all, rank)
-    correction = torch.einsum("bthk,bhkv->bthv", q_tilde.to(S.dtype), S)
-    return (o0.to(S.dtype) + correction).to(v.dtype)
+    return o0.to(S.dtype) + torch.einsum("bthk,bhkv->bthv", q_tilde.to(S.dtype), S)
+
+
+def kda_chunks_folded(q, k, v, g, beta, *, num_chunks: int, scale: float | None = None,
+                      kernel: KdaKernel = kda) -> torch.Tensor:
+    """The CP fold on one device: the sequence cut into ``num_chunks`` equal chunks, each run by
+    :func:`kda_local_states`, their ``(E, M)`` stacked where ranks would all-gather them, and each
+    chunk folded and corrected as rank ``r`` does. Shapes as ``k3train.ops.kda.kda``; returns o
+    ``[B, T, H, V]`` in v's dtype, equal to the whole sequence's KDA. For checking the fold with
+    a GPU kernel on one device (``scripts/gpu_check_kda_cp.py``)."""
+    T = q.shape[1]
+    if num_chunks < 1 or T % num_chunks:
+        raise CPShapeError(f"context parallel: {T} tokens do not split into {num_chunks} equal chunks")
+    n = T // num_chunks
+    parts = [kda_local_states(*(x[:, i * n:(i + 1) * n] for x in (q, k, v, g, beta)), scale=scale,
+                              kernel=kernel) for i in range(num_chunks)]
+    E_all = torch.stack([p[2] for p in parts])
+    M_all = torch.stack([p[3] for p in parts])
+    return torch.cat([_fold_and_correct(p[0], p[1], E_all, M_all, r) for r, p in enumerate(parts)],
+                     dim=1).to(v.dtype)
 
 
 # --------------------------------------------------------------------------- MLA

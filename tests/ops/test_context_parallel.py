@@ -14,8 +14,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from k3train.ops.context_parallel import (
-    CPCommLog, CPShapeError, causal_pairs_per_rank, cp_bytes_per_rank, fold_kda_states, kda_cp,
-    kda_local_states, mla_attention_cp, short_conv_cp,
+    CPCommLog, CPShapeError, causal_pairs_per_rank, cp_bytes_per_rank, fold_kda_states, kda_chunks_folded,
+    kda_cp, kda_local_states, mla_attention_cp, short_conv_cp,
 )
 from k3train.ops.kda import chunk_kda_torch, naive_recurrent_kda
 from k3train.ops.short_conv import short_conv_silu_torch
@@ -67,6 +67,19 @@ def test_fold_equals_running_the_chunks_in_sequence():
         expected = torch.zeros_like(S_fold) if S is None else S
         torch.testing.assert_close(S_fold, expected, **TOL)
         _, S = naive_recurrent_kda(*chunks[r], initial_state=S, output_final_state=True)
+
+
+def test_chunks_folded_on_one_device_equal_the_whole_sequence():
+    """The one-device form of the fold (what the GPU check runs): output and input gradients."""
+    full = _kda_inputs(3 * TL)
+    w_o = torch.randn(B, 3 * TL, H, V, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    o_ref, _ = naive_recurrent_kda(*full)
+    o = kda_chunks_folded(*full, num_chunks=3, kernel=chunk_kda_torch)
+    torch.testing.assert_close(o, o_ref, **TOL)
+    for got, want in zip(_grads((o * w_o).sum(), full), _grads((o_ref * w_o).sum(), full)):
+        torch.testing.assert_close(got, want, **TOL)
+    with pytest.raises(CPShapeError, match="do not split into 4 equal chunks"):
+        kda_chunks_folded(*full, num_chunks=4)
 
 
 def test_doc_start_inside_the_chunk_restarts_the_state():
