@@ -9,9 +9,9 @@ local tokens, ``P`` ranks). What a layer needs from other ranks, and the op that
   V]``, its transition ``M`` ``[B, H, K, K]`` (``S_end = M S_0 + E``) and the per-token query
   correction ``q~_t = P_t^T (scale q_t)`` (``P_t`` the transition up to token t). One all-gather
   of ``[E, M]`` per layer, a fold over the predecessors gives the true initial state ``S_r``, and
-  ``o = o0 + q~ S_r`` corrects the output with one small GEMM. Backward is autograd through the
-  same composition: the all-gather's adjoint is a reduce-scatter that returns the gradient of
-  every gathered ``(E_j, M_j)`` to rank j.
+  ``o = o0 + q~ S_r`` corrects the output with one small GEMM. Backward: one all-gather of every
+  rank's ``(dL/dS_j, M_j)`` and a fold from the last rank back gives this rank's ``dE``, ``dM``
+  (only the rank's own ``S_r``, ``M_r`` are kept between forward and backward).
 - Short convolution (:func:`short_conv_cp`): the previous rank's last ``W - 1`` input tokens
   (a point-to-point halo); backward sends their gradient back.
 - MLA (:func:`mla_attention_cp`): an all-gather of the compact latent (``kv_lora_rank`` plus the
@@ -54,8 +54,9 @@ class CPShapeError(K3TrainError):
 class CPCommLog:
     """Bytes this rank sends in context-parallel collectives, one record per call.
 
-    ``records``: ``(op, direction, nbytes)`` with op ``"all_gather"``, ``"reduce_scatter"``,
-    ``"halo_send"`` and direction ``"fwd"``/``"bwd"``, plus the caller's ``tag`` (e.g. ``"kda"``).
+    ``records``: ``(tag, op, direction, nbytes)``: tag ``"kda"``, ``"conv"``, ``"mla"`` (or the
+    caller's), op ``"all_gather"``, ``"reduce_scatter"`` or ``"halo_send"``, direction
+    ``"fwd"``/``"bwd"``.
     A collective over P ranks counts ``(P - 1)`` times the per-rank piece: what each rank sends
     in a ring or a direct exchange, and what a link model needs.
     """
@@ -237,12 +238,54 @@ def fold_kda_states(E_all: torch.Tensor, M_all: torch.Tensor, rank: int) -> torc
     """Initial state of ``rank``'s chunk from its predecessors: ``S_0 = 0``,
     ``S_{j+1} = M_j S_j + E_j`` for ``j < rank``. E_all ``[P, B, H, K, V]``, M_all ``[P, B, H, K, K]``
     -> ``[B, H, K, V]`` (fp32 at least: the chain of products must not round to bf16)."""
-    # Built from E_all even on rank 0 (times zero): every rank must reach the all-gather's backward,
-    # whose reduce-scatter is a collective; a state made by zeros_like would cut rank 0 out of it.
-    S = E_all[0] * 0
+    S = torch.zeros_like(E_all[0])
     for j in range(rank):
         S = torch.einsum("bhkl,bhlv->bhkv", M_all[j], S) + E_all[j]
     return S
+
+
+def _gather_pairs(a: torch.Tensor, b: torch.Tensor, group, log, direction: str):
+    """All ranks' ``a`` ``[B, H, K, V]`` and ``b`` ``[B, H, K, K]`` as ``[P, ...]`` each, one all-gather."""
+    _, size = _rank_size(group)
+    ab = torch.cat([a, b], dim=-1).contiguous()
+    parts = [torch.empty_like(ab) for _ in range(size)]
+    dist.all_gather(parts, ab, group=group)
+    if log is not None:
+        log.add("kda", "all_gather", direction, (size - 1) * _nbytes(ab))
+    return torch.stack(parts).split([a.shape[-1], b.shape[-1]], dim=-1)
+
+
+class _KdaStateExchange(torch.autograd.Function):
+    """``S_r`` from every rank's ``(E, M)``: one all-gather forward, one all-gather backward.
+
+    Autograd through an all-gather would keep all P ranks' ``(E, M)`` for the fold's backward
+    (P x 12.6 MB per layer at K3) and return their gradients with a reduce-scatter. Instead only
+    this rank's ``S_r`` and ``M_r`` are kept; backward gathers every rank's ``(G_j, M_j)``, with
+    ``G_j = dL/dS_j`` from its own output correction, and folds from the last rank backwards:
+    ``D_{P-1} = 0``, ``D_j = G_{j+1} + M_{j+1}^T D_{j+1}`` is ``dL/dS_end`` of chunk j, so
+    ``dE_r = D_r`` and ``dM_r = D_r S_r^T``. The same bytes as the reduce-scatter.
+    """
+
+    @staticmethod
+    def forward(ctx, E, M, group, log):
+        rank, size = _rank_size(group)
+        sdt = torch.promote_types(E.dtype, torch.float32)
+        E_all, M_all = _gather_pairs(E.to(sdt), M.to(sdt), group, log, "fwd")
+        S = fold_kda_states(E_all, M_all, rank)
+        ctx.save_for_backward(S, M.to(sdt))
+        ctx.group, ctx.log, ctx.rank, ctx.size, ctx.dtypes = group, log, rank, size, (E.dtype, M.dtype)
+        return S
+
+    @staticmethod
+    def backward(ctx, G):
+        S, M = ctx.saved_tensors
+        G_all, M_all = _gather_pairs(G.to(S.dtype).contiguous(), M, ctx.group, ctx.log, "bwd")
+        D = torch.zeros_like(S)
+        for j in range(ctx.size - 1, ctx.rank, -1):  # D becomes dL/dS_end of chunk j - 1
+            D = G_all[j] + torch.einsum("bhlk,bhlv->bhkv", M_all[j], D)
+        dE = D
+        dM = torch.einsum("bhkv,bhlv->bhkl", D, S)
+        return dE.to(ctx.dtypes[0]), dM.to(ctx.dtypes[1]), None, None
 
 
 def kda_cp(q, k, v, g, beta, *, group=None, scale: float | None = None, kernel: KdaKernel = kda,
@@ -250,21 +293,19 @@ def kda_cp(q, k, v, g, beta, *, group=None, scale: float | None = None, kernel: 
     """KDA of this rank's chunk of a sequence split contiguously over the CP ``group``.
 
     Shapes as ``k3train.ops.kda.kda`` on the local chunk; returns o ``[B, T, H, V]`` in v's dtype,
-    equal to the full sequence's KDA output at these positions (forward and backward).
+    equal to the full sequence's KDA output at these positions (forward and backward). Every rank
+    of the group must run this op's backward (it is a collective).
 
     ``doc_starts`` (local positions where documents start, see :func:`kda_local_states`) is the
     document-masking flag: a rank with any start passes on a transition of zero, so its
     predecessors' state does not cross it (a document that ended does not pass state), and a
     start at position 0 also ignores the state it receives.
     """
-    rank, size = _rank_size(group)
     o0, q_tilde, E, M = kda_local_states(q, k, v, g, beta, scale=scale, kernel=kernel, doc_starts=doc_starts)
     if doc_starts:
         M = torch.zeros_like(M)  # the flag: nothing before this rank reaches past it
-    V = E.shape[-1]
-    EM = all_gather_cp(torch.cat([E, M], dim=-1).unsqueeze(0), group=group, dim=0, log=log, tag="kda")
-    E_all, M_all = EM.split([V, EM.shape[-1] - V], dim=-1)
-    return _fold_and_correct(o0, q_tilde, E_all, M_all, rank).to(v.dtype)
+    S = _KdaStateExchange.apply(E, M, group, log)
+    return (o0.to(S.dtype) + torch.einsum("bthk,bhkv->bthv", q_tilde.to(S.dtype), S)).to(v.dtype)
 
 
 def _fold_and_correct(o0, q_tilde, E_all, M_all, rank: int) -> torch.Tensor:
