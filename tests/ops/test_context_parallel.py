@@ -8,6 +8,8 @@ and the bytes each rank logged to ``cp_bytes_per_rank``.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,11 +19,14 @@ from k3train.ops.context_parallel import (
     CPCommLog, CPShapeError, causal_pairs_per_rank, cp_bytes_per_rank, fold_kda_states, kda_chunks_folded,
     kda_cp, kda_local_states, mla_attention_cp, short_conv_cp,
 )
-from k3train.ops.kda import chunk_kda_torch, naive_recurrent_kda
+from k3train.config import load_config
+from k3train.model.flops import flops_breakdown
+from k3train.ops.kda import chunk_kda_torch, kda_gated, kda_gated_state, naive_recurrent_kda
 from k3train.ops.short_conv import short_conv_silu_torch
 from tests.multiproc import run_multiprocess
 
 TOL = dict(rtol=0, atol=1e-10)
+PAGE = (Path(__file__).resolve().parents[2] / "docs" / "long_context.md").read_text()
 B, H, K, V, TL, W = 2, 2, 4, 3, 6, 4  # V != K catches a transposed state
 R, ROPE, NOPE, VD = 5, 2, 3, 3  # MLA latent rank, shared key dim, per-head nope and value dims
 
@@ -80,6 +85,53 @@ def test_chunks_folded_on_one_device_equal_the_whole_sequence():
         torch.testing.assert_close(got, want, **TOL)
     with pytest.raises(CPShapeError, match="do not split into 4 equal chunks"):
         kda_chunks_folded(*full, num_chunks=4)
+
+
+def test_the_layers_gated_kernel_plugs_in_through_an_adapter():
+    """The KDA layer's own call (raw q, k, gate pre-activation, beta logits; fla's in-kernel gate
+    on CUDA) as the fold's kernel: the fold slices every tensor along time and passes the state
+    arguments, so an adapter over ``kda_gated_state`` serves, and equals ``kda_gated`` whole."""
+    gen = torch.Generator().manual_seed(6)
+    q, k, f = (torch.randn(B, 3 * TL, H, K, generator=gen, dtype=torch.float64) for _ in range(3))
+    v = torch.randn(B, 3 * TL, H, V, generator=gen, dtype=torch.float64)
+    b_logits = torch.randn(B, 3 * TL, H, generator=gen, dtype=torch.float64)
+    A_log, dt_bias = torch.randn(H, generator=gen, dtype=torch.float64), torch.randn(H, K, generator=gen, dtype=torch.float64)
+
+    def gated(q, k, v, f, b, scale=None, initial_state=None, output_final_state=False):
+        return kda_gated_state(q, k, v, f, b, A_log, dt_bias, -5.0, initial_state=initial_state,
+                               output_final_state=output_final_state)
+
+    o = kda_chunks_folded(q, k, v, f, b_logits, num_chunks=3, kernel=gated)
+    torch.testing.assert_close(o, kda_gated(q, k, v, f, b_logits, A_log, dt_bias, -5.0), **TOL)
+
+
+def _mb(x: float) -> str:
+    return f"{x / 1e6:.0f}" if x >= 100e6 else f"{x / 1e6:.3g}"
+
+
+def test_docs_byte_table_is_the_formula():
+    for P in (2, 4, 8, 16):
+        row = [cp_bytes_per_rank(cp=P, rank=1, batch=1, local_tokens=N // P, kda_heads=96, kda_head_dim=128,
+                                 conv_channels=3 * 96 * 128, mla_latent_dim=576) for N in (1 << 17, 1 << 20)]
+        text = f"| {P} | {_mb(row[0]['kda_fwd'])} | {_mb(row[0]['conv_bwd'])} | {_mb(row[0]['mla_fwd'])} | {_mb(row[1]['mla_fwd'])} |"
+        assert text in PAGE, text
+
+
+def test_docs_partition_table_is_the_flop_count():
+    """Slowest rank over the mean for k3_full's training FLOPs: per-token work is balanced, MLA's
+    causal pairs follow ``causal_pairs_per_rank``."""
+    cfg = load_config("configs/k3_full.yaml", [])
+    for N, label in ((1 << 17, "128K"), (1 << 20, "1M")):
+        f = flops_breakdown(cfg, N)
+        per_pair = f["mla_attention"] * 2 / (N + 1)  # per token it is per_pair * (N + 1) / 2
+        linear = f["total"] - f["mla_attention"]
+        assert f"| {label} | {100 * f['mla_attention'] / f['total']:.1f}% | 2 |" in PAGE
+        for P in (2, 4, 8, 16):
+            pairs = causal_pairs_per_rank(N, P)
+            work = [linear * N / P + per_pair * p for p in pairs]
+            ratio_attn = max(pairs) / (sum(pairs) / P)
+            ratio = max(work) / (sum(work) / P)
+            assert f"| {P} | {ratio_attn:.2f} | {ratio:.2f} | 1.00 |" in PAGE, (label, P, ratio_attn, ratio)
 
 
 def test_doc_start_inside_the_chunk_restarts_the_state():
