@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from k3train.errors import K3TrainError
+from k3train.errors import LayoutError
 from k3train.ops.kda import kda
 from k3train.ops.short_conv import short_conv_silu
 
@@ -46,7 +46,7 @@ __all__ = [
 KdaKernel = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
-class CPShapeError(K3TrainError):
+class CPShapeError(LayoutError):
     """A context-parallel op got a local chunk it cannot serve (too short, mismatched shapes)."""
 
 
@@ -130,8 +130,7 @@ class _Halo(torch.autograd.Function):
         halo = torch.zeros_like(tail)
         reqs = []
         if rank + 1 < size:
-            reqs.append(dist.isend(tail, _peer(group, rank + 1),
-                                   group=group))
+            reqs.append(dist.isend(tail, _peer(group, rank + 1), group=group))
             if log is not None:
                 log.add(tag, "halo_send", "fwd", _nbytes(tail))
         if rank > 0:
@@ -147,8 +146,7 @@ class _Halo(torch.autograd.Function):
         grad_tail = torch.zeros_like(grad_halo)
         reqs = []
         if rank > 0:
-            reqs.append(dist.isend(grad_halo, _peer(group, rank - 1),
-                                   group=group))
+            reqs.append(dist.isend(grad_halo, _peer(group, rank - 1), group=group))
             if ctx.log is not None:
                 ctx.log.add(ctx.tag, "halo_send", "bwd", _nbytes(grad_halo))
         if rank + 1 < size:

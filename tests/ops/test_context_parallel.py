@@ -198,19 +198,31 @@ def _check(name, got, want):
     torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{name}: {m}")
 
 
-def _primitives_body(rank, cp):
+def _cp_group(world, cp):
+    """The CP group of this process: consecutive ranks in groups of ``cp`` (the world when cp is
+    the world size, else one group per data-parallel replica), and its index."""
+    if cp == world:
+        return None, 0
+    groups = [dist.new_group(list(range(i, i + cp))) for i in range(0, world, cp)]  # all ranks create all
+    index = dist.get_rank() // cp
+    return groups[index], index
+
+
+def _primitives_body(world_rank, world, cp):
+    group, replica = _cp_group(world, cp)
+    rank = dist.get_rank(group)
     T = cp * TL
     sl = slice(rank * TL, (rank + 1) * TL)
     log = CPCommLog()
-    gen = torch.Generator().manual_seed(3)
+    gen = torch.Generator().manual_seed(3 + replica)  # each replica its own sequence
 
     # KDA: output and the gradient of every input
-    full = _kda_inputs(T)
+    full = _kda_inputs(T, seed=replica)
     w_o = torch.randn(B, T, H, V, generator=gen, dtype=torch.float64)
     o_ref, _ = naive_recurrent_kda(*full)
     ref = _grads((o_ref * w_o).sum(), full)
     local = [x.detach()[:, sl].clone().requires_grad_(True) for x in full]
-    o = kda_cp(*local, kernel=chunk_kda_torch, log=log)
+    o = kda_cp(*local, group=group, kernel=chunk_kda_torch, log=log)
     _check("kda o", o, o_ref.detach()[:, sl])
     for name, got, want in zip("q k v g beta".split(), _grads((o * w_o[:, sl]).sum(), local), ref):
         _check(f"kda d{name}", got, want[:, sl])
@@ -222,10 +234,10 @@ def _primitives_body(rank, cp):
     y_ref = short_conv_silu_torch(x, w)
     dx_ref, dw_ref = _grads((y_ref * w_y).sum(), [x, w])
     xl = x.detach()[:, sl].clone().requires_grad_(True)
-    y = short_conv_cp(xl, w, conv=short_conv_silu_torch, log=log)
+    y = short_conv_cp(xl, w, group=group, conv=short_conv_silu_torch, log=log)
     _check("conv y", y, y_ref.detach()[:, sl])
     dx, dw = _grads((y * w_y[:, sl]).sum(), [xl, w])
-    dist.all_reduce(dw)
+    dist.all_reduce(dw, group=group)
     _check("conv dx", dx, dx_ref[:, sl])
     _check("conv dweight", dw, dw_ref)
 
@@ -239,10 +251,10 @@ def _primitives_body(rank, cp):
                                            is_causal=True).transpose(1, 2)
     dq_ref, dlat_ref, dw_ref = _grads((a_ref * w_a).sum(), [q, lat, w_up])
     ql, latl = (t.detach()[:, sl].clone().requires_grad_(True) for t in (q, lat))
-    a = mla_attention_cp(ql, latl, lambda z: _expand(z, w_up), log=log)
+    a = mla_attention_cp(ql, latl, lambda z: _expand(z, w_up), group=group, log=log)
     _check("mla out", a, a_ref.detach()[:, sl])
     dq, dlat, dw = _grads((a * w_a[:, sl]).sum(), [ql, latl, w_up])
-    dist.all_reduce(dw)
+    dist.all_reduce(dw, group=group)
     _check("mla dq", dq, dq_ref[:, sl])
     _check("mla dlatent", dlat, dlat_ref[:, sl])
     _check("mla dweight", dw, dw_ref)
@@ -288,9 +300,11 @@ def _doc_flag_body(rank, cp):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cp", [2, 4])
-def test_primitives_match_the_full_sequence(cp):
-    run_multiprocess(_primitives_body, cp)
+@pytest.mark.parametrize("world, cp", [(2, 2), (4, 4), (4, 2)], ids=["cp2", "cp4", "dp2xcp2"])
+def test_primitives_match_the_full_sequence(world, cp):
+    """dp2xcp2: two CP groups of two in one world of four (process subgroups), each its own
+    sequence: the ops address their peers by group rank."""
+    run_multiprocess(_primitives_body, world, cp)
 
 
 @pytest.mark.slow
