@@ -330,6 +330,11 @@ class ParallelConfig(_Strict):
     """Virtual pipeline stages (model chunks) per pipeline rank."""
     ep: int = Field(1, ge=1)
     """Expert-parallel ranks (inside data parallel)."""
+    cp: int = Field(1, ge=1)
+    """Context-parallel ranks: each sequence split into cp contiguous chunks, one per rank
+    (docs/long_context.md). Only 1 loads today: the primitives exist
+    (``k3train.ops.context_parallel``) but the layers, the CP process group, the data split and
+    the gradient reduction over DP x CP are not wired yet."""
 
 
 class PipelineConfig(_Strict):
@@ -497,6 +502,11 @@ class RunConfig(_Strict):
         wrong and what is allowed; None when the layout is valid. Rules that need the world
         size stay in ``k3train.runtime.distributed.check_layout``."""
         p, moe = self.parallel, self.moe
+        if p.cp > 1:
+            return (f"parallel.cp={p.cp}: context parallelism is not wired into the model yet (its ops "
+                    f"exist in k3train.ops.context_parallel; the KDA/MLA/conv layers do not call them and "
+                    f"there is no CP process group, sequence split or DP x CP gradient reduction); "
+                    f"use parallel.cp=1")
         if p.vpp > 1 and p.pp == 1:
             return (f"parallel.vpp={p.vpp} needs parallel.pp > 1 (virtual stages interleave over "
                     f"pipeline ranks); set parallel.vpp=1 or parallel.pp >= 2")

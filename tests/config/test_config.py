@@ -142,6 +142,8 @@ def test_fp8_recipe_offers_only_what_runs():
 # wrong and what is allowed (RunConfig._layout_refusal; the rules needing the world size are in
 # k3train.runtime.distributed.check_layout).
 LAYOUT_REFUSALS = {
+    "cp-not-wired": (["parallel.cp=2"], "parallel.cp", "parallel.cp=2: context parallelism is not wired "
+                     "into the model yet", "use parallel.cp=1"),
     "vpp-without-pp": (["parallel.vpp=2"], "parallel.vpp",
                        "parallel.vpp=2 needs parallel.pp > 1", "set parallel.vpp=1 or parallel.pp >= 2"),
     "interleave-microbatches": (["parallel.pp=2", "parallel.vpp=2", "train.microbatches=3"], "train.microbatches",
