@@ -70,14 +70,17 @@ def test_config_fields_choose_and_reach_moe_and_optim(monkeypatch):
     assert not kernels.uses_triton("cuda")
 
 
-def test_compile_auto_is_off_exactly_for_pipeline_gpu_runs():
+def test_compile_auto_is_on_for_pipeline_gpu_runs_too():
+    """compile-ahead compiles every rank's pieces before step 1, so auto no longer turns compile
+    off under pipeline parallelism; false still does."""
     assert kernels.compile_enabled("cuda")
     kernels.apply(load_config("configs/k3_tiny.yaml", ["parallel.pp=2", "train.device=cuda"]))
+    assert kernels.compile_enabled("cuda") and kernels.resolve(
+        load_config("configs/k3_tiny.yaml", ["parallel.pp=2", "train.device=cuda"])).pipeline_gpu
+    kernels.apply(load_config("configs/k3_tiny.yaml", ["parallel.pp=2", "train.device=cuda", "kernels.compile=false"]))
     assert not kernels.compile_enabled("cuda") and moe_backends.current().compile is False
-    kernels.apply(load_config("configs/k3_tiny.yaml", ["parallel.pp=2", "train.device=cuda", "kernels.compile=true"]))
-    assert kernels.compile_enabled("cuda")
     kernels.apply(load_config("configs/k3_tiny.yaml", ["parallel.pp=2", "train.device=cpu"]))
-    assert kernels.compile_enabled("cuda")  # a CPU pipeline run: nothing to guard
+    assert kernels.compile_enabled("cuda")
 
 
 def test_a_backend_that_is_not_installed_is_refused_in_one_line(monkeypatch):
