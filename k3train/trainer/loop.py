@@ -115,7 +115,8 @@ class Trainer:
         if cfg.train.compile_ahead:
             state.compile_kernels()
         self.logger = MetricsLogger(run_dir, cfg.logging.wandb, cfg.model_dump(mode="json"), enabled=main,
-                                    resume=self.resume and self.start_step > 0, keep_through=self.start_step)
+                                    resume=self.resume and self.start_step > 0, keep_through=self.start_step,
+                                    tensorboard=cfg.logging.tensorboard)
         if main:
             print(f"[k3train] code {source_commit()} | device {device} | world {info.world_size} "
                   f"(tp {p.tp} pp {p.pp} vpp {p.vpp} ep {p.ep} dp {info.dp}) | {state.describe()}")
