@@ -120,8 +120,10 @@ class Trainer:
         if main:
             print(f"[k3train] code {source_commit()} | device {device} | world {info.world_size} "
                   f"(tp {p.tp} pp {p.pp} vpp {p.vpp} ep {p.ep} dp {info.dp}) | {state.describe()}")
-            print(f"[k3train] data: {self.data.description}; val loss over train.eval_batches="
-                  f"{cfg.train.eval_batches} batches (k3train eval covers the whole split)")
+            val_tokens = sum(b[:, 1:].numel() for b in self.data.val)  # predicted positions
+            print(f"[k3train] data: {self.data.description}; val loss over {len(self.data.val)} batches, "
+                  f"{val_tokens:,} tokens (train.eval_batches={cfg.train.eval_batches}; k3train eval "
+                  f"covers the whole split)")
             print(f"[k3train] mfu: {mfu_words}; matmul_util: against this device's measured matmul rate")
             if cfg.optim.warmup_steps >= cfg.train.steps:
                 print(f"[k3train] warning: optim.warmup_steps={cfg.optim.warmup_steps} >= train.steps="
