@@ -152,3 +152,28 @@ def test_progress_lines_every_tenth_of_the_run_at_validations_and_the_end(tmp_pa
     with open(metrics, "a") as f:
         f.write(json.dumps({"step": 65, "loss": 1.0}) + "\n" + json.dumps({"step": 70, "loss": 1.0}) + "\n")
     assert [line.split(",")[0] for line in again.poll()] == ["[sweep] v: step 70/80 (87%)"]
+
+
+@pytest.mark.slow
+def test_a_real_seeded_sweep_plots_its_table(tmp_path, monkeypatch, capsys):
+    """Real training (two seeds of one variant): the figure's mean line ends on the table's mean."""
+    from tests.helpers import SMALL
+
+    figures = _capture_figures(monkeypatch)
+    path = tmp_path / "ablation.yaml"
+    path.write_text(yaml.safe_dump({"name": "real", "base": str(Path("configs/k3_tiny.yaml").resolve()),
+                                    "overrides": [*SMALL, "train.steps=3", "train.log_interval=1",
+                                                  "train.eval_interval=3"],
+                                    "variants": [{"name": "base", "overrides": []}]}))
+    out = tmp_path / "out"
+    rows = run_sweep(path, out, seeds="1,2")
+    assert [r["variant"] for r in rows] == ["base_seed-1", "base_seed-2"]
+    assert rows[0]["final_val_loss"] != rows[1]["final_val_loss"]  # the seeds differ
+    mean = float(next(csv.DictReader(open(out / "results_seeds.csv")))["final_val_loss_mean"])
+    (_, val_ax) = figures["loss_curves.png"]
+    (label, (xs, ys)), = val_ax["lines"].items()
+    assert label == "base (mean of 2 seeds)" and xs == [3] and ys[-1] == pytest.approx(mean, rel=1e-12)
+    assert _band_at(val_ax["bands"][0], 3) == pytest.approx(
+        sorted(r["final_val_loss"] for r in rows), rel=1e-12)
+    printed = capsys.readouterr().out
+    assert "[sweep] base_seed-2: step 3/3 (100%)" in printed and "nothing to resume" not in printed
