@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import torch
 
@@ -64,3 +66,10 @@ def saved_bytes(cfg, batch: int = 2, seq: int = 32) -> int:
         loss = model(tokens[:, :-1], tokens[:, 1:])
     loss.backward()
     return saved.total
+
+
+def readme_commands(readme: str | Path = "README.md") -> list[str]:
+    """The command lines of the README's opening ``bash`` block (set-up, quickstart, tests)."""
+    text = Path(readme).read_text()
+    block = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
+    return [line.strip() for line in block.strip().splitlines()]

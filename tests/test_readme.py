@@ -1,12 +1,7 @@
 """The README's first three commands are the contract with users and with CI."""
-import re
 from pathlib import Path
 
-
-def _readme_commands():
-    text = Path("README.md").read_text()
-    block = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
-    return [line.strip() for line in block.strip().splitlines()]
+from tests.helpers import readme_commands as _readme_commands
 
 
 def test_readme_starts_with_setup_run_and_test_commands():

@@ -399,6 +399,10 @@ class LoggingConfig(_Strict):
     wandb: WandbConfig = WandbConfig()
     progress_bar: bool = True
     """Show a progress bar with the loss."""
+    tensorboard: bool = False
+    """Also write every metrics.jsonl record's scalars as TensorBoard event files in
+    ``RUN_DIR/tensorboard/`` (``tensorboard --logdir RUN_DIR``); needs the ``tensorboard``
+    extra (``pip install 'k3train[tensorboard]'``)."""
 
 
 class KernelsConfig(_Strict):

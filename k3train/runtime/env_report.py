@@ -21,8 +21,8 @@ PACKAGES = [("torch", None), ("megatron-core", None), ("numpy", None), ("pydanti
             ("pyyaml", None), ("tqdm", None), ("matplotlib", None), ("wandb", None),
             ("safetensors", None), ("triton", "dev"), ("pytest", "dev"), ("pytest-timeout", "dev"),
             ("tokenizers", "tokenizers"), ("tiktoken", "tiktoken"), ("sentencepiece", "sentencepiece"),
-            ("pyarrow", "parquet"), ("transformers", "hf"), ("flash-linear-attention", "gpu"), ("torchao", "gpu"),
-            ("transformer-engine", "te")]
+            ("pyarrow", "parquet"), ("transformers", "hf"), ("tensorboard", "tensorboard"),
+            ("flash-linear-attention", "gpu"), ("torchao", "gpu"), ("transformer-engine", "te")]
 
 
 def version() -> str:

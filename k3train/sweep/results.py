@@ -14,6 +14,7 @@ from k3train.errors import RunDirError
 from k3train.model.model import build_model
 from k3train.runtime.device import resolve_device
 from k3train.runtime.distributed import init_distributed
+from k3train.sweep.curves import FINAL_OF, last_value, series, spread
 from k3train.sweep.spec import Variant
 from k3train.trainer.checkpoint import latest_checkpoint
 from k3train.trainer.plots import read_metrics
@@ -26,6 +27,25 @@ COLUMNS = ("variant", "seed", "steps", "tokens", "final_train_loss", "final_val_
 # Columns averaged over seeds in the table over seeds (mean and sample standard deviation).
 SEED_METRICS = ("final_train_loss", "final_val_loss", "best_val_loss", "maxvio_running", "recall_acc",
                 "tokens_per_s")
+
+# What each column of results.md means; the footnote names only the columns the table has.
+COLUMN_NOTES = {
+    "tokens": "tokens trained on",
+    "final_train_loss": "last logged training loss",
+    "final_val_loss": "last validation loss",
+    "best_val_loss": "lowest validation loss",
+    "tokens_per_s": "mean over logged steps",
+    "maxvio_running": "last logged moe/maxvio_running, the MaxVio of the load since step 1 (MoE runs; "
+                      "maxvio_curves.png ends on it)",
+    "recall_acc": "MQAR validation recall of the final checkpoint",
+}
+# The rule for throughput measured on a CPU (docs/ablations.md): a CPU is usually shared (other
+# processes, other variants' --jobs), so its tokens/s moves with their load. results.md labels
+# the column as indicative and the table over seeds leaves it out (a mean and spread of it would
+# read as a measurement); results.csv keeps the raw value with a device column.
+CPU_SPEED = "tokens_per_s (CPU, indicative)"
+CPU_SPEED_NOTE = ("measured on a CPU, which other processes share: it moves with their load, so it is "
+                  "not averaged over seeds and not a comparison between variants")
 
 
 def _final_recall_accuracy(cfg: RunConfig, run_dir: Path) -> float | None:
@@ -64,14 +84,23 @@ def _final_recall_accuracy(cfg: RunConfig, run_dir: Path) -> float | None:
     return acc
 
 
+def run_device(cfg: RunConfig, run_dir: Path) -> str:
+    """The device type a run trained on: its ``kernels.json`` (written at start-up), else what
+    ``train.device`` resolves to here."""
+    try:
+        return str(json.loads((run_dir / "kernels.json").read_text())["device"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return resolve_device(cfg.train.device).type
+
+
 def collect_result(name: str, cfg: RunConfig, run_dir: Path) -> tuple[dict, list[dict]]:
     """One results row for ``run_dir`` (metrics.jsonl and, for MQAR, the final checkpoint) and
-    its metrics records."""
+    its metrics records. The final values are ``k3train.sweep.curves.last_value`` of the curves
+    the plots draw."""
     metrics = run_dir / "metrics.jsonl"
     records = read_metrics(metrics) if metrics.is_file() else []
-    val = [r["val_loss"] for r in records if r.get("val_loss") is not None]
-    speed = [r["tokens_per_s"] for r in records if r.get("tokens_per_s") is not None]
-    maxvio = [r["moe/maxvio_running"] for r in records if r.get("moe/maxvio_running") is not None]
+    val = series(records, FINAL_OF["final_val_loss"])[1]
+    speed = series(records, "tokens_per_s")[1]
     steps = records[-1]["step"] if records else None
     t = cfg.train
     row = {
@@ -80,12 +109,13 @@ def collect_result(name: str, cfg: RunConfig, run_dir: Path) -> tuple[dict, list
         "steps": steps,
         # tokens trained on (a sweep runs its variants in one process: data-parallel size 1)
         "tokens": steps * t.seq_len * t.micro_batch_size * t.microbatches if steps else None,
-        "final_train_loss": records[-1].get("loss") if records else None,
-        "final_val_loss": val[-1] if val else None,
+        "final_train_loss": last_value(records, FINAL_OF["final_train_loss"]),
+        "final_val_loss": last_value(records, FINAL_OF["final_val_loss"]),
         "best_val_loss": min(val) if val else None,
         "tokens_per_s": sum(speed) / len(speed) if speed else None,
-        "maxvio_running": maxvio[-1] if maxvio else None,
+        "maxvio_running": last_value(records, FINAL_OF["maxvio_running"]),
         "recall_acc": _final_recall_accuracy(cfg, run_dir) if cfg.data.source == "mqar" else None,
+        "device": run_device(cfg, run_dir),
     }
     return row, records
 
@@ -107,9 +137,8 @@ def unfinished_progress(name: str, cfg: RunConfig, run_dir: Path) -> dict | None
 
 def seed_table(rows: list[dict], variants: list[Variant]) -> list[dict]:
     """Rows over seeds: per variant group, ``n`` seeds, ``tokens`` (of one run), and
-    ``<metric>_mean`` / ``<metric>_std`` (sample standard deviation, n-1; 0 for one seed)."""
-    import statistics
-
+    ``<metric>_mean`` / ``<metric>_std`` (sample standard deviation, n-1; 0 for one seed), by
+    ``k3train.sweep.curves.spread`` (the plots' means and bands too)."""
     groups: dict[str, list[dict]] = {}
     for v, r in zip(variants, rows):
         groups.setdefault(v.group or v.name, []).append(r)
@@ -117,9 +146,8 @@ def seed_table(rows: list[dict], variants: list[Variant]) -> list[dict]:
     for name, rs in groups.items():
         agg = {"variant": name, "n": len(rs), "tokens": rs[0].get("tokens")}
         for m in SEED_METRICS:
-            vals = [r[m] for r in rs if r.get(m) is not None]
-            agg[f"{m}_mean"] = statistics.fmean(vals) if vals else None
-            agg[f"{m}_std"] = statistics.stdev(vals) if len(vals) > 1 else (0.0 if vals else None)
+            sp = spread([r[m] for r in rs if r.get(m) is not None])
+            agg[f"{m}_mean"], agg[f"{m}_std"] = sp["mean"], sp["std"]
         out.append(agg)
     return out
 
@@ -187,27 +215,39 @@ def format_cell(value) -> str:
     return str(value)
 
 
+def on_cpu(rows: list[dict]) -> bool:
+    """Whether any tabulated run trained on a CPU (then ``CPU_SPEED``'s rule applies)."""
+    return any(r.get("device") == "cpu" for r in rows)
+
+
 def write_results(rows: list[dict], out: Path, title: str,
                   variants: list[Variant] | None = None, missing: list[str] = (),
-                  tune: tuple[str, str, dict] | None = None, progress: list[dict] = ()) -> tuple[Path, Path]:
+                  tune: tuple[str, str, dict] | None = None, progress: list[dict] = (),
+                  header: list[str] = ()) -> tuple[Path, Path]:
     """``out/results.csv`` (full precision, empty cells for n/a) and ``out/results.md``; with
     seeded ``variants`` also ``out/results_seeds.csv`` and a table over seeds in results.md.
     ``missing``: variants of the sweep without a row, named under the tables. ``tune``: (key,
     metric, run name -> value) adds each family at its best value (:func:`tuned_table`) and
     ``out/results_tuned.csv``. ``progress``: :func:`unfinished_progress` rows of the missing
-    runs that logged something, tabulated under their names."""
+    runs that logged something, tabulated under their names. ``header``: lines under the
+    title (how the sweep was run: its file, command-line overrides, seeds)."""
     cols = [c for c in COLUMNS if c in ("variant", "steps") or any(r.get(c) is not None for r in rows)]
+    cpu = on_cpu(rows)
     csv_path, md_path = out / "results.csv", out / "results.md"
+    csv_cols = [*cols, *(["device"] if any(r.get("device") for r in rows) else [])]
     with open(csv_path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=csv_cols, extrasaction="ignore")
         writer.writeheader()
-        writer.writerows({c: ("" if r.get(c) is None else r[c]) for c in cols} for r in rows)
-    lines = [f"# Sweep {title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        writer.writerows({c: ("" if r.get(c) is None else r[c]) for c in csv_cols} for r in rows)
+    names = [CPU_SPEED if c == "tokens_per_s" and cpu else c for c in cols]
+    lines = [f"# Sweep {title}", "", *header, *([""] if header else []),
+             "| " + " | ".join(names) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(format_cell(r.get(c)) for c in cols) + " |" for r in rows]
-    lines += ["", "tokens: tokens trained on; tokens_per_s: mean over logged steps; maxvio_running: last "
-                  "logged value (MoE runs); recall_acc: MQAR validation recall of the final checkpoint.", ""]
+    notes = [f"{name}: {COLUMN_NOTES[c]}" + (f", {CPU_SPEED_NOTE}" if name == CPU_SPEED else "")
+             for c, name in zip(cols, names) if c in COLUMN_NOTES]
+    lines += ["", "; ".join(notes) + ".", ""]
     if variants and any(v.seed is not None for v in variants):
-        lines += _seed_lines(seed_table(rows, variants), out)
+        lines += _seed_lines(seed_table(rows, variants), out, cpu)
     if variants and tune is not None:
         key, metric, values = tune
         lines += _tuned_lines(tuned_table(rows, variants, key, metric, values), key, metric, out)
@@ -223,15 +263,18 @@ def write_results(rows: list[dict], out: Path, title: str,
     return md_path, csv_path
 
 
-def _seed_lines(table: list[dict], out: Path) -> list[str]:
-    """The markdown table over seeds (mean ± std), and ``out/results_seeds.csv`` beside it."""
-    metrics = [m for m in SEED_METRICS if any(r.get(f"{m}_mean") is not None for r in table)]
+def _seed_lines(table: list[dict], out: Path, cpu: bool = False) -> list[str]:
+    """The markdown table over seeds (mean ± std), and ``out/results_seeds.csv`` beside it;
+    ``cpu``: without tokens_per_s (``CPU_SPEED``'s rule)."""
+    metrics = [m for m in SEED_METRICS if any(r.get(f"{m}_mean") is not None for r in table)
+               and not (cpu and m == "tokens_per_s")]
     with open(out / "results_seeds.csv", "w", newline="") as f:
         fields = ["variant", "n", "tokens", *(f"{m}_{s}" for m in metrics for s in ("mean", "std"))]
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         writer.writerows({c: ("" if r.get(c) is None else r[c]) for c in fields} for r in table)
-    lines = ["## Over seeds (mean ± sample standard deviation)", "",
+    lines = ["## Over seeds (mean ± sample standard deviation; the plots' lines are these means, "
+             "their bands the seeds' min..max)", "",
              "| variant | n | tokens | " + " | ".join(metrics) + " |", "|" + "---|" * (3 + len(metrics))]
     for r in table:
         cells = [f"{format_cell(r[f'{m}_mean'])} ± {format_cell(r[f'{m}_std'])}" if r.get(f"{m}_mean") is not None else ""

@@ -35,7 +35,11 @@ and tabulates just those variants (a seeded run's name, or a variant's for all i
 (run directories brought back from other machines, even without their checkpoints), naming the
 rest; ``--jobs N`` trains N variants at once, each in a
 ``k3train sweep --only NAME`` subprocess (small models share one GPU well), then tabulates. Results go to ``OUT/results.md``,
-``OUT/results.csv``, ``OUT/loss_curves.png`` and, for MoE runs, ``OUT/maxvio_curves.png``.
+``OUT/results.csv``, ``OUT/loss_curves.png`` and, for MoE runs, ``OUT/maxvio_curves.png`` (with
+seeds one line per variant, the mean over seeds, its range shaded: ``k3train.sweep.plots``);
+``OUT/sweep.json`` records how the sweep was run (file, command-line overrides, seeds). A
+variant in training prints a progress line about every tenth of its steps
+(``k3train.sweep.progress``).
 """
 from __future__ import annotations
 
@@ -51,7 +55,9 @@ from k3train.config import ConfigError, RunConfig, load_config
 from k3train.errors import K3TrainError, RunDirError
 # the module, not its function: ``loop.train`` looked up at call time stays patchable in tests
 from k3train.trainer import loop
-from k3train.trainer.plots import plot_loss_curves, plot_metric_curves
+from k3train.runtime.files import write_text_atomic
+from k3train.sweep.plots import write_sweep_plots
+from k3train.sweep.progress import VariantProgress
 from k3train.sweep.spec import Sweep, Variant
 from k3train.sweep.results import format_cell, collect_result, unfinished_progress, write_results
 
@@ -293,6 +299,30 @@ def _ran_out_of_memory(log: Path) -> bool:
     return "OutOfMemoryError" in tail or "CUDA out of memory" in tail
 
 
+def sweep_manifest(path, sweep: Sweep, extra: list[str], seeds: list[int] | None,
+                   only: list[str] | str | None) -> dict:
+    """What ``OUT/sweep.json`` records and results.md's header says: the ablation file, its base
+    and overrides, the command line's own overrides (after the file's, on every variant), the
+    seeds and where they came from, and ``--only``."""
+    return {"ablation": str(path), "name": sweep.name, "base": str(sweep.base), "file_overrides": sweep.overrides,
+            "command_line_overrides": list(extra),
+            "seeds": seeds if seeds is not None else sweep.seeds,
+            "seeds_from": "--seeds" if seeds is not None else ("file" if sweep.seeds else None),
+            "only": only if only is None or isinstance(only, str) else ",".join(only)}
+
+
+def manifest_lines(manifest: dict) -> list[str]:
+    """results.md's header: how the sweep was run (``sweep_manifest``)."""
+    extra = " ".join(f"`{o}`" for o in manifest["command_line_overrides"]) or "none"
+    seeds = (f"{', '.join(map(str, manifest['seeds']))} (from {manifest['seeds_from']})"
+             if manifest["seeds"] else "none (train.seed of the config)")
+    lines = [f"Ablation file `{manifest['ablation']}` (base `{manifest['base']}`, "
+             f"{len(manifest['file_overrides'])} overrides of its own); "
+             f"command-line overrides: {extra}; seeds: {seeds}"
+             + (f"; --only {manifest['only']}" if manifest["only"] else "") + " (recorded in sweep.json)."]
+    return lines
+
+
 def run_sweep(path: str | Path, out: str | Path | None = None, extra: list[str] = (),
               dry_run: bool = False, seeds: list[int] | str | None = None,
               only: list[str] | str | None = None, jobs: int = 1, collect: bool = False) -> list[dict]:
@@ -321,6 +351,10 @@ def run_sweep(path: str | Path, out: str | Path | None = None, extra: list[str] 
                           f"delete those variant directories to train them again")
     todo = [v for v, _ in configs if not (out / v.name / "DONE").is_file()]
     cfg_of = {v.name: cfg for v, cfg in configs}
+    manifest = sweep_manifest(path, sweep, list(extra), seeds, only)
+    if todo and not collect:  # before training: what these runs were asked to be, even if killed
+        out.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(out / "sweep.json", json.dumps(manifest, indent=2) + "\n")
     if collect:
         if todo:
             print(f"[sweep] --collect: {len(todo)} of {len(configs)} variants not finished in {out}, "
@@ -348,7 +382,9 @@ def run_sweep(path: str | Path, out: str | Path | None = None, extra: list[str] 
             # that a killed sweep left without one is archived first (k3train/trainer/run_dir.py).
             # A fresh variant starts plainly (no "--resume: nothing to resume" line per variant).
             started = run_dir.is_dir() and any(run_dir.iterdir())
-            summary = loop.train(cfg, run_dir, resume=started)
+            # a line about every tenth of the run: the ablation files turn the progress bar off
+            with VariantProgress(v.name, run_dir, cfg.train.steps):
+                summary = loop.train(cfg, run_dir, resume=started)
             if summary.get("steps", 0) < cfg.train.steps:  # stopped by a signal: leave it resumable
                 print(f"[sweep] {v.name} stopped at step {summary.get('steps')}; rerun the sweep to resume")
                 stopped = (v.name, summary.get("steps"), cfg.train.steps)
@@ -363,16 +399,14 @@ def run_sweep(path: str | Path, out: str | Path | None = None, extra: list[str] 
         tabulated = {r["variant"] for r in rows}
         missing = [v.name for v in runs if v.name not in tabulated]
         progress = [p for p in (unfinished_progress(n, cfg_of[n], out / n) for n in missing if n in cfg_of) if p]
+        write_text_atomic(out / "sweep.json", json.dumps(manifest, indent=2) + "\n")
         md, _ = write_results(rows, out, sweep.name, [v for v, _ in configs][:len(rows)], missing=missing,
                               tune=(sweep.tune, sweep.tune_metric, tuned) if sweep.tune else None,
-                              progress=progress)
-        plot_loss_curves(curves, out / "loss_curves.png")
-        # MoE runs: the balance over training, not only its last value (the table's maxvio_running).
-        maxvio = plot_metric_curves(curves, "moe/maxvio", out / "maxvio_curves.png", log_y=True,
-                                    title="MoE MaxVio per logged step (mean over MoE layers)",
-                                    ylabel="MaxVio (max load / mean load - 1)")
-        print(f"[sweep] results: {md}, {out / 'results.csv'}, {out / 'loss_curves.png'}"
-              + (f", {maxvio}" if maxvio else ""))
+                              progress=progress, header=manifest_lines(manifest))
+        # one line per variant (the mean over its seeds, their range shaded); MoE runs also the
+        # balance over training, ending on the table's maxvio_running
+        plots = write_sweep_plots(curves, {v.name: v.group or v.name for v, _ in configs}, out)
+        print(f"[sweep] results: {md}, {out / 'results.csv'}, " + ", ".join(str(p) for p in plots.values()))
     if stopped is not None:
         finished = {r["variant"] for r in rows}
         left = [v.name for v, _ in configs if v.name not in finished]

@@ -38,7 +38,10 @@ def bytes_per_token(cfg: RunConfig) -> float | None:
 
 def evaluate_checkpoint(checkpoint: str | Path, *, config: str | None = None, overrides: list[str] = (),
                         data: str | None = None, batches: int = 0, progress: bool = True) -> dict:
-    """Evaluate; returns {"loss", "perplexity", "bits_per_byte" (or None), "batches", "tokens", "step"}.
+    """Evaluate; returns {"loss", "perplexity", "bits_per_byte" (or None), "batches", "tokens",
+    "step", "checkpoint", "data", "whole_split", "micro_batch_size", "seq_len"}: ``batches`` and
+    ``tokens`` count what was evaluated (tokens: the predicted positions, ``seq_len`` per window),
+    ``whole_split`` whether that is the whole validation split (``batches`` 0).
 
     checkpoint: a run directory, its checkpoints/ directory or a step directory, of any layout.
     batches: how many validation batches of ``train.micro_batch_size`` windows (0: all of the
@@ -67,10 +70,11 @@ def evaluate_checkpoint(checkpoint: str | Path, *, config: str | None = None, ov
         if not val:
             raise UsageError(f"the validation split has fewer batches than the {info.dp} data-parallel ranks")
         mine = val[dp_rank::info.dp]
-        total = torch.zeros(2, dtype=torch.float64)
+        total = torch.zeros(3, dtype=torch.float64)  # loss sum, batches, predicted tokens
         bar = tqdm(mine, desc="eval", disable=not (progress and cfg.logging.progress_bar and info.is_main), file=sys.stdout, dynamic_ncols=True)
         for b in bar:
-            total += torch.tensor([state.evaluate([b]), 1.0], dtype=torch.float64)
+            # a batch [windows, seq_len + 1] predicts seq_len tokens per window
+            total += torch.tensor([state.evaluate([b]), 1.0, b[:, 1:].numel()], dtype=torch.float64)
             bar.set_postfix(loss=f"{total[0] / total[1]:.4f}")
         bar.close()
         if info.dp > 1:
@@ -79,12 +83,19 @@ def evaluate_checkpoint(checkpoint: str | Path, *, config: str | None = None, ov
         bpt = bytes_per_token(cfg)
         return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)),
                 "bits_per_byte": loss / math.log(2) / bpt if bpt else None,
-                "batches": int(total[1]), "tokens": int(total[1]) * cfg.train.micro_batch_size * cfg.train.seq_len,
-                "step": manifest["step"], "checkpoint": str(step_dir), "data": cfg.data.source}
+                "batches": int(total[1]), "tokens": int(total[2]),
+                "step": manifest["step"], "checkpoint": str(step_dir), "data": cfg.data.source,
+                "whole_split": batches == 0, "micro_batch_size": cfg.train.micro_batch_size,
+                "seq_len": cfg.train.seq_len}
 
 
 def format_result(r: dict) -> str:
+    """What was evaluated (split, batches, tokens) on one line, the numbers on the next. The
+    trainer's ``val_loss`` covers only its ``train.eval_batches`` first batches of the split."""
     bpb = "n/a (learned tokenizer)" if r["bits_per_byte"] is None else f"{r['bits_per_byte']:.4f}"
-    return (f"eval {r['checkpoint']} (step {r['step']}) on {r['data']}: {r['batches']} batches, "
+    what = ("the whole validation split" if r.get("whole_split")
+            else f"the first {r['batches']} batches of the validation split (--batches)")
+    return (f"eval {r['checkpoint']} (step {r['step']}): {what} of data.source={r['data']}: "
+            f"{r['batches']} batches of {r['micro_batch_size']} windows x {r['seq_len']} tokens = "
             f"{r['tokens']:,} tokens\nloss {r['loss']:.4f} | perplexity {r['perplexity']:.3f} | "
             f"bits per byte {bpb}")

@@ -115,12 +115,15 @@ class Trainer:
         if cfg.train.compile_ahead:
             state.compile_kernels()
         self.logger = MetricsLogger(run_dir, cfg.logging.wandb, cfg.model_dump(mode="json"), enabled=main,
-                                    resume=self.resume and self.start_step > 0, keep_through=self.start_step)
+                                    resume=self.resume and self.start_step > 0, keep_through=self.start_step,
+                                    tensorboard=cfg.logging.tensorboard)
         if main:
             print(f"[k3train] code {source_commit()} | device {device} | world {info.world_size} "
                   f"(tp {p.tp} pp {p.pp} vpp {p.vpp} ep {p.ep} dp {info.dp}) | {state.describe()}")
-            print(f"[k3train] data: {self.data.description}; val loss over train.eval_batches="
-                  f"{cfg.train.eval_batches} batches (k3train eval covers the whole split)")
+            val_tokens = sum(b[:, 1:].numel() for b in self.data.val)  # predicted positions
+            print(f"[k3train] data: {self.data.description}; val loss over {len(self.data.val)} batches, "
+                  f"{val_tokens:,} tokens (train.eval_batches={cfg.train.eval_batches}; k3train eval "
+                  f"covers the whole split)")
             print(f"[k3train] mfu: {mfu_words}; matmul_util: against this device's measured matmul rate")
             print(f"[k3train] cuda graphs: {state.graph_words}")
             if cfg.optim.warmup_steps >= cfg.train.steps:

@@ -1,4 +1,6 @@
-"""Run logging: ``metrics.jsonl`` (always) and wandb (offline unless configured otherwise)."""
+"""Run logging: ``metrics.jsonl`` (always), wandb (offline unless configured otherwise) and, with
+``logging.tensorboard``, TensorBoard event files in ``RUN_DIR/tensorboard/``: one record feeds all
+three."""
 from __future__ import annotations
 
 import json
@@ -7,22 +9,31 @@ from pathlib import Path
 from typing import Any
 
 from k3train.config.schema import WandbConfig
+from k3train.errors import UsageError
 from k3train.runtime.files import write_text_atomic
+
+TENSORBOARD_INSTALL = "pip install 'k3train[tensorboard]'"
 
 
 class MetricsLogger:
-    """Main-rank logger. ``log(record)`` appends one JSON line and forwards it to wandb."""
+    """Main-rank logger. ``log(record)`` appends one JSON line and forwards the same record to
+    wandb and TensorBoard."""
 
     def __init__(self, run_dir: Path, wandb_cfg: WandbConfig, config: dict, enabled: bool = True,
-                 resume: bool = False, keep_through: int | None = None):
+                 resume: bool = False, keep_through: int | None = None, tensorboard: bool = False):
         """``resume``: append to the existing file; ``keep_through``: with ``resume``, the step
         of the checkpoint resumed from: records of later steps (logged before a crash, after
-        that save) are dropped, as the resumed run logs those steps again."""
+        that save) are dropped, as the resumed run logs those steps again. ``tensorboard``:
+        also write event files to ``run_dir/tensorboard/`` (``logging.tensorboard``); without
+        the ``tensorboard`` package that is a ``UsageError`` naming the pip command."""
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self._wandb = None
+        self._tensorboard = None
         if not enabled:
             return
+        if tensorboard:  # first: a refusal leaves metrics.jsonl as it was
+            self._tensorboard = _start_tensorboard(Path(run_dir), keep_through if resume else None)
         if not resume and self.path.exists():
             self.path.unlink()
         if resume and keep_through is not None:
@@ -37,6 +48,12 @@ class MetricsLogger:
             f.write(json.dumps(record) + "\n")
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        if self._tensorboard is not None:
+            for key, value in record.items():
+                # scalars only, under the JSONL key ("moe/maxvio" groups as TensorBoard's moe/ section)
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tensorboard.add_scalar(key, value, global_step=record["step"])
+            self._tensorboard.flush()  # a killed run keeps what it logged, as metrics.jsonl does
 
     def log_images(self, paths: dict[str, str | Path], step: int) -> None:
         """Log PNGs (e.g. from ``k3train.trainer.plots``) as ``plots/<key>`` in one wandb step; files
@@ -54,6 +71,9 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
 
 
 def _drop_records_after(path: Path, step: int) -> None:
@@ -89,3 +109,16 @@ def _start_wandb(run_dir: Path, cfg: WandbConfig, config: dict):
         project=cfg.project, group=cfg.group, name=cfg.name or run_dir.name, dir=str(run_dir),
         mode=mode, config=config, settings=wandb.Settings(silent=True, console="off"),
     )
+
+
+def _start_tensorboard(run_dir: Path, keep_through: int | None):
+    """A ``SummaryWriter`` on ``run_dir/tensorboard/``. ``keep_through``: a resume's checkpoint
+    step; TensorBoard then hides the earlier event files' records of later steps (``purge_step``),
+    as ``metrics.jsonl`` drops them."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # torch's module imports the tensorboard package
+        raise UsageError(f"logging.tensorboard=true needs the tensorboard package: {TENSORBOARD_INSTALL} "
+                         f"(or pip install 'tensorboard>=2.16,<2.22'), or set logging.tensorboard=false") from None
+    purge = keep_through + 1 if keep_through is not None else None
+    return SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge)

@@ -78,28 +78,6 @@ def plot_loss_curves(records_by_name: Mapping[str, Sequence[dict]], path: str | 
     return _save(fig, path)
 
 
-def plot_metric_curves(records_by_name: Mapping[str, Sequence[dict]], key: str, path: str | Path,
-                       *, title: str, ylabel: str, log_y: bool = False) -> Path | None:
-    """One logged metric ``key`` against step, one line per run (e.g. MoE MaxVio over training
-    in a sweep); None, and no file, when no record has ``key``."""
-    series = {name: _series(records, key) for name, records in records_by_name.items()}
-    series = {name: sv for name, sv in series.items() if sv[0]}
-    if not series:
-        return None
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, (steps, values) in series.items():
-        _run_line(ax, steps, values, name)
-    if log_y:
-        ax.set_yscale("log")
-    ax.set_title(title)
-    ax.set_xlabel("step")
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return _save(fig, path)
-
-
 def _heatmap(mat, path, title: str, *, cmap: str, vmax: float, label: str, xlabel: str, ylabel: str,
              size: tuple[float, float]) -> Path:
     fig, ax = plt.subplots(figsize=size)
