@@ -160,8 +160,12 @@ class PipelineEngine:
             self._cache.pop(mb, None)
 
     # ---- public API -------------------------------------------------------------------------
-    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def train_step(self, microbatches: list[tuple]) -> torch.Tensor:
         """Forward and backward of all microbatches; returns the mean loss (same on every rank).
+
+        Each microbatch is ``(inputs [B, T], targets [B, T])`` or ``(inputs, targets, segments)``
+        with ``segments`` the document boundaries every chunk reads (``StageIO.segments``;
+        chunk 0 gets them as ``segments=``); each rank attaches its own, they are never sent.
 
         Parameter ``.grad`` is accumulated as ``d(mean_mb loss_mb)/d param``, as in the
         single-process run; zero the grads before calling.
@@ -175,8 +179,9 @@ class PipelineEngine:
         return loss
 
     @torch.no_grad()
-    def eval_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Forward only (no autograd graph); returns the mean loss (same on every rank)."""
+    def eval_step(self, microbatches: list[tuple]) -> torch.Tensor:
+        """Forward only (no autograd graph); returns the mean loss (same on every rank).
+        Microbatches as ``train_step``'s."""
         m = len(microbatches)
         schedules = self._schedules(m, forward_only=True)
         self._run(schedules[self.rank], schedules, microbatches, training=False)
@@ -240,7 +245,9 @@ class PipelineEngine:
 
     def _forward(self, op: Op, batch, training: bool):
         c, mb = op.chunk, op.microbatch
-        inputs, targets = batch
+        inputs, targets, *rest = batch
+        segments = rest[0] if rest else None
+        seg_kw = {} if segments is None else {"segments": segments}
         chunk = self.chunks[c]
         saved = _SavedStorages()
         # Which sent outputs autograd saves is a property of the chunk's code, not of the data:
@@ -249,7 +256,7 @@ class PipelineEngine:
         with saved.ctx() if learn else nullcontext():
             if c == 0:
                 # One chunk (P = V = 1) is first and last: it takes the tokens and the targets.
-                out = chunk(inputs, targets) if self.C == 1 else chunk(inputs)
+                out = chunk(inputs, targets, **seg_kw) if self.C == 1 else chunk(inputs, **seg_kw)
             else:
                 tensors = self.comm.recv(MsgKey("fwd", c - 1, mb), c)
                 has_hidden = self.comm.has_hidden[c - 1]
@@ -268,7 +275,7 @@ class PipelineEngine:
                         self._cache_put(mb, b, hop_blocks[b])
                 if training:
                     self._inputs[(c, mb)] = (hidden, hop_blocks)
-                io = StageIO(hidden, blocks)
+                io = StageIO(hidden, blocks, segments)
                 out = chunk(io, targets) if c == self.C - 1 else chunk(io)
         if c == self.C - 1:
             self._losses[mb] = out.detach()
