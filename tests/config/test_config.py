@@ -189,7 +189,7 @@ def test_layout_refusals_name_the_field_in_one_line(overrides, field, wrong, all
     ["parallel.tp=2", "parallel.pp=2"],
     ["parallel.ep=3", "model.dense_layers=8"],   # no MoE layer: ep need not divide the experts
     ["train.cuda_graph=auto", "parallel.pp=2", "precision.recipe=fp8"],   # auto: off, not refused
-    ["train.cuda_graph=true", "train.device=cuda"],
+    ["train.cuda_graph=true", "train.device=cuda", "data.document_mask=false"],
 ], ids=["pp-vpp", "ep-static", "ep-pp", "tp-pp", "dense-ep", "graph-auto", "graph-on"])
 def test_valid_layouts_load(overrides):
     cfg = load_config("configs/k3_tiny.yaml", overrides)
@@ -209,7 +209,7 @@ def test_a_config_with_several_mistakes_lists_each_on_its_line():
 
 def test_graph_blockers_are_one_list_for_load_time_and_run_time():
     """The trainer asks the same list with the device and dp it knows (use_cuda_graph)."""
-    cfg = load_config("configs/k3_tiny.yaml", ["train.cuda_graph=auto"])
+    cfg = load_config("configs/k3_tiny.yaml", ["train.cuda_graph=auto", "data.document_mask=false"])
     assert cfg.cuda_graph_blockers() == {} and cfg.cuda_graph_refusal() is None
     assert set(cfg.cuda_graph_blockers(device="cpu", dp=2)) == {"train.device", "dp"}
     assert cfg.cuda_graph_refusal(device="cuda", dp=2) == (
