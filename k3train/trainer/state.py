@@ -55,6 +55,12 @@ def use_cuda_graph(cfg: RunConfig, info: ParallelInfo, device: torch.device) -> 
     return True
 
 
+def _segments(cu_seqlens: torch.Tensor | None) -> dict:
+    """The model's ``segments=`` keyword when a batch has document boundaries, else nothing (the
+    call is then the one it was before document masking)."""
+    return {} if cu_seqlens is None else {"segments": cu_seqlens}
+
+
 class TrainState:
     """The model part, optimizer and per-step logic of one rank (TP, PP and DP aware)."""
 
@@ -167,7 +173,7 @@ class TrainState:
             # count or time (benchmarks/README.md).
             with self.autocast:
                 for mb in batch.chunk(m):
-                    loss = self.model(mb[:, :-1], self.targets(mb), segments=self.documents(mb))
+                    loss = self.model(mb[:, :-1], self.targets(mb), **_segments(self.documents(mb)))
                     if poison:
                         loss = loss * float("nan")
                     with _autocast_off(self.autocast):
@@ -250,7 +256,7 @@ class TrainState:
         for b in batches:
             b = b.to(self.device)
             with self.autocast:
-                losses.append(self.model(b[:, :-1], self.targets(b), segments=self.documents(b)).float())
+                losses.append(self.model(b[:, :-1], self.targets(b), **_segments(self.documents(b))).float())
         return torch.stack(losses).mean().item()
 
     def state_dict(self, step: int) -> dict:

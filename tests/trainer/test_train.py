@@ -131,7 +131,7 @@ def test_cuda_graph_refuses_a_cpu_device(world1):
     from k3train.runtime.distributed import init_distributed
     from k3train.trainer.state import TrainState
 
-    cfg = load_config("configs/k3_tiny.yaml", ["train.cuda_graph=true", "train.device=auto"])
+    cfg = load_config("configs/k3_tiny.yaml", ["train.cuda_graph=true", "train.device=auto", "data.document_mask=false"])
     with pytest.raises(ValueError, match="train.cuda_graph needs a CUDA device, this run is on cpu"):
         TrainState(cfg, init_distributed(device="cpu"), torch.device("cpu"))
 
@@ -142,14 +142,17 @@ def test_cuda_graph_auto_turns_on_exactly_where_supported():
     from k3train.trainer.state import use_cuda_graph
 
     cuda, cpu, one, two = torch.device("cuda"), torch.device("cpu"), SimpleNamespace(dp=1), SimpleNamespace(dp=2)
-    auto = load_config("configs/k3_tiny.yaml", ["train.cuda_graph=auto"])
+    auto = load_config("configs/k3_tiny.yaml", ["train.cuda_graph=auto", "data.document_mask=false"])
     assert use_cuda_graph(auto, one, cuda)
+    # document masking (the default) reads each batch's boundaries on the host: auto stays off
+    assert not use_cuda_graph(load_config("configs/k3_tiny.yaml", ["train.cuda_graph=auto"]), one, cuda)
     assert not use_cuda_graph(auto, one, cpu)
     assert not use_cuda_graph(auto, two, cuda)
     for override in ("parallel.pp=2", "parallel.ep=2", "precision.recipe=fp8"):
-        assert not use_cuda_graph(load_config("configs/k3_tiny.yaml", ["train.cuda_graph=auto", override]), one, cuda)
+        assert not use_cuda_graph(load_config("configs/k3_tiny.yaml", ["train.cuda_graph=auto", "data.document_mask=false",
+                                                                       override]), one, cuda)
     assert not use_cuda_graph(load_config("configs/k3_tiny.yaml"), one, cuda)  # default off
-    on = load_config("configs/k3_tiny.yaml", ["train.cuda_graph=true"])
+    on = load_config("configs/k3_tiny.yaml", ["train.cuda_graph=true", "data.document_mask=false"])
     assert use_cuda_graph(on, one, cuda)
     with pytest.raises(ValueError, match="runs on one GPU only \\(this run has dp=2\\)"):
         use_cuda_graph(on, two, cuda)
