@@ -51,7 +51,7 @@ from pipeline import PipelineEngine
 def _config(args, vpp: int):
     cfg = load_config(args.config, [f"train.micro_batch_size={args.mbs}", f"train.seq_len={args.seq}",
                                     f"train.microbatches={args.microbatches}", "parallel.pp=1",
-                                    "train.device=cuda", *args.override])
+                                    "train.device=cuda", "data.document_mask=false", *args.override])
     # V > 1 at P = 1 is refused for a run (nothing to interleave with); the benchmark wants the
     # V chunks of one rank, so it sets vpp past the load-time rule.
     return cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"vpp": vpp})})

@@ -12,6 +12,9 @@ Rows, all measured in this one run:
   update, a 4x global batch; the optimizer update, a fixed cost per step (Muon's Newton-Schulz
   on every expert), is then amortised as in a real run. Every row also reports ``optimizer_ms``,
   the update alone.
+* ``k3_mini_unmasked`` / ``k3_mini_docmask_<doc_len>`` (row ``docmask``, ``--doc-len``): k3_mini
+  eager on the same windows holding a document every ``doc_len`` tokens, without and with
+  document masking (``data.document_mask``, docs/data.md): the cost of masking.
 * The dense peer comparison at k3_mini's width and depth: every layer KDA + a dense SwiGLU-class
   FFN (fla's model has no MoE, and its softmax-attention layers need flash-attn), AttnRes off and
   on, AdamW on both sides, fp32 master weights with bf16 autocast on both sides. The peer is
@@ -69,26 +72,40 @@ def optimizer_ms(state, batch, device: str, iters: int = 3) -> float:
     return ms
 
 
-def ours(config: str, overrides: list[str], args, peak_tflops: float, microbatches: int = 1) -> dict:
+def ours(config: str, overrides: list[str], args, peak_tflops: float, microbatches: int = 1,
+         doc_len: int | None = None) -> dict:
     """Step time, tokens/s and MFU of our trainer on ``config`` + ``overrides``, each step
-    ``microbatches`` forward/backward passes of ``mbs x seq`` tokens and one optimizer update."""
+    ``microbatches`` forward/backward passes of ``mbs x seq`` tokens and one optimizer update.
+    doc_len: an end-of-document token every ``doc_len`` tokens of every window, masked unless
+    the overrides say ``data.document_mask=false`` (None: random windows, one sequence each, and
+    document masking off, so CUDA graphs stay as ``train.cuda_graph`` says)."""
+    from functools import partial
+
     from k3train.config import load_config
+    from k3train.data.documents import window_documents
     from k3train.runtime.distributed import init_distributed
     from k3train.model.flops import mfu
     from k3train.trainer.state import TrainState
 
     cpu = ["train.cuda_graph=false"] if args.device == "cpu" else []  # graphs are CUDA-only
-    cfg = load_config(config, [*overrides, *cpu, f"train.device={args.device}", f"train.micro_batch_size={args.mbs}",
+    unmasked = [] if doc_len else ["data.document_mask=false"]
+    cfg = load_config(config, [*unmasked, *overrides, *cpu, f"train.device={args.device}", f"train.micro_batch_size={args.mbs}",
                                f"train.seq_len={args.seq}", f"train.microbatches={microbatches}",
                                "logging.wandb.mode=disabled"])
     info = init_distributed(device=args.device)
     dev = torch.device(args.device)
     torch.manual_seed(0)
-    state = TrainState(cfg, info, dev)
+    eod = 0   # any id: the boundaries are read from where it stands
+    documents = partial(window_documents, eod_id=eod) if doc_len and cfg.data.masks_documents else None
+    state = TrainState(cfg, info, dev, documents=documents)
     compiled = state.compile_kernels()  # all Triton kernels + autotune candidates, in parallel
     g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, cfg.model.vocab_size, (args.mbs * microbatches, args.seq + 1), generator=g)
+    batches = [torch.randint(1 if doc_len else 0, cfg.model.vocab_size, (args.mbs * microbatches, args.seq + 1),
+                             generator=g)
                for _ in range(args.steps + args.warmup)]
+    for b in batches:
+        if doc_len:
+            b[:, doc_len::doc_len] = eod
     losses = []
     times = time_steps(lambda b: losses.append(state.train_step(b)["loss"]), batches, args.warmup, args.device)
     step_s = statistics.median(times)
@@ -176,7 +193,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-peer", action="store_true", help="skip the fla comparison")
     ap.add_argument("--rows", default="k3_mini,dense,peer",
-                    help="comma list of k3_mini, k3_mini_eager, k3_mini_accum, fp8, mxfp8, mxfp4_qat (each graphed and eager), dense, peer")
+                    help="comma list of k3_mini, k3_mini_eager, k3_mini_accum, fp8, mxfp8, mxfp4_qat (each graphed "
+                         "and eager), dense, peer, docmask")
+    ap.add_argument("--doc-len", type=int, default=0,
+                    help="the docmask rows' document length (default seq/4): k3_mini eager with "
+                         "documents unmasked and masked (data.document_mask), side by side")
     ap.add_argument("--profile", action="store_true", help="print the top operators of our rows")
     ap.add_argument("--profile-ops", action="store_true",
                     help="with --profile, also list aten operators and their shapes by device time "
@@ -215,6 +236,14 @@ def main() -> None:
         # The same model with a 4x global batch (4 microbatches accumulated per update): the
         # optimizer step, fixed per update, is amortised as in a real run's large batch.
         report("k3_mini_accum4", ours(args.config, base, args, peak, microbatches=4))
+    if "docmask" in rows_wanted:
+        # Eager both: CUDA graphs are off under document masking. The same token batches; only
+        # the masking differs (the unmasked row gets no boundaries at all).
+        doc_len = args.doc_len or max(1, args.seq // 4)
+        eager = [*base, "train.cuda_graph=false"]
+        report("k3_mini_unmasked", ours(args.config, [*eager, "data.document_mask=false"], args, peak,
+                                        doc_len=doc_len))
+        report(f"k3_mini_docmask_{doc_len}", ours(args.config, eager, args, peak, doc_len=doc_len))
     cfg = load_config(args.config, base)
     m = cfg.model
     dense = [*base, "model.layer_pattern=K", f"model.dense_layers={m.num_layers}", "optim.name=adamw"]

@@ -178,8 +178,12 @@ class PipelineEngine:
             self._cache.pop(mb, None)
 
     # ---- public API -------------------------------------------------------------------------
-    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def train_step(self, microbatches: list[tuple]) -> torch.Tensor:
         """Forward and backward of all microbatches; returns the mean loss (same on every rank).
+
+        Each microbatch is ``(inputs [B, T], targets [B, T])`` or ``(inputs, targets, segments)``
+        with ``segments`` the document boundaries every chunk reads (``StageIO.segments``;
+        chunk 0 gets them as ``segments=``); each rank attaches its own, they are never sent.
 
         Parameter ``.grad`` is accumulated as ``d(mean_mb loss_mb)/d param``, as in the
         single-process run; zero the grads before calling.
@@ -199,8 +203,9 @@ class PipelineEngine:
         return loss
 
     @torch.no_grad()
-    def eval_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Forward only (no autograd graph); returns the mean loss (same on every rank)."""
+    def eval_step(self, microbatches: list[tuple]) -> torch.Tensor:
+        """Forward only (no autograd graph); returns the mean loss (same on every rank).
+        Microbatches as ``train_step``'s."""
         m = len(microbatches)
         schedules = self._schedules(m, forward_only=True)
         self._run(schedules[self.rank], schedules, microbatches, training=False)
@@ -264,7 +269,9 @@ class PipelineEngine:
 
     def _forward(self, op: Op, batch, training: bool):
         c, mb = op.chunk, op.microbatch
-        inputs, targets = batch
+        inputs, targets, *rest = batch
+        segments = rest[0] if rest else None
+        seg_kw = {} if segments is None else {"segments": segments}
         chunk = self.chunks[c]
         saved = _SavedStorages()
         # Which sent outputs autograd saves is a property of the chunk's code, not of the data:
@@ -273,7 +280,7 @@ class PipelineEngine:
         with saved.ctx() if learn else nullcontext():
             if c == 0:
                 # One chunk (P = V = 1) is first and last: it takes the tokens and the targets.
-                out = self._call(chunk, c, mb, (inputs, targets) if self.C == 1 else (inputs,))
+                out = self._call(chunk, c, mb, (inputs, targets) if self.C == 1 else (inputs,), seg_kw)
             else:
                 tensors = self.comm.recv(MsgKey("fwd", c - 1, mb), c)
                 has_hidden = self.comm.has_hidden[c - 1]
@@ -292,7 +299,7 @@ class PipelineEngine:
                         self._cache_put(mb, b, hop_blocks[b])
                 if training:
                     self._inputs[(c, mb)] = (hidden, hop_blocks)
-                io = StageIO(hidden, blocks)
+                io = StageIO(hidden, blocks, segments)
                 out = self._call(chunk, c, mb, (io, targets) if c == self.C - 1 else (io,))
         if c == self.C - 1:
             self._losses[mb] = out.detach()
@@ -303,11 +310,15 @@ class PipelineEngine:
         if not training and c + self.P >= self.C:      # last local chunk: the cache is done
             self._cache_drop(mb, list(self._cache.get(mb, {})))
 
-    def _call(self, chunk: nn.Module, c: int, mb: int, args: tuple):
-        """The chunk's forward: replayed from its slot's graph in a graphed training step."""
+    def _call(self, chunk: nn.Module, c: int, mb: int, args: tuple, kwargs: dict | None = None):
+        """The chunk's forward: replayed from its slot's graph in a graphed training step.
+        ``kwargs``: chunk 0's document segments (graphs are never on with document masking:
+        ``RunConfig.cuda_graph_blockers``)."""
         if self._graphed:
+            if kwargs:
+                raise ValueError("chunk graphs cannot replay document segments (they change per batch)")
             return self.graphs.forward(c, mb, args)
-        return chunk(*args)
+        return chunk(*args, **(kwargs or {}))
 
     def _after_forward(self, c: int, mb: int, out: StageIO, training: bool, saved: _SavedStorages):
         if not isinstance(out, StageIO):

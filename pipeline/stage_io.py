@@ -16,7 +16,12 @@ class StageIO:
     blocks: global AttnRes block index -> ``[B, T, D]`` completed block; block 0 is the
         embedding. Contains every block available after the chunk that produced this object.
         Empty for the standard residual.
+    segments: the microbatch's document boundaries (``cu_seqlens`` ``[N+1]`` over the ``B*T``
+        tokens flattened row by row), or None for one sequence per row. Metadata, not an
+        activation: it never travels between ranks; every rank's engine attaches its own copy
+        from the microbatch (``PipelineEngine`` batches of three).
     """
 
     hidden: torch.Tensor | None
     blocks: dict[int, torch.Tensor] = field(default_factory=dict)
+    segments: torch.Tensor | None = None

@@ -117,7 +117,7 @@ def graph_check(tokens: torch.Tensor, steps: int = 6, recompute: str = "none") -
     out, losses = {}, {}
     batches = [tokens.roll(i, dims=1) for i in range(steps)]
     for graph in (False, True):
-        cfg = load_config("configs/k3_tiny.yaml", ["train.device=cuda", f"train.cuda_graph={graph}",
+        cfg = load_config("configs/k3_tiny.yaml", ["train.device=cuda", f"train.cuda_graph={graph}", "data.document_mask=false",
                                                   "train.micro_batch_size=2", "train.microbatches=2",
                                                   f"train.recompute={recompute}"])
         torch.manual_seed(0)

@@ -231,6 +231,18 @@ class DataConfig(_Strict):
     cache_dir: str = ""
     """Where data.source=stdlib keeps its tokenized copy; "" is $XDG_CACHE_HOME/k3train or
     ~/.cache/k3train."""
+    document_mask: bool = True
+    """Keep the documents packed into one window apart: KDA's state and the short convolutions
+    restart, and MLA attends only within the document, at every end-of-document token (which
+    opens the next document); no target is masked (docs/data.md). A resumed run keeps the value
+    its config.yaml recorded (false for runs from before this key). Needs datasets whose stream
+    marks documents (prepare-data, embedded and stdlib do); MQAR windows are whole sequences."""
+
+    @property
+    def masks_documents(self) -> bool:
+        """Whether batches carry document boundaries: ``document_mask`` on text data (MQAR
+        windows are one sequence each, nothing to mask)."""
+        return self.document_mask and not (self.source == "mqar" and not self.sources)
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -492,6 +504,9 @@ class RunConfig(_Strict):
         if dev not in ("cuda", "auto"):
             out["train.device"] = (f"train.cuda_graph needs a CUDA device, this run is on {dev} "
                                    f"(train.device={self.train.device})")
+        if self.data.masks_documents:
+            out["data.document_mask"] = ("train.cuda_graph replays recorded steps, but document masking "
+                                         "reads each batch's boundaries on the host (data.document_mask=true)")
         return out
 
     def cuda_graph_refusal(self, *, device: str | None = None) -> str | None:

@@ -67,14 +67,21 @@ def _split(tokens: np.ndarray, split: str, val_fraction: float) -> np.ndarray:
 
 
 class TokenSource:
-    """A flat 1-D token stream: ``tokens`` [N] (numpy ints, possibly a read-only memmap)."""
+    """A flat 1-D token stream: ``tokens`` [N] (numpy ints, possibly a read-only memmap).
 
-    def __init__(self, tokens: np.ndarray, vocab_size: int, description: str = "") -> None:
+    ``marks_documents``: whether an end-of-document token ends every document of the stream
+    (what ``data.document_mask`` reads the boundaries from): true for the built-in corpora and
+    for datasets ``prepare-data`` wrote; for a foreign Megatron dataset, whether it was made with
+    EOD tokens appended."""
+
+    def __init__(self, tokens: np.ndarray, vocab_size: int, description: str = "",
+                 marks_documents: bool = True) -> None:
         if tokens.ndim != 1:
             raise DataError(f"tokens must be 1-D, got shape {tokens.shape}")
         self.tokens = tokens
         self.vocab_size = int(vocab_size)
         self.description = description
+        self.marks_documents = bool(marks_documents)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -112,8 +119,9 @@ class TokenSource:
                 )
         if not meta.is_file():
             if allow_foreign:
-                tokens = _open_foreign(prefix, tokenizer)
-                return cls(_split(tokens, split, val_fraction), tokenizer.vocab_size, f"{prefix}:{split}")
+                tokens, marked = _open_foreign(prefix, tokenizer)
+                return cls(_split(tokens, split, val_fraction), tokenizer.vocab_size, f"{prefix}:{split}",
+                           marks_documents=marked)
             raise DataError(
                 f"{meta} is missing: {prefix} was not prepared by k3train or its preparation "
                 f"did not finish; re-run `k3train prepare-data`, or for a Megatron dataset made "
@@ -210,12 +218,18 @@ def _read_index(prefix: str) -> tuple[np.dtype, np.ndarray]:
     return index_dtype, lengths
 
 
-def _open_foreign(prefix: str, tokenizer) -> np.ndarray:
-    """The token stream of a Megatron ``.bin/.idx`` that k3train did not write.
+# How many of a foreign dataset's documents are checked for a closing EOD token.
+_EOD_PROBES = 64
+
+
+def _open_foreign(prefix: str, tokenizer) -> tuple[np.ndarray, bool]:
+    """(the token stream, whether EOD tokens end its documents) of a Megatron ``.bin/.idx`` that
+    k3train did not write.
 
     Megatron's builder stores sequences back to back, so the ``.bin`` file read front to back is
     the stream; documents are separated only if the tool that wrote it appended EOD tokens
-    (Megatron's ``preprocess_data.py --append-eod``)."""
+    (Megatron's ``preprocess_data.py --append-eod``): the last token of the first
+    ``_EOD_PROBES`` documents (by the ``.idx`` lengths) tells."""
     dtype, lengths = _read_index(prefix)
     bin_path = prefix + ".bin"
     n_tok = int(lengths.sum())
@@ -228,7 +242,9 @@ def _open_foreign(prefix: str, tokenizer) -> np.ndarray:
     except DataError:
         raise DataError(f"{bin_path} holds token ids outside [0, {tokenizer.vocab_size}) of data.tokenizer "
                         f"{tokenizer.name!r}: it was made with another tokenizer; name that one") from None
-    return tokens
+    ends = np.cumsum(lengths[:_EOD_PROBES]) - 1
+    marked = bool(len(ends)) and bool((np.asarray(tokens[ends]) == tokenizer.eod_id).all())
+    return tokens, marked
 
 
 class SequenceDataset(torch.utils.data.Dataset):

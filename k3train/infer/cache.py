@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from k3train.errors import UsageError
 from k3train.model.kda_layer import KimiDeltaAttention
 from k3train.model.mla import GatedMLA
 from k3train.ops import fla_kernel
 from k3train.ops.gated_norm import head_norm_gate_torch
-from k3train.ops.kda import kda_gated_state
+from k3train.ops.kda import kda_gated_state, l2norm
 from k3train.ops.kda.naive import naive_recurrent_kda
 from k3train.ops.short_conv import short_conv_silu_torch
 
@@ -95,8 +94,8 @@ class CachedKDA(nn.Module):
     def _one_token(self, q, k, v, f, dt_bias, b, state):
         """The recurrence for one token from ``state`` [B, H, K, V]: (o [B, 1, H, V], new state)."""
         m, ct = self.inner, state.dtype  # fp32 at least; fp64 stays (tests)
-        q = F.normalize(q.to(ct), dim=-1).to(v.dtype)
-        k = F.normalize(k.to(ct), dim=-1).to(v.dtype)
+        q = l2norm(q.to(ct)).to(v.dtype)   # the training path's form (fla's, eps inside the sqrt)
+        k = l2norm(k.to(ct)).to(v.dtype)
         g = m.lower_bound * torch.sigmoid(torch.exp(m.A_log.to(ct))[:, None] * (f.to(ct) + dt_bias.to(ct)))
         return _recurrent_kda(q, k, v, g, torch.sigmoid(b.to(ct)), state)
 

@@ -66,9 +66,10 @@ class KimiDeltaAttention(nn.Module):
     # concatenated weights and one conv over 3HK channels was measured too and was slower, the
     # strided q/k/v views costing copies and a gradient concatenation that the separate form
     # avoids (measured: see benchmarks/README.md).
-    def _qkv(self, proj: ColumnLinear, conv: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def _qkv(self, proj: ColumnLinear, conv: torch.Tensor, x: torch.Tensor,
+             cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
-        return short_conv_silu(proj(x), conv).view(B, T, self.num_heads, self.head_dim)
+        return short_conv_silu(proj(x), conv, cu_seqlens).view(B, T, self.num_heads, self.head_dim)
 
     def gate_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [B, T, D] -> (f [B, T, H, K], dt_bias [H, K]), what the gate reads; under
@@ -81,16 +82,20 @@ class KimiDeltaAttention(nn.Module):
         f = self.f_head(x).unsqueeze(-1).expand(shape).contiguous()
         return f, self.dt_bias.unsqueeze(-1).expand(self.num_heads, self.head_dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """x: [B, T, D] -> [B, T, D]. Under autocast the projections, KDA and output run in bf16;
-        the gate, the norms and the sigmoids in fp32 (inside the kernels on CUDA)."""
+        the gate, the norms and the sigmoids in fp32 (inside the kernels on CUDA).
+        cu_seqlens: document boundaries ``[N+1]`` over the flattened ``B*T`` tokens
+        (``k3train.ops.documents``): the short convs and the recurrent state restart at each;
+        None: one sequence per row."""
         B, T, _ = x.shape
         shape = (B, T, self.num_heads, self.head_dim)
-        v = self._qkv(self.v_proj, self.v_conv, x)
-        q = self._qkv(self.q_proj, self.q_conv, x)
-        k = self._qkv(self.k_proj, self.k_conv, x)
+        v = self._qkv(self.v_proj, self.v_conv, x, cu_seqlens)
+        q = self._qkv(self.q_proj, self.q_conv, x, cu_seqlens)
+        k = self._qkv(self.k_proj, self.k_conv, x, cu_seqlens)
         f, dt_bias = self.gate_inputs(x)
         # The KDA core's output is kept under train.recompute=selective (costly to recompute).
-        o = keep_output(kda_gated, q, k, v, f, self.b_proj(x), self.A_log, dt_bias, self.lower_bound)
+        o = keep_output(kda_gated, q, k, v, f, self.b_proj(x), self.A_log, dt_bias, self.lower_bound,
+                        cu_seqlens=cu_seqlens)
         o = head_norm_gate(o, self.o_norm_weight, self.g_proj(x).view(shape), self.eps)
         return self.o_proj(o.reshape(B, T, -1).to(x.dtype))

@@ -66,18 +66,26 @@ class K3Layer(nn.Module):
             y = AuxLossAttach.apply(y, aux, self.aux_grad_scale)
         return y
 
+    def _mix(self, x: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
+        # Without documents the mixer is called as before: the inference cache's mixer twins
+        # (k3train/infer/cache.py, one prompt = one document) take x alone.
+        return self.mixer(x) if segments is None else self.mixer(x, segments)
+
     def forward(self, io: StageIO) -> StageIO:
+        """The mixer reads ``io.segments`` (document boundaries, ``cu_seqlens``); the FFN, the
+        norms and the depth mixes are per token and need none. The output carries them on."""
+        seg = io.segments
         if self.block_size is None:
             h = io.hidden
-            h = h + self.mixer(self.mixer_norm(h))
-            return StageIO(hidden=h + self._ffn(h), blocks=io.blocks)
+            h = h + self._mix(self.mixer_norm(h), seg)
+            return StageIO(hidden=h + self._ffn(h), blocks=io.blocks, segments=seg)
         done = [io.blocks[i] for i in sorted(io.blocks)]
         partial = io.hidden
         h = self.mixer_res(done if partial is None else done + [partial])
-        y = self.mixer(self.mixer_norm(h))
+        y = self._mix(self.mixer_norm(h), seg)
         partial = y if partial is None else partial + y
         partial = partial + self._ffn(self.ffn_res(done + [partial]))
         closed = self.closes_block
         if closed is None:
-            return StageIO(hidden=partial, blocks=io.blocks)
-        return StageIO(hidden=None, blocks={**io.blocks, closed: partial})
+            return StageIO(hidden=partial, blocks=io.blocks, segments=seg)
+        return StageIO(hidden=None, blocks={**io.blocks, closed: partial}, segments=seg)

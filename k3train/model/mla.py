@@ -15,6 +15,7 @@ from k3train.ops.layers import (
     ColumnLinear, RMSNorm, RowLinear, divide, replicated_linear, sum_grad_over_tp, tp_size,
 )
 from k3train.model.recompute import keep_output
+from k3train.ops.documents import same_document_causal_mask
 
 
 class GatedMLA(nn.Module):
@@ -34,8 +35,10 @@ class GatedMLA(nn.Module):
         self.gate_proj = ColumnLinear(hidden_size, num_heads * v_head_dim, std)
         self.o_proj = RowLinear(num_heads * v_head_dim, hidden_size, out_std or std)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [B, T, D] -> [B, T, D]."""
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, T, D] -> [B, T, D]. cu_seqlens: document boundaries ``[N+1]`` over the
+        flattened ``B*T`` tokens (``k3train.ops.documents``): each token attends only to earlier
+        tokens of its own document (SDPA with a block-diagonal causal mask); None: plain causal."""
         B, T, _ = x.shape
         H = self.num_heads
         q = self.q_up(self.q_norm(self.q_down(x))).view(B, T, H, self.nope + self.rope)
@@ -44,10 +47,13 @@ class GatedMLA(nn.Module):
         k_nope, v = self.kv_up(self.kv_norm(c_kv)).view(B, T, H, self.nope + self.v_dim).split(
             [self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_shared.unsqueeze(2).expand(B, T, H, self.rope)], dim=-1)
-        # The attention core's output is kept under train.recompute=selective.
+        # The attention core's output is kept under train.recompute=selective. With documents
+        # the causal mask is one boolean [B, 1, T, T] tensor (B*T*T bytes): the one code path
+        # for CPU and GPU; a varlen kernel (FlexAttention, flash varlen) would avoid it.
+        mask = None if cu_seqlens is None else same_document_causal_mask(cu_seqlens, B, T)
         attn = keep_output(
             F.scaled_dot_product_attention, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            is_causal=True, scale=self.scale,
+            attn_mask=mask, is_causal=mask is None, scale=self.scale,
         ).transpose(1, 2)  # [B, T, H, v_dim]
         gate = torch.sigmoid(self.gate_proj(x)).view(B, T, H, self.v_dim)
         return self.o_proj((attn * gate).reshape(B, T, H * self.v_dim))

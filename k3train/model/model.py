@@ -118,7 +118,9 @@ class K3Chunk(nn.Module):
 
     forward: first chunk takes token ids ``[B, T]``, others a ``StageIO``; the last chunk returns
     the mean cross-entropy over ``targets [B, T]`` (or logits ``[B, T, vocab]`` without targets),
-    the others a ``StageIO``.
+    the others a ``StageIO``. ``segments``: the first chunk's document boundaries (``cu_seqlens``
+    ``[N+1]`` over the flattened ``B*T`` tokens, ``k3train.ops.documents``; None: one document
+    per row); later chunks read them from the ``StageIO``.
     """
 
     def __init__(self, cfg: RunConfig, start: int, end: int, first: bool, last: bool, *,
@@ -149,14 +151,16 @@ class K3Chunk(nn.Module):
         self.quantized = apply_precision(self, cfg.precision, resolve_device(cfg.train.device),
                                          layer_offset=start, require_match=first and last)
 
-    def embed_tokens(self, tokens: torch.Tensor) -> StageIO:
+    def embed_tokens(self, tokens: torch.Tensor, segments: torch.Tensor | None = None) -> StageIO:
         h = self.embed(tokens)
         if self.attnres:
             # The fused depth mix wants every source in one dtype. Under autocast the blocks are
             # sums of bf16 sublayer outputs, so the embedding joins them in bf16 here, once,
             # instead of every mix casting every block to fp32 (an activation-sized copy each).
             h = h.to(autocast_dtype(h) or h.dtype)
-        return StageIO(hidden=None, blocks={0: h}) if self.attnres else StageIO(hidden=h, blocks={})
+        if self.attnres:
+            return StageIO(hidden=None, blocks={0: h}, segments=segments)
+        return StageIO(hidden=h, blocks={}, segments=segments)
 
     def logits(self, io: StageIO) -> torch.Tensor:
         if self.attnres:
@@ -167,8 +171,8 @@ class K3Chunk(nn.Module):
             h = io.hidden
         return self.head(self.final_norm(h))
 
-    def forward(self, x, targets: torch.Tensor | None = None):
-        io = self.embed_tokens(x) if self.first else x
+    def forward(self, x, targets: torch.Tensor | None = None, segments: torch.Tensor | None = None):
+        io = self.embed_tokens(x, segments) if self.first else x
         for layer in self.layers:
             io = run_layer(layer, io, self.recompute)
         if not self.last:

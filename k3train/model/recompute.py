@@ -56,8 +56,12 @@ class _LayerRegion:
     applied to what ``keep_output`` saves for real so they still see every saved tensor.
     """
 
-    def __init__(self, *, layer: nn.Module, block_ids: list[int], selective: bool, outer_hooks):
+    def __init__(self, *, layer: nn.Module, block_ids: list[int], selective: bool, outer_hooks,
+                 segments: torch.Tensor | None = None):
         self.layer, self.block_ids, self.selective = layer, block_ids, selective
+        # The document boundaries are metadata (no gradient): held here, so the recompute sees
+        # the very tensor the forward saw.
+        self.segments = segments
         self.outer_hooks = outer_hooks or (_identity, _identity)
         self.calls = 0
         self.recomputing = False
@@ -72,7 +76,8 @@ class _LayerRegion:
         previous = getattr(_active, "region", None)
         _active.region = self
         try:
-            return self.layer(StageIO(hidden=hidden, blocks=dict(zip(self.block_ids, blocks))))
+            return self.layer(StageIO(hidden=hidden, blocks=dict(zip(self.block_ids, blocks)),
+                                      segments=self.segments))
         finally:
             _active.region = previous
             restore(holders, states)
@@ -115,7 +120,8 @@ def run_layer(layer: nn.Module, io: StageIO, mode: str) -> StageIO:
         return layer(io)
     ids = sorted(io.blocks)
     region = _LayerRegion(layer=layer, block_ids=ids, selective=mode == "selective",
-                          outer_hooks=torch._C._autograd._top_saved_tensors_default_hooks(False))
+                          outer_hooks=torch._C._autograd._top_saved_tensors_default_hooks(False),
+                          segments=io.segments)
     return checkpoint(region, io.hidden, *(io.blocks[i] for i in ids),
                       use_reentrant=False, preserve_rng_state=False)
 

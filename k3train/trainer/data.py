@@ -12,6 +12,7 @@ import torch
 from k3train.errors import DataError
 from k3train.config import RunConfig
 from k3train.data import BatchIterator, SequenceDataset, TokenSource, eval_batches, load_tokenizer
+from k3train.data.documents import window_documents
 from k3train.data.mixture import MixtureBatchIterator
 from k3train.data.prepare import meta_path
 from k3train.data.stdlib_corpus import prepare_stdlib
@@ -24,6 +25,11 @@ def next_token_targets(windows: torch.Tensor) -> torch.Tensor:
     return windows[:, 1:]
 
 
+def no_documents(windows: torch.Tensor) -> None:
+    """One sequence per window: no document boundaries (data.document_mask=false, MQAR)."""
+    return None
+
+
 @dataclass
 class RunData:
     train: BatchIterator | MQARBatchIterator | MixtureBatchIterator
@@ -34,6 +40,9 @@ class RunData:
     targets: Callable[[torch.Tensor], torch.Tensor] = field(default=next_token_targets)
     """windows [B, T + 1] -> targets [B, T] for the loss (inputs are always ``windows[:, :-1]``);
     masked positions hold -100, which ``F.cross_entropy`` ignores. Text data: ``windows[:, 1:]``."""
+    documents: Callable[[torch.Tensor], torch.Tensor | None] = field(default=no_documents)
+    """windows [B, T + 1] -> the document boundaries of their inputs (``cu_seqlens`` [N+1] over the
+    flattened B*T inputs, k3train/data/documents.py) under data.document_mask, else None."""
 
 
 def _build_mqar(cfg: RunConfig, dp_rank: int, dp_size: int) -> RunData:
@@ -86,7 +95,17 @@ def _open(path: str, tokenizer, cfg: RunConfig, split: str) -> TokenSource:
         src.description = f"stdlib:{split}"
         return src
     foreign = bool(cfg.data.tokenizer) and not meta_path(path).is_file()
-    return TokenSource.from_prefix(path, tokenizer, split, vf, allow_foreign=foreign)
+    src = TokenSource.from_prefix(path, tokenizer, split, vf, allow_foreign=foreign)
+    if cfg.data.masks_documents and not src.marks_documents:
+        raise DataError(f"data.document_mask=true needs document boundaries, but {path} has no end-of-document "
+                        f"token ({tokenizer.eod_id}) closing its documents (made without --append-eod?); "
+                        f"re-prepare it with `k3train prepare-data` or set data.document_mask=false")
+    return src
+
+
+def _documents(cfg: RunConfig, tokenizer):
+    """RunData.documents of a text run."""
+    return partial(window_documents, eod_id=tokenizer.eod_id) if cfg.data.masks_documents else no_documents
 
 
 def build_data(cfg: RunConfig, dp_rank: int = 0, dp_size: int = 1) -> RunData:
@@ -106,7 +125,7 @@ def build_data(cfg: RunConfig, dp_rank: int = 0, dp_size: int = 1) -> RunData:
         val = eval_batches(val_ds, t.micro_batch_size, t.eval_batches)
         desc = (f"{train_src!r}: {len(train_src):,} train tokens ({len(train_ds):,} windows of {t.seq_len}), "
                 f"{len(val_src):,} val tokens")
-        return RunData(it, val, desc)
+        return RunData(it, val, desc, documents=_documents(cfg, tokenizer))
     # A mixture: train windows by weight; validation takes batches from every source, in
     # proportion to its weight and at least one each, so val_loss covers the whole mixture.
     paths, weights = [s.path for s in cfg.data.sources], [s.weight for s in cfg.data.sources]
@@ -117,4 +136,5 @@ def build_data(cfg: RunConfig, dp_rank: int = 0, dp_size: int = 1) -> RunData:
         n = max(1, round(share * t.eval_batches))
         val += eval_batches(SequenceDataset(_open(p, tokenizer, cfg, "val"), t.seq_len), t.micro_batch_size, n)
     parts = ", ".join(f"{p} x{share:.2f} ({len(d):,} windows)" for p, share, d in zip(paths, it.weights, trains))
-    return RunData(it, val, f"mixture of {len(paths)}: {parts}; {len(val)} val batches")
+    return RunData(it, val, f"mixture of {len(paths)}: {parts}; {len(val)} val batches",
+                   documents=_documents(cfg, tokenizer))

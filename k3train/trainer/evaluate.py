@@ -63,7 +63,9 @@ def evaluate_checkpoint(checkpoint: str | Path, *, config: str | None = None, ov
         state = TrainState(cfg, info, dev)
         load_weights_into(state.model, step_dir, manifest, info.tp, state.parallel.tp_rank)
         dp_rank = state.parallel.dp_rank
-        val = build_data(cfg, dp_rank, info.dp).val
+        data = build_data(cfg, dp_rank, info.dp)
+        state.documents = data.documents   # the run's document masking (data.document_mask)
+        val = data.val
         # Every rank the same count (expert all-to-alls span the data-parallel ranks): a
         # remainder of fewer than dp batches is left out.
         val = val[:len(val) // info.dp * info.dp]

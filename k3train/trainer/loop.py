@@ -28,7 +28,7 @@ from k3train.trainer.guards import last_checkpoint_note, params_finite
 from k3train.trainer.metrics import MetricsLogger
 from k3train.trainer.report import datasheet_peak, measure_peak_flops, write_end_of_run_plots
 from k3train.trainer.restore import data_source, init_from, restore_training
-from k3train.trainer.run_dir import decided_on_rank0, plan_run_dir, save_config
+from k3train.trainer.run_dir import decided_on_rank0, keep_recorded_settings, plan_run_dir, save_config
 from k3train.trainer.run_lock import RunDirLock
 from k3train.trainer.state import TrainState
 from k3train.trainer.state_io import rank_state
@@ -93,11 +93,14 @@ class Trainer:
         self.layout = {**info.__dict__, "zero1": cfg.optim.zero1}
         resume_from = decided_on_rank0(
             lambda: plan_run_dir(run_dir, self.resume, self.overwrite, info.world_size, self.layout))
+        if resume_from is not None:   # the run's own data.document_mask (run_dir.RECORDED_ON_RESUME)
+            self.cfg = cfg = keep_recorded_settings(cfg, run_dir, print if main else (lambda _: None))
 
         ctx = parallel_context(info, p2p_backend=cfg.pipeline.p2p_backend)
         self.context = RunContext(parallel=ctx, device=dev, kernels=choices)  # built once per run
         self.data = build_data(cfg, ctx.dp_rank, info.dp)
-        self.state = state = TrainState(cfg, info, dev, targets=self.data.targets, parallel=ctx)
+        self.state = state = TrainState(cfg, info, dev, targets=self.data.targets, parallel=ctx,
+                                        documents=self.data.documents)
         self.peak_flops = measure_peak_flops(dev)
         self.datasheet_flops, mfu_words = datasheet_peak(dev)
         self.flops_token = flops_per_token(cfg)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 import torch.distributed as dist
+import yaml
 
 from k3train.config import RunConfig, dump_config
 from k3train.errors import CheckpointError, K3TrainError, RunDirError
@@ -184,3 +185,29 @@ def load_error(path: Path, exc: Exception, run_dir: Path) -> CheckpointError:
 def save_config(cfg: RunConfig, path: str | Path) -> None:
     """Write a run's resolved config (``RUN_DIR/config.yaml``) atomically (temp file + rename)."""
     write_text_atomic(path, dump_config(cfg))
+
+
+# Settings a resumed run keeps from its own config.yaml whatever the config it is resumed with
+# says, and the value a config.yaml recorded before the setting existed stands for (what those
+# runs did). Changing one mid-run would change what the model trains on under the same run.
+RECORDED_ON_RESUME = {("data", "document_mask"): False}
+
+
+def keep_recorded_settings(cfg: RunConfig, run_dir: Path, log: Callable[[str], None] = print) -> RunConfig:
+    """``cfg`` with ``RECORDED_ON_RESUME``'s settings taken from ``run_dir/config.yaml`` (the run
+    being resumed); a key the file lacks takes its pre-key value. No config.yaml: ``cfg`` as is."""
+    path = Path(run_dir) / "config.yaml"
+    try:
+        tree = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return cfg
+    tree = tree if isinstance(tree, dict) else {}
+    for (section, key), old_default in RECORDED_ON_RESUME.items():
+        part = tree.get(section)
+        recorded = part.get(key, old_default) if isinstance(part, dict) else old_default
+        current = getattr(getattr(cfg, section), key)
+        if recorded != current:
+            log(f"[k3train] --resume: {section}.{key}={recorded} as {path} recorded it (the given config says "
+                f"{current}); a run keeps it from its first step")
+        cfg = cfg.model_copy(update={section: getattr(cfg, section).model_copy(update={key: recorded})})
+    return cfg

@@ -56,20 +56,29 @@ def use_cuda_graph(cfg: RunConfig, info: ParallelInfo, device: torch.device) -> 
     return True
 
 
+def _segments(cu_seqlens: torch.Tensor | None) -> dict:
+    """The model's ``segments=`` keyword when a batch has document boundaries, else nothing (the
+    call is then the one it was before document masking)."""
+    return {} if cu_seqlens is None else {"segments": cu_seqlens}
+
+
 class TrainState:
     """The model part, optimizer and per-step logic of one rank (TP, PP and DP aware)."""
 
     def __init__(self, cfg: RunConfig, info: ParallelInfo, device: torch.device,
                  recorder: CommRecorder | None = None, targets=None,
-                 parallel: ParallelContext | None = None):
+                 parallel: ParallelContext | None = None, documents=None):
         """targets: windows [B, T+1] -> loss targets [B, T] (default: every next token; MQAR
         masks all but the recalled values with -100). parallel: this rank's groups (default:
-        made from ``info`` by ``k3train.runtime.distributed.parallel_context``, collective)."""
+        made from ``info`` by ``k3train.runtime.distributed.parallel_context``, collective).
+        documents: windows [B, T+1] -> the inputs' document boundaries (``cu_seqlens``) or None
+        (``RunData.documents``; default: none, one sequence per window)."""
         self.cfg, self.info, self.device = cfg, info, device
         self.parallel = parallel if parallel is not None else parallel_context(
             info, p2p_backend=cfg.pipeline.p2p_backend)
         ctx = self.parallel
         self.targets = targets if targets is not None else (lambda w: w[:, 1:])
+        self.documents = documents if documents is not None else (lambda w: None)
         # pp=1: the whole model; otherwise this rank's chunks, driven by the pipeline engine.
         self.model, self.engine = build_parts(cfg, device, ctx, recorder)
         self.pp_group = ctx.pp_group if info.pp > 1 else None
@@ -172,7 +181,8 @@ class TrainState:
         self.model.train()
         if self.engine is not None:
             with self.autocast:
-                total = self.engine.train_step([(mb[:, :-1], self.targets(mb)) for mb in batch.chunk(m)])
+                total = self.engine.train_step([(mb[:, :-1], self.targets(mb), self.documents(mb))
+                                                for mb in batch.chunk(m)])
             total = total * float("nan") if poison else total
         else:
             total = torch.zeros((), device=self.device)
@@ -183,7 +193,7 @@ class TrainState:
             # count or time (benchmarks/README.md).
             with self.autocast:
                 for mb in batch.chunk(m):
-                    loss = self.model(mb[:, :-1], self.targets(mb))
+                    loss = self.model(mb[:, :-1], self.targets(mb), **_segments(self.documents(mb)))
                     if poison:
                         loss = loss * float("nan")
                     with _autocast_off(self.autocast):
@@ -265,13 +275,14 @@ class TrainState:
         self.model.eval()
         if self.engine is not None:
             with self.autocast:
-                mbs = [(b[:, :-1].to(self.device), self.targets(b).to(self.device)) for b in batches]
+                on_device = [b.to(self.device) for b in batches]
+                mbs = [(b[:, :-1], self.targets(b), self.documents(b)) for b in on_device]
                 return float(self.engine.eval_step(mbs))
         losses = []
         for b in batches:
             b = b.to(self.device)
             with self.autocast:
-                losses.append(self.model(b[:, :-1], self.targets(b)).float())
+                losses.append(self.model(b[:, :-1], self.targets(b), **_segments(self.documents(b))).float())
         return torch.stack(losses).mean().item()
 
     def state_dict(self, step: int) -> dict:

@@ -189,9 +189,9 @@ def test_layout_refusals_name_the_field_in_one_line(overrides, field, wrong, all
     ["parallel.tp=2", "parallel.pp=2"],
     ["parallel.ep=3", "model.dense_layers=8"],   # no MoE layer: ep need not divide the experts
     ["train.cuda_graph=auto", "parallel.ep=2"],   # auto: off, not refused
-    ["train.cuda_graph=true", "train.device=cuda"],
-    ["train.cuda_graph=true", "parallel.pp=2", "precision.recipe=fp8"],   # chunk graphs; fp8 captured
-    ["train.cuda_graph=true", "parallel.ep=2", "moe.capacity_factor=1.25"],  # static dispatcher
+    ["train.cuda_graph=true", "train.device=cuda", "data.document_mask=false"],
+    ["train.cuda_graph=true", "parallel.pp=2", "precision.recipe=fp8", "data.document_mask=false"],  # chunk graphs
+    ["train.cuda_graph=true", "parallel.ep=2", "moe.capacity_factor=1.25", "data.document_mask=false"],  # static
 ], ids=["pp-vpp", "ep-static", "ep-pp", "tp-pp", "dense-ep", "graph-auto", "graph-on", "graph-pp-fp8",
         "graph-ep-static"])
 def test_valid_layouts_load(overrides):
@@ -212,12 +212,14 @@ def test_a_config_with_several_mistakes_lists_each_on_its_line():
 
 def test_graph_blockers_are_one_list_for_load_time_and_run_time():
     """The trainer asks the same list with the device it knows (use_cuda_graph)."""
-    cfg = load_config("configs/k3_tiny.yaml", ["train.cuda_graph=auto", "parallel.tp=2"])
+    cfg = load_config("configs/k3_tiny.yaml", ["train.cuda_graph=auto", "parallel.tp=2", "data.document_mask=false"])
     assert set(cfg.cuda_graph_blockers()) == {"parallel.tp"}
     assert set(cfg.cuda_graph_blockers(device="cpu")) == {"parallel.tp", "train.device"}
     assert cfg.cuda_graph_refusal(device="cuda").endswith("set train.cuda_graph=false (or auto)")
-    plain = load_config("configs/k3_tiny.yaml", ["train.cuda_graph=auto"])
+    plain = load_config("configs/k3_tiny.yaml", ["train.cuda_graph=auto", "data.document_mask=false"])
     assert plain.cuda_graph_blockers(device="cuda") == {} and plain.cuda_graph_refusal(device="cuda") is None
+    masked = load_config("configs/k3_tiny.yaml", ["train.cuda_graph=auto"])
+    assert set(masked.cuda_graph_blockers(device="cuda")) == {"data.document_mask"}
 
 
 def test_recompute_modes_are_defined_once():

@@ -29,7 +29,8 @@ TINY = ["model.hidden_size=32", "model.num_layers=4", "model.kda.num_heads=2", "
         "moe.expert_ffn_size=16", "moe.shared_ffn_size=16", "model.layer_pattern=KM", "model.dense_layers=1",
         "model.attnres.enabled=true", "model.attnres.block_size=2", "model.tie_embeddings=false",
         "train.seq_len=8", "train.micro_batch_size=2", "train.microbatches=4", "moe.balancing=quantile",
-        "parallel.pp=2", "parallel.vpp=2", "train.cuda_graph=false", "train.steps=5"]
+        "parallel.pp=2", "parallel.vpp=2", "train.cuda_graph=false", "train.steps=5",
+        "data.document_mask=false"]
 
 
 def _run(graphed: bool) -> list:

@@ -23,9 +23,9 @@ def test_head_gate_is_one_decay_per_head_through_the_delta_rule(world1, monkeypa
     seen = {}
     core = kda_layer.kda_gated
 
-    def spy(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound):
+    def spy(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, **kwargs):
         seen.update(q=q, k=k, v=v, beta=beta_logits)
-        o = core(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound)
+        o = core(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, **kwargs)
         seen["o"] = o
         return o
 
@@ -34,7 +34,8 @@ def test_head_gate_is_one_decay_per_head_through_the_delta_rule(world1, monkeypa
     # the gate from the layer's parameters: [B, T, H], the same for all K channels
     logit = torch.exp(layer.A_log) * (x @ layer.f_head.inner.weight.t() + layer.dt_bias)
     g = (layer.lower_bound * torch.sigmoid(logit)).unsqueeze(-1).expand(2, 9, H, K)
-    q, k = F.normalize(seen["q"], dim=-1), F.normalize(seen["k"], dim=-1)
+    # fla's in-kernel L2 norm: x / sqrt(sum(x^2) + 1e-6)
+    q, k = (t / torch.sqrt(t.pow(2).sum(-1, keepdim=True) + 1e-6) for t in (seen["q"], seen["k"]))
     want, _ = naive_recurrent_kda(q, k, seen["v"], g, torch.sigmoid(seen["beta"]))
     torch.testing.assert_close(seen["o"], want, rtol=1e-10, atol=1e-12)
     for p in (layer.f_head.inner.weight, layer.dt_bias, layer.A_log):

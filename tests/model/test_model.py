@@ -36,8 +36,9 @@ def _reference_kda_layer(layer: KimiDeltaAttention, x: torch.Tensor) -> torch.Te
     q = short_conv(x @ layer.q_proj.weight.T, layer.q_conv)
     k = short_conv(x @ layer.k_proj.weight.T, layer.k_conv)
     v = short_conv(x @ layer.v_proj.weight.T, layer.v_conv)
-    q = q / q.norm(dim=-1, keepdim=True)
-    k = k / k.norm(dim=-1, keepdim=True)
+    # fla's in-kernel L2 norm: the epsilon (1e-6) inside the square root
+    q = q / torch.sqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6)
+    k = k / torch.sqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
     f = (x @ layer.f_down.weight.T @ layer.f_up.weight.T).view(B, T, H, K)
     g = layer.lower_bound * torch.sigmoid(torch.exp(layer.A_log)[:, None] * (f + layer.dt_bias))
     beta = torch.sigmoid(x @ layer.b_proj.weight.T)

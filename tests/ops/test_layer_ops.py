@@ -11,7 +11,7 @@ import torch
 
 from k3train.ops.attnres import attnres_backend, depth_mix, depth_mix_torch
 from k3train.ops.gated_norm import head_norm_gate
-from k3train.ops.kda import kda_backend, kda_gated, kda_gated_state, naive_recurrent_kda
+from k3train.ops.kda import kda_backend, kda_gated, kda_gated_state, l2norm, naive_recurrent_kda
 from k3train.ops.short_conv import short_conv_silu
 from k3train.config.schema import KernelsConfig
 from k3train.ops import kernels
@@ -40,10 +40,27 @@ def test_kda_gated_matches_oracle_with_gate_written_out():
     g = torch.empty_like(f)
     for h in range(H):  # the K3 safe gate, head by head
         g[:, :, h] = -5.0 / (1 + torch.exp(-torch.exp(A_log[h]) * (f[:, :, h] + dt_bias[h])))
-    ref, _ = naive_recurrent_kda(q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True), v, g,
-                                 1 / (1 + torch.exp(-beta_logits)))
+    ref, _ = naive_recurrent_kda(_fla_l2norm(q), _fla_l2norm(k), v, g, 1 / (1 + torch.exp(-beta_logits)))
     torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
     assert (g > -5).all() and (g < 0).all()
+
+
+def _fla_l2norm(x):
+    """fla's in-kernel q/k norm (fla/modules/l2norm.py): x / sqrt(sum(x^2) + 1e-6)."""
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def test_l2norm_is_fla_form_for_small_norms():
+    """Item 5 of issue 41: the CPU path normalises q and k as fla's kernel does (epsilon inside
+    the square root), also where it matters: a norm of 1e-3 leaves |x|^2 = 1e-6 = eps, so the
+    result has norm 1/sqrt(2), where a clamped norm (F.normalize) would give 1."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 3, 8, generator=gen, **F64)
+    x = x / x.norm(dim=-1, keepdim=True) * torch.tensor([1e-5, 1e-3, 1.0, 10.0], **F64)[:, None, None]
+    got = l2norm(x)
+    torch.testing.assert_close(got, _fla_l2norm(x), rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(got[1].norm(dim=-1), torch.full((3,), 2 ** -0.5, **F64), rtol=1e-12, atol=0)
+    assert (got[0].norm(dim=-1) < 0.011).all()   # 1e-5 / sqrt(1e-10 + 1e-6): not blown up to 1
 
 
 def test_kda_gated_state_continues_a_split_sequence():
@@ -63,8 +80,7 @@ def test_kda_gated_state_continues_a_split_sequence():
                              initial_state=h1, output_final_state=True)
     torch.testing.assert_close(torch.cat([o1, o2], 1), whole, rtol=1e-10, atol=1e-10)
     g = -5.0 * torch.sigmoid(torch.exp(A_log)[:, None] * (f + dt_bias))
-    _, h_ref = naive_recurrent_kda(q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True), v, g,
-                                   torch.sigmoid(b), output_final_state=True)
+    _, h_ref = naive_recurrent_kda(_fla_l2norm(q), _fla_l2norm(k), v, g, torch.sigmoid(b), output_final_state=True)
     torch.testing.assert_close(h2, h_ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(h_whole, h_ref, rtol=1e-10, atol=1e-10)
 

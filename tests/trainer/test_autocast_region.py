@@ -50,7 +50,7 @@ def _state():
     model = _Toy()
     return SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(microbatches=M)), device=torch.device("cpu"),
                            engine=None, model=model, params=list(model.parameters()), targets=lambda w: w[:, 1:],
-                           autocast=torch.autocast("cpu", dtype=torch.bfloat16))
+                           documents=lambda w: None, autocast=torch.autocast("cpu", dtype=torch.bfloat16))
 
 
 def _per_microbatch(state, batch):

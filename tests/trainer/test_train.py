@@ -131,7 +131,7 @@ def test_cuda_graph_refuses_a_cpu_device(world1):
     from k3train.runtime.distributed import init_distributed
     from k3train.trainer.state import TrainState
 
-    cfg = load_config("configs/k3_tiny.yaml", ["train.cuda_graph=true", "train.device=auto"])
+    cfg = load_config("configs/k3_tiny.yaml", ["train.cuda_graph=true", "train.device=auto", "data.document_mask=false"])
     with pytest.raises(ValueError, match="train.cuda_graph needs a CUDA device, this run is on cpu"):
         TrainState(cfg, init_distributed(device="cpu"), torch.device("cpu"))
 
@@ -142,18 +142,21 @@ def test_cuda_graph_auto_turns_on_exactly_where_supported():
     from k3train.trainer.state import use_cuda_graph
 
     cuda, cpu, one, two = torch.device("cuda"), torch.device("cpu"), SimpleNamespace(dp=1), SimpleNamespace(dp=2)
-    auto = load_config("configs/k3_tiny.yaml", ["train.cuda_graph=auto"])
+    auto = load_config("configs/k3_tiny.yaml", ["train.cuda_graph=auto", "data.document_mask=false"])
     assert use_cuda_graph(auto, one, cuda) and use_cuda_graph(auto, two, cuda)   # DP: reduced after the replay
     assert not use_cuda_graph(auto, one, cpu)
+    # document masking (the default) reads each batch's boundaries on the host: auto stays off
+    assert not use_cuda_graph(load_config("configs/k3_tiny.yaml", ["train.cuda_graph=auto"]), one, cuda)
+    unmasked = ["train.cuda_graph=auto", "data.document_mask=false"]
     for override in ("parallel.pp=2", "precision.recipe=fp8", "precision.recipe=mxfp8"):
-        assert use_cuda_graph(load_config("configs/k3_tiny.yaml", ["train.cuda_graph=auto", override]), one, cuda)
-    static_ep = load_config("configs/k3_tiny.yaml", ["train.cuda_graph=auto", "parallel.ep=2", "moe.capacity_factor=1.25"])
+        assert use_cuda_graph(load_config("configs/k3_tiny.yaml", [*unmasked, override]), one, cuda)
+    static_ep = load_config("configs/k3_tiny.yaml", [*unmasked, "parallel.ep=2", "moe.capacity_factor=1.25"])
     assert use_cuda_graph(static_ep, one, cuda)
     for override in ("parallel.ep=2", "parallel.tp=2"):
-        assert not use_cuda_graph(load_config("configs/k3_tiny.yaml", ["train.cuda_graph=auto", override]), one, cuda)
-    assert use_cuda_graph(load_config(None), one, cuda)    # the default is auto
-    assert not use_cuda_graph(load_config(None, ["train.cuda_graph=false"]), one, cuda)
-    on = load_config("configs/k3_tiny.yaml", ["train.cuda_graph=true"])
+        assert not use_cuda_graph(load_config("configs/k3_tiny.yaml", [*unmasked, override]), one, cuda)
+    assert use_cuda_graph(load_config(None, ["data.document_mask=false"]), one, cuda)    # the default is auto
+    assert not use_cuda_graph(load_config(None, ["train.cuda_graph=false", "data.document_mask=false"]), one, cuda)
+    on = load_config("configs/k3_tiny.yaml", ["train.cuda_graph=true", "data.document_mask=false"])
     assert use_cuda_graph(on, two, cuda)
 
 
