@@ -3,9 +3,13 @@
 The prompt is prefilled in one forward (chunked KDA, full causal attention over the latent);
 each new token then costs one cached step (``k3train.infer.cache``). Sampling: temperature
 (0 = greedy), then nucleus (top-p) filtering, drawn from a generator seeded by ``seed``.
+``check_sampling`` refuses settings that cannot sample (a non-finite or negative temperature, a
+top-p outside (0, 1], a token count outside 1..``MAX_NEW_TOKENS``: the model has no positional
+limit, so the cap is explicit).
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 
@@ -18,6 +22,21 @@ from k3train.runtime.device import resolve_device
 from k3train.runtime.one_process import process_groups
 from k3train.trainer.data import run_tokenizer
 from k3train.trainer.restore import load_model
+
+# The model has no context limit of its own (no positional encoding), so the number of new
+# tokens is capped explicitly: a mistyped 1000000000 would otherwise decode for days.
+MAX_NEW_TOKENS = 1_000_000
+
+
+def check_sampling(temperature: float, top_p: float, max_new_tokens: int) -> None:
+    """Raise UsageError (one line naming the flag) unless ``temperature`` is finite and >= 0
+    (0 means greedy), ``0 < top_p <= 1`` and ``1 <= max_new_tokens <= MAX_NEW_TOKENS``."""
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise UsageError(f"--temperature {temperature}: expected a finite number > 0, or 0 for greedy decoding")
+    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise UsageError(f"--top-p {top_p}: expected 0 < top-p <= 1")
+    if not (isinstance(max_new_tokens, int) and 1 <= max_new_tokens <= MAX_NEW_TOKENS):
+        raise UsageError(f"--max-new-tokens {max_new_tokens}: expected 1 to {MAX_NEW_TOKENS:,}")
 
 
 def text_codec(cfg):
@@ -46,7 +65,8 @@ def generate_ids(cached, prompt: list[int], max_new_tokens: int, temperature: fl
                  seed: int, device, vocab: int | None = None) -> tuple[list[int], dict]:
     """Sample ``max_new_tokens`` after ``prompt`` with ``cached`` (a ``CachedModel``); returns
     (new ids, timings {prefill_s, decode_s, decode_tokens_per_s}). vocab: the tokenizer's size;
-    the model's padded ids beyond it are never sampled."""
+    the model's padded ids beyond it are never sampled. Refuses what ``check_sampling`` refuses."""
+    check_sampling(temperature, top_p, max_new_tokens)
     gen = torch.Generator().manual_seed(seed)
     cached.reset()
 
@@ -73,11 +93,7 @@ def generate_ids(cached, prompt: list[int], max_new_tokens: int, temperature: fl
 def run_generate(args) -> int:
     """``k3train generate``: ``args.checkpoint`` (a run, checkpoints/ or step directory of any
     layout) opened in one process by ``k3train.trainer.restore.load_model``."""
-    if args.max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens {args.max_new_tokens}: expected at least 1")
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        raise UsageError(f"--temperature {args.temperature} --top-p {args.top_p}: need temperature >= 0 "
-                         f"and 0 < top-p <= 1")
+    check_sampling(args.temperature, args.top_p, args.max_new_tokens)  # before the checkpoint is read
     with process_groups():
         device = resolve_device(args.device, setting="--device").type
         model, cfg, step_dir = load_model(args.checkpoint, args.config, args.overrides, device)
@@ -101,4 +117,4 @@ def run_generate(args) -> int:
     return 0
 
 
-__all__ = ["generate_ids", "load_model", "run_generate", "sample_next", "text_codec"]
+__all__ = ["MAX_NEW_TOKENS", "check_sampling", "generate_ids", "load_model", "run_generate", "sample_next", "text_codec"]
