@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,15 @@ from k3train.errors import CheckpointError
 from k3train.runtime.files import fsync_dir, write_text_atomic
 from k3train.trainer import faults
 
-__all__ = ["CheckpointError", "latest_checkpoint", "load_checkpoint", "save_checkpoint", "verify_checkpoint"]
+__all__ = ["CheckpointError", "PointerError", "latest_checkpoint", "latest_verified", "load_checkpoint",
+           "save_checkpoint", "verify_checkpoint"]
+
+_STEP_NAME = re.compile(r"step_\d{8}")
+
+
+class PointerError(CheckpointError):
+    """``checkpoints/latest`` cannot be followed (not a step name, or its step is gone): a
+    resume falls back to the newest step directory that verifies."""
 
 
 def _sha256(path: Path) -> str:
@@ -178,14 +187,56 @@ def _prune(ckpt_dir: Path, keep_last: int, step: int) -> None:
 
 
 def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
-    """The directory named by ``latest``, or None when the run has no checkpoint yet."""
-    pointer = Path(ckpt_dir) / "latest"
-    if not pointer.is_file():
+    """The step directory ``latest`` names, or None when there is no ``latest``.
+
+    ``latest`` must be a file holding one step directory name (``step_XXXXXXXX``) of
+    ``ckpt_dir`` itself: an empty, non-UTF-8 or ``..`` pointer, an absolute path or one
+    into another run raises PointerError (the resume then falls back to the newest step that
+    verifies), as does a name whose directory is gone. A ``latest`` that is a directory (or
+    anything but a file) raises CheckpointError: the next save could not write the pointer."""
+    ckpt_dir = Path(ckpt_dir)
+    pointer = ckpt_dir / "latest"
+    if not pointer.exists() and not pointer.is_symlink():
         return None
-    target = Path(ckpt_dir) / pointer.read_text().strip()
+    if not pointer.is_file():
+        kind = "a directory" if pointer.is_dir() else "not a regular file"
+        raise CheckpointError(f"{pointer} is {kind}, not the pointer file a save writes (it holds one step "
+                              f"directory name); move it out of {ckpt_dir} and resume again")
+    try:
+        text = pointer.read_bytes().decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise PointerError(f"{pointer} is not UTF-8 text; it should hold one step directory name "
+                           f"such as step_00000100") from None
+    except OSError as exc:
+        raise PointerError(f"{pointer} cannot be read ({exc.strerror or exc})") from None
+    if not _STEP_NAME.fullmatch(text):
+        shown = repr(text[:60]) if text else "nothing"
+        raise PointerError(f"{pointer} holds {shown}, not a step directory name of {ckpt_dir} "
+                           f"(step_ and 8 digits)")
+    target = ckpt_dir / text
     if not target.is_dir():
-        raise CheckpointError(f"{pointer} names {target.name}, which does not exist")
+        raise PointerError(f"{pointer} names {text}, which does not exist")
+    if target.resolve().parent != ckpt_dir.resolve():  # a symlinked step of another run
+        raise PointerError(f"{pointer} names {text}, which leads out of {ckpt_dir} (to {target.resolve()})")
     return target
+
+
+def latest_verified(ckpt_dir: str | os.PathLike, world_size: int, layout: dict | None) -> tuple[Path | None, str]:
+    """(the step ``latest`` names, verified; "") or (None, why it cannot be resumed from: no
+    ``latest``, a pointer ``latest_checkpoint`` refuses, or a step that does not verify).
+    Raises CheckpointError when ``latest`` is not a file at all."""
+    pointer = Path(ckpt_dir) / "latest"
+    try:
+        path = latest_checkpoint(ckpt_dir)
+    except PointerError as exc:
+        return None, str(exc)
+    if path is None:
+        return None, f"{pointer} is missing"
+    try:
+        verify_checkpoint(path, world_size, layout)
+    except CheckpointError as exc:
+        return None, f"{pointer} names {path.name}, which does not verify ({exc})"
+    return path, ""
 
 
 _LAYOUT_KEYS = ("tp", "pp", "vpp", "ep", "dp", "zero1")

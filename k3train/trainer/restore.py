@@ -52,7 +52,8 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     if (p / "manifest.json").is_file():
         return p
     for ckpt_dir in (p, p / "checkpoints"):
-        if (ckpt_dir / "latest").is_file():
+        pointer = ckpt_dir / "latest"
+        if pointer.exists() or pointer.is_symlink():  # latest_checkpoint refuses a malformed one in one line
             return latest_checkpoint(ckpt_dir)
     if not p.exists():
         raise CheckpointError(f"checkpoint {p} does not exist; give a run directory, its checkpoints/ "
@@ -150,6 +151,10 @@ def restore_training(state, data, path: Path, layout: dict, run_dir: Path, main:
     ctx = state.parallel
     coords = {"pp": ctx.pp_rank, "tp": ctx.tp_rank, "ep": ctx.ep_rank, "dp": ctx.dp_rank}
     manifest = verify_checkpoint(path, state.info.world_size, layout)
+    if int(manifest["step"]) > state.cfg.train.steps:  # before anything is loaded or written
+        raise UsageError(f"--resume: {path} is at step {manifest['step']}, past train.steps="
+                         f"{state.cfg.train.steps}; set train.steps to {manifest['step']} or more to continue "
+                         f"this run (nothing was changed)")
     try:
         if "tensors" in manifest:
             step, data_state, source, notes = load_rank_state(state, path, manifest, layout, coords)

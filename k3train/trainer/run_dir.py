@@ -26,7 +26,7 @@ from typing import Callable, TypeVar
 import torch.distributed as dist
 
 from k3train.errors import CheckpointError, K3TrainError, RunDirError
-from k3train.trainer.checkpoint import latest_checkpoint, verify_checkpoint
+from k3train.trainer.checkpoint import latest_verified, verify_checkpoint
 
 T = TypeVar("T")
 ARCHIVE = "archive"
@@ -136,13 +136,9 @@ def plan_run_dir(run_dir: Path, resume: bool, overwrite: bool, world_size: int, 
                               f"continue it, or --overwrite to move its files to {run_dir / ARCHIVE}/<time>/ "
                               f"and start over, or choose another --run-dir")
         return None
-    try:
-        path = latest_checkpoint(ckpt_dir)
-        if path is not None:
-            return path
-        why = f"{ckpt_dir / 'latest'} is missing"
-    except CheckpointError as exc:  # 'latest' names a directory that is gone
-        why = str(exc)
+    path, why = latest_verified(ckpt_dir, world_size, layout)  # 'latest' malformed, gone or corrupt: why
+    if path is not None:
+        return path
     path, refused = _newest_verified(ckpt_dir, world_size, layout)
     if path is not None:
         skipped = f" (skipped: {'; '.join(refused)})" if refused else ""
