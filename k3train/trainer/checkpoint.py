@@ -146,6 +146,8 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, state: dict[str, Any
         if index is not None:
             manifest.update(format=state["format"], optim_step=state["optim_step"],
                             tensors=_merge_index(all_index))
+            if state.get("optim_name"):
+                manifest["optim_name"] = state["optim_name"]
         write_text_atomic(tmp / "manifest.json", json.dumps(manifest, indent=1))
         fsync_dir(tmp)
         if final.exists():  # an earlier save of the same step (e.g. after a resume) is replaced whole
@@ -170,6 +172,8 @@ def _merge_index(per_rank: list[dict]) -> dict:
     for rank, index in enumerate(per_rank):
         for name, p in sorted(index.items()):
             entry = out.setdefault(name, {"shape": p["shape"], "optim": p.get("optim", []), "pieces": []})
+            if p.get("optimizer"):
+                entry["optimizer"] = p["optimizer"]
             entry["pieces"].append({"file": f"rank_{rank:05d}.pt", "dim": p["dim"], "offset": p["offset"],
                                     "length": p["length"]})
     for entry in out.values():
