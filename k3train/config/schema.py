@@ -255,6 +255,10 @@ class TrainConfig(_Strict):
     """--resume onto a checkpoint trained with another optimizer (optim.name, or a parameter
     the table now gives to the other optimizer): false refuses naming the difference; true
     starts the changed parameters' optimizer state fresh, prints them and resumes."""
+    async_save: bool = False
+    """Checkpoints written by a background thread from a host-memory snapshot while the next
+    steps train (k3train/trainer/async_save.py); at most one save in flight, committed (manifest,
+    latest) only when every rank's file is complete. false: training waits for each save."""
 
 
 class OptimConfig(_Strict):

@@ -52,12 +52,13 @@ def _step_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def _gather(value: Any) -> list:
-    """Every rank's ``value`` (a collective; also the save's synchronisation point)."""
+def _gather(value: Any, group=None) -> list:
+    """Every rank's ``value`` (a collective over ``group``, default the world; also the save's
+    synchronisation point)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return [value]
     out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
+    dist.all_gather_object(out, value, group=group)
     return out
 
 
@@ -124,7 +125,8 @@ def check_free_space(ckpt_dir: Path, step: int, needed: int) -> None:
 
 
 def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, state: dict[str, Any], layout: dict,
-                    keep_last: int = 2, coords: dict | None = None, index: dict | None = None) -> Path:
+                    keep_last: int = 2, coords: dict | None = None, index: dict | None = None,
+                    group=None) -> Path:
     """Collective: every rank passes its own ``state`` (and its parallel ``coords``, recorded
     in the manifest so a run with another data-parallel size can find its source rank);
     returns the final directory.
@@ -138,12 +140,16 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, state: dict[str, Any
     often, which torch.save may surface as a RuntimeError) removes the temporary directory and
     raises CheckpointError on every rank, naming the path, the bytes needed and the free space:
     the ranks exchange their outcome at each stage instead of waiting in a barrier for a rank
-    that died. An interrupt removes the partial files too; the previous checkpoint stays."""
+    that died. An interrupt removes the partial files too; the previous checkpoint stays.
+
+    group: the process group of the save's own exchanges (default the world's); a save written
+    by a background thread (``k3train.trainer.async_save``) uses a group of its own, so its
+    collectives never interleave with the training step's."""
     ckpt_dir = Path(ckpt_dir)
     rank = dist.get_rank() if dist.is_initialized() else 0
     final, tmp = ckpt_dir / _step_name(step), ckpt_dir / f".tmp-{_step_name(step)}"
     needed = _state_bytes(state)
-    total = sum(_gather(needed))  # every rank's file lands in the same directory
+    total = sum(_gather(needed, group))  # every rank's file lands in the same directory
 
     def stage(work) -> list:
         error = None
@@ -156,7 +162,7 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, state: dict[str, Any
             if os_error is None:
                 raise  # not an I/O error: a bug, with its traceback
             error = _save_failed(ckpt_dir, step, Path(os_error.filename or tmp), os_error, needed)
-        outcomes = _gather(error)
+        outcomes = _gather(error, group)
         failed = [e for e in outcomes if e is not None]
         if failed:
             if rank == 0:
@@ -215,8 +221,8 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, state: dict[str, Any
     try:
         stage(prepare)
         stage(write_rank_file)
-        all_coords = _gather(coords)
-        all_index = _gather(index)
+        all_coords = _gather(coords, group)
+        all_index = _gather(index, group)
         faults.maybe_slow_save(step)
         stage(publish)
     except BaseException:

@@ -8,6 +8,7 @@ docs/checkpoints.md.
 """
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -53,10 +54,14 @@ def _expert_names(state) -> set[str]:
     return {names[id(p)] for layer in state.moe_layers for p in layer.experts.parameters()}
 
 
-def rank_state(state, step: int, data_state: dict, data_source: str = "") -> tuple[dict, dict]:
+def rank_state(state, step: int, data_state: dict, data_source: str = "", *,
+               snapshot: bool = False) -> tuple[dict, dict]:
     """(this rank's file content, its index {global name: piece json with "optim" keys}).
     data_source names the training data (a resume on other data warns naming both).
-    Collective (ZeRO-1 gathers its optimizer shards): every rank calls it."""
+    snapshot: every tensor of the content is a host copy of its own (on CPU too, where
+    ``.cpu()`` would alias the live weights), so the next steps may run while a background
+    thread writes it (``train.async_save``). Collective (ZeRO-1 gathers its optimizer shards):
+    every rank calls it."""
     ctx = state.parallel
     pieces = local_pieces(state.model, state.info.tp, ctx.tp_rank)
     optim, optim_step = per_param_state(state.optimizer)
@@ -67,7 +72,7 @@ def rank_state(state, step: int, data_state: dict, data_source: str = "") -> tup
     for g, (t, piece) in pieces.items():
         if not writes_piece(piece, g in experts, ctx):
             continue
-        tensors[g] = t.cpu()
+        tensors[g] = t.detach().to("cpu", copy=True) if snapshot else t.cpu()
         entry = piece.as_json(_length(t, piece))
         if g in by_name:
             moments[g] = {k: v.cpu() for k, v in by_name[g].items()}
@@ -81,7 +86,21 @@ def rank_state(state, step: int, data_state: dict, data_source: str = "") -> tup
                "rng": torch.get_rng_state(),
                "cuda_rng": torch.cuda.get_rng_state() if state.device.type == "cuda" else None,
                "data": data_state, "data_source": data_source}
+    if snapshot:  # the optimizer moments are copies already (per_param_state clones them)
+        content["moe_loads"] = _host_copy(content["moe_loads"])
+        content["data"] = copy.deepcopy(data_state)
     return content, index
+
+
+def _host_copy(obj):
+    """``obj`` (nested dicts/lists of tensors and plain values) with every tensor copied to host."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_host_copy(v) for v in obj)
+    return copy.deepcopy(obj)
 
 
 def weights_state(model, step: int = 0, source: str = "") -> tuple[dict, dict]:

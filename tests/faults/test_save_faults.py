@@ -130,3 +130,118 @@ def test_a_killed_save_s_temporary_directory_is_removed_by_the_next_save(tmp_pat
     (stale / "rank_00000.pt").write_bytes(b"half a file")
     save_checkpoint(ckpt, 4, _state(4), layout=LAYOUT)
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000002", "step_00000004"]
+
+
+# --- train.async_save: the snapshot written in the background --------------------------------
+
+import threading  # noqa: E402
+import time  # noqa: E402
+
+from k3train.trainer.async_save import CheckpointWriter  # noqa: E402
+from k3train.trainer.loop import train  # noqa: E402
+from tests.multiproc import run_multiprocess  # noqa: E402
+from tests.trainer.test_train import _cfg  # noqa: E402
+
+
+def _files(step_dir):
+    return {p.name: p.read_bytes() for p in sorted(step_dir.iterdir())}
+
+
+@pytest.mark.slow  # trains a tiny model twice, 4 steps each
+def test_async_saves_equal_synchronous_saves_bit_for_bit(tmp_path, monkeypatch):
+    """The async run keeps training while its step-2 checkpoint is written; the files must still
+    be the step-2 state: equal, byte for byte, to the synchronous run's (and step 4's too). Each
+    write starts late (0.8 s), after the next step has updated the weights in place: a file
+    aliasing the live weights would hold step 3's."""
+    real_save = torch.save
+
+    def late_save(obj, f, *args, **kwargs):
+        time.sleep(0.8)
+        return real_save(obj, f, *args, **kwargs)
+    monkeypatch.setattr(torch, "save", late_save)
+    runs = {}
+    for mode in ("false", "true"):
+        runs[mode] = tmp_path / f"async_{mode}"
+        torch.manual_seed(0)  # the saved RNG state is the process's: start both runs from the same
+        train(_cfg("train.steps=4", "checkpoint.interval=2", "checkpoint.keep_last=5", "train.log_interval=1",
+                   f"train.async_save={mode}"), runs[mode])
+    for step in ("step_00000002", "step_00000004"):
+        sync, background = (_files(runs[m] / "checkpoints" / step) for m in ("false", "true"))
+        assert sorted(sync) == ["manifest.json", "rank_00000.pt"]
+        assert sync == background, step
+    assert latest_checkpoint(runs["true"] / "checkpoints").name == "step_00000004"
+
+
+def test_a_second_async_save_waits_for_the_first(tmp_path, monkeypatch):
+    real_save, events, lock = torch.save, [], threading.Lock()
+
+    def slow_save(obj, f, *args, **kwargs):
+        with lock:
+            events.append(("write-start", obj["step"], time.monotonic()))
+        time.sleep(0.3)
+        real_save(obj, f, *args, **kwargs)
+        with lock:
+            events.append(("write-end", obj["step"], time.monotonic()))
+    monkeypatch.setattr(torch, "save", slow_save)
+
+    def build(step):
+        def make():
+            with lock:
+                events.append(("snapshot", step, time.monotonic()))
+            return _state(step), None
+        return make
+
+    writer = CheckpointWriter(asynchronous=True)
+    ckpt = tmp_path / "checkpoints"
+    t0 = time.monotonic()
+    writer.save(ckpt, 2, build(2), layout=LAYOUT)
+    returned = time.monotonic() - t0
+    assert writer.in_flight and returned < 0.25  # the caller went on while the file was written
+    writer.save(ckpt, 4, build(4), layout=LAYOUT)
+    assert writer.wait().name == "step_00000004"
+    kinds = [(kind, step) for kind, step, _ in events]
+    # the second snapshot is taken only after the first save has written its file (one in flight)
+    assert kinds == [("snapshot", 2), ("write-start", 2), ("write-end", 2),
+                     ("snapshot", 4), ("write-start", 4), ("write-end", 4)]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000002", "step_00000004"]
+    assert verify_checkpoint(latest_checkpoint(ckpt), world_size=1)["step"] == 4
+
+
+def test_an_async_save_s_failure_is_raised_by_the_next_wait(tmp_path, monkeypatch):
+    ckpt = _saved_once(tmp_path)
+    listing = _listing(ckpt)
+    writer = CheckpointWriter(asynchronous=True)
+    monkeypatch.setattr(ckpt_mod, "open", _open_failing(1000, OSError(errno.ENOSPC, "No space left on device")),
+                        raising=False)
+    writer.save(ckpt, 4, lambda: (_state(4), None), layout=LAYOUT)
+    with pytest.raises(CheckpointError, match=r"rank_00000\.pt: No space left on device.*step_00000002\) is intact"):
+        writer.wait()
+    _intact(ckpt, listing)
+    assert writer.wait() is None  # the error is raised once
+
+
+def _async_two_ranks(rank, world, root):
+    import torch.distributed as dist
+
+    writer = CheckpointWriter(asynchronous=True)
+    state = {"step": 2, "model": {"w": torch.full((64, 64), float(rank))}}
+    writer.save(root / "async", 2, lambda: (state, None), layout=LAYOUT, coords={"pp": 0, "tp": 0, "ep": 0, "dp": rank})
+    # the training thread's collectives go on over the world group while the save exchanges
+    # its outcomes over its own group
+    total = torch.zeros(1)
+    for _ in range(50):
+        x = torch.ones(1)
+        dist.all_reduce(x)
+        total += x
+    assert total.item() == 50 * world
+    writer.wait()
+    save_checkpoint(root / "sync", 2, state, layout=LAYOUT, coords={"pp": 0, "tp": 0, "ep": 0, "dp": rank})
+
+
+@pytest.mark.slow  # two gloo processes
+def test_an_async_save_on_two_ranks_commits_once_both_files_are_complete(tmp_path):
+    run_multiprocess(_async_two_ranks, 2, tmp_path)
+    a, s = tmp_path / "async" / "step_00000002", tmp_path / "sync" / "step_00000002"
+    assert sorted(_files(a)) == ["manifest.json", "rank_00000.pt", "rank_00001.pt"]
+    assert _files(a) == _files(s)
+    verify_checkpoint(a, world_size=2)
