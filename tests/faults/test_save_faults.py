@@ -2,10 +2,13 @@
 first; a full disk in the middle of torch.save's zip writer (which torch reports as
 ``RuntimeError: unexpected pos``), an I/O error while publishing, or an interrupt leave no
 partial file and keep the previous checkpoint; every refusal is one line naming the path and
-the free space."""
+the free space. ``train.async_save``: the background save's files equal a synchronous save's,
+bit for bit, and a second save waits for the first."""
 import errno
 import io
 import shutil
+import threading
+import time
 from collections import namedtuple
 
 import pytest
@@ -13,7 +16,11 @@ import torch
 
 from k3train.errors import CheckpointError
 from k3train.trainer import checkpoint as ckpt_mod
+from k3train.trainer.async_save import CheckpointWriter
 from k3train.trainer.checkpoint import latest_checkpoint, save_checkpoint, verify_checkpoint
+from k3train.trainer.loop import train
+from tests.multiproc import run_multiprocess
+from tests.trainer.test_train import _cfg
 
 LAYOUT = {"tp": 1, "pp": 1, "vpp": 1, "ep": 1, "dp": 1, "zero1": False}
 Usage = namedtuple("Usage", "total used free")
@@ -133,14 +140,6 @@ def test_a_killed_save_s_temporary_directory_is_removed_by_the_next_save(tmp_pat
 
 
 # --- train.async_save: the snapshot written in the background --------------------------------
-
-import threading  # noqa: E402
-import time  # noqa: E402
-
-from k3train.trainer.async_save import CheckpointWriter  # noqa: E402
-from k3train.trainer.loop import train  # noqa: E402
-from tests.multiproc import run_multiprocess  # noqa: E402
-from tests.trainer.test_train import _cfg  # noqa: E402
 
 
 def _files(step_dir):
