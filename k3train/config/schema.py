@@ -288,6 +288,19 @@ class TrainConfig(_Strict):
     weights start this run, whatever parallel layout wrote it. Weights only: the optimizer,
     the lr schedule and the data position start fresh (docs/checkpoints.md). Ignored when
     --resume finds a checkpoint of this run (that one already holds the fine-tuned weights)."""
+    allow_model_change: bool = False
+    """--resume onto a checkpoint whose tensors differ from this config's model (a tensor on one
+    side only, e.g. model.attnres.enabled changed): false refuses the resume naming the
+    difference; true drops the checkpoint's extra tensors, starts the model's new ones from
+    their initialisation, prints both lists and resumes."""
+    allow_optimizer_change: bool = False
+    """--resume onto a checkpoint trained with another optimizer (optim.name, or a parameter
+    the table now gives to the other optimizer): false refuses naming the difference; true
+    starts the changed parameters' optimizer state fresh, prints them and resumes."""
+    async_save: bool = False
+    """Checkpoints written by a background thread from a host-memory snapshot while the next
+    steps train (k3train/trainer/async_save.py); at most one save in flight, committed (manifest,
+    latest) only when every rank's file is complete. false: training waits for each save."""
 
 
 class OptimConfig(_Strict):

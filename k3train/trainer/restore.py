@@ -33,8 +33,9 @@ from k3train.hf.load import INDEX as HF_INDEX, load_hf, merge_model_config
 from k3train.model.model import build_model
 from k3train.trainer.checkpoint import latest_checkpoint, load_checkpoint, verify_checkpoint
 from k3train.trainer.run_dir import load_error
+from k3train.trainer.reshard import local_pieces
 from k3train.trainer.state_io import (consolidated_state, load_rank_state, load_weights,
-                                      load_weights_from_tensors, peek_manifest)
+                                      load_weights_from_tensors, optimizer_kinds, peek_manifest, saved_kind)
 
 LAYOUT_SHOWN = ("tp", "pp", "vpp", "ep", "dp", "zero1")
 _ONE_PROCESS = [f"parallel.{k}=1" for k in ParallelConfig.model_fields]
@@ -52,7 +53,8 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     if (p / "manifest.json").is_file():
         return p
     for ckpt_dir in (p, p / "checkpoints"):
-        if (ckpt_dir / "latest").is_file():
+        pointer = ckpt_dir / "latest"
+        if pointer.exists() or pointer.is_symlink():  # latest_checkpoint refuses a malformed one in one line
             return latest_checkpoint(ckpt_dir)
     if not p.exists():
         raise CheckpointError(f"checkpoint {p} does not exist; give a run directory, its checkpoints/ "
@@ -143,6 +145,86 @@ def data_source(cfg: RunConfig) -> str:
     return f"data.source={cfg.data.source} (tokenizer {cfg.data.tokenizer})"
 
 
+def _every_rank(value) -> list:
+    """Every rank's ``value`` (collective where there is more than one rank)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [value]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _some(names) -> str:
+    names = sorted(names)
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return ", ".join(names[:3]) + more
+
+
+@dataclass(frozen=True)
+class Changes:
+    """How a checkpoint differs from the run's config: tensor names on one side only, and
+    parameters whose optimizer differs ({global name: (saved kind, config's kind)})."""
+
+    only_checkpoint: frozenset
+    only_config: frozenset
+    optimizer: dict
+    optim_names: tuple   # (saved optim.name or None when unrecorded, config's optim.name)
+
+
+def compare_with_checkpoint(state, manifest: dict) -> Changes:
+    """The model and optimizer differences between ``state`` (a TrainState; its ranks together
+    hold the whole model) and a checkpoint stored by global name. Collective."""
+    mine = {g for g in local_pieces(state.model, state.info.tp, state.parallel.tp_rank)}
+    kinds = optimizer_kinds(state.model, state.optimizer)
+    everyone = _every_rank((sorted(mine), kinds))
+    model_names = set().union(*(set(names) for names, _ in everyone))
+    config_kinds = {g: k for _, theirs in everyone for g, k in theirs.items()}
+    saved = manifest["tensors"]
+    moved = {}
+    for g, kind in config_kinds.items():
+        before = saved_kind(saved[g]) if g in saved else None
+        if before is not None and before != kind:
+            moved[g] = (before, kind)
+    return Changes(frozenset(set(saved) - model_names), frozenset(model_names - set(saved)), moved,
+                   (manifest.get("optim_name"), state.cfg.optim.name))
+
+
+def _accept_changes(changes: Changes, state, path: Path, run_dir: Path, main: bool) -> None:
+    """Refuse (one line naming the difference and the field that accepts it) or, where that
+    field is true, print what is dropped, initialised or reset."""
+    train = state.cfg.train
+    fix = f"or resume with the config it was saved with ({run_dir / 'config.yaml'} has it)"
+    if changes.only_checkpoint or changes.only_config:
+        parts = [f"{len(names)} tensor(s) only in the {side} ({_some(names)})" for side, names in
+                 (("checkpoint", changes.only_checkpoint), ("config's model", changes.only_config)) if names]
+        if not train.allow_model_change:
+            raise CheckpointError(f"--resume: checkpoint {path} holds another model than this config: "
+                                  f"{'; '.join(parts)}; set train.allow_model_change=true to drop the "
+                                  f"checkpoint's extra tensors and initialise the new ones, {fix}")
+        if main:
+            if changes.only_checkpoint:
+                print(f"[k3train] train.allow_model_change: dropped {len(changes.only_checkpoint)} checkpoint "
+                      f"tensor(s) this model lacks: {', '.join(sorted(changes.only_checkpoint))}; later "
+                      f"checkpoints do not hold them")
+            if changes.only_config:
+                print(f"[k3train] train.allow_model_change: {len(changes.only_config)} tensor(s) not in the "
+                      f"checkpoint start from their initialisation: {', '.join(sorted(changes.only_config))}")
+    saved_name, name = changes.optim_names
+    renamed = saved_name is not None and saved_name != name
+    if changes.optimizer or renamed:
+        pairs = sorted({f"{a} -> {b}" for a, b in changes.optimizer.values()})
+        what = (f"optim.name {saved_name} in the checkpoint, {name} in this config" if renamed else
+                f"the parameter table gives {len(changes.optimizer)} parameter(s) another optimizer")
+        moved = (f" ({len(changes.optimizer)} parameter(s) {', '.join(pairs)}: {_some(changes.optimizer)})"
+                 if changes.optimizer else "")
+        if not train.allow_optimizer_change:
+            raise CheckpointError(f"--resume: checkpoint {path} was trained with another optimizer: {what}{moved}; "
+                                  f"set train.allow_optimizer_change=true to start their optimizer state fresh, {fix}")
+        if main:
+            print(f"[k3train] train.allow_optimizer_change: {what}; optimizer state reset (fresh) for "
+                  f"{len(changes.optimizer)} parameter(s): {', '.join(sorted(changes.optimizer))}")
+
+
 def restore_training(state, data, path: Path, layout: dict, run_dir: Path, main: bool) -> int:
     """``--resume``: load checkpoint ``path`` into ``state`` (a TrainState) and ``data``; returns
     its step. A checkpoint stored by global name loads under any layout; an older one (per-rank
@@ -156,7 +238,11 @@ def restore_training(state, data, path: Path, layout: dict, run_dir: Path, main:
                           f"continue the run (nothing was changed)")
     try:
         if "tensors" in manifest:
-            step, data_state, source, notes = load_rank_state(state, path, manifest, layout, coords)
+            changes = compare_with_checkpoint(state, manifest)
+            _accept_changes(changes, state, path, run_dir, main)  # refused: nothing loaded or written
+            step, data_state, source, notes = load_rank_state(state, path, manifest, layout, coords,
+                                                              fresh=changes.only_config,
+                                                              reset=frozenset(changes.optimizer))
         else:
             _, saved = load_checkpoint(path, layout=layout, coords=coords)
             step, data_state, source, notes = state.load_state_dict(saved), saved["data"], None, []

@@ -73,3 +73,13 @@ def test_a_latest_directory_and_a_resume_past_the_steps_are_refused_unchanged(ru
     with pytest.raises(CheckpointError, match="is a directory"):
         train(small_cfg("train.steps=5", *STEPS), run_dir, resume=True)
     assert _listing(run_dir) == before
+
+
+def test_a_step_symlinked_to_another_run_is_never_followed(run, tmp_path):
+    """`latest` names a well-formed step, but that step is a link into another run's checkpoints/."""
+    run_dir, other = _copy(run, tmp_path / "a"), _copy(run, tmp_path / "b")
+    ckpt = run_dir / "checkpoints"
+    (ckpt / "step_00000009").symlink_to(other / "checkpoints" / "step_00000003")
+    (ckpt / "latest").write_text("step_00000009")
+    with pytest.raises(CheckpointError, match="leads out of"):
+        latest_checkpoint(ckpt)
