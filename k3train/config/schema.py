@@ -510,6 +510,11 @@ class RunConfig(_Strict):
         if p.vpp > 1 and p.pp == 1:
             return (f"parallel.vpp={p.vpp} needs parallel.pp > 1 (virtual stages interleave over "
                     f"pipeline ranks); set parallel.vpp=1 or parallel.pp >= 2")
+        chunks = p.pp * p.vpp
+        if self.model.num_layers < chunks:  # pipeline/layout.py gives every chunk at least one layer
+            return (f"model.num_layers={self.model.num_layers} cannot be split over parallel.pp={p.pp} x "
+                    f"parallel.vpp={p.vpp} = {chunks} pipeline chunks (each needs at least one layer); "
+                    f"use at least {chunks} layers or a smaller pp/vpp")
         m = self.train.microbatches
         if p.vpp > 1 and (m < p.pp or m % p.pp):
             return (f"train.microbatches={m} cannot run the interleaved schedule of parallel.pp={p.pp} "
