@@ -297,6 +297,11 @@ class TrainConfig(_Strict):
     """--resume onto a checkpoint trained with another optimizer (optim.name, or a parameter
     the table now gives to the other optimizer): false refuses naming the difference; true
     starts the changed parameters' optimizer state fresh, prints them and resumes."""
+    allow_data_change: bool = False
+    """--resume onto other training data than the checkpoint's (another data.source, or a
+    dataset re-prepared at the same prefix: its content_sha256 differs from the one the
+    checkpoint's manifest records): false refuses naming both; true prints a warning and
+    continues the optimizer, schedule and data position on the new data."""
     async_save: bool = False
     """Checkpoints written by a background thread from a host-memory snapshot while the next
     steps train (k3train/trainer/async_save.py); at most one save in flight, committed (manifest,

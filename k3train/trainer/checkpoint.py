@@ -201,6 +201,8 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, state: dict[str, Any
                             tensors=_merge_index(all_index))
             if state.get("optim_name"):
                 manifest["optim_name"] = state["optim_name"]
+            if state.get("data_record"):  # what the run trains on (a resume on other data is refused)
+                manifest["data"] = state["data_record"]
         write_text_atomic(tmp / "manifest.json", json.dumps(manifest, indent=1))
         fsync_dir(tmp)
         if final.exists():  # an earlier save of the same step (e.g. after a resume) is replaced whole

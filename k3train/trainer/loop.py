@@ -28,7 +28,7 @@ from k3train.trainer.data import build_data
 from k3train.trainer.guards import last_checkpoint_note, params_finite
 from k3train.trainer.metrics import MetricsLogger
 from k3train.trainer.report import datasheet_peak, measure_peak_flops, write_end_of_run_plots
-from k3train.trainer.restore import data_source, init_from, restore_training
+from k3train.trainer.restore import data_record, data_source, init_from, restore_training
 from k3train.trainer.run_dir import decided_on_rank0, plan_run_dir, save_config
 from k3train.trainer.run_lock import RunDirLock
 from k3train.trainer.state import TrainState
@@ -100,6 +100,7 @@ class Trainer:
         self.data = build_data(cfg, ctx.dp_rank, info.dp)
         self.state = state = TrainState(cfg, info, dev, targets=self.data.targets, parallel=ctx)
         self.writer = CheckpointWriter(asynchronous=cfg.train.async_save)  # collective when asynchronous
+        self.data_record = data_record(cfg)  # every checkpoint's manifest names the data it was trained on
         self.peak_flops = measure_peak_flops(dev)
         self.datasheet_flops, mfu_words = datasheet_peak(dev)
         self.flops_token = flops_per_token(cfg)
@@ -207,7 +208,8 @@ class Trainer:
         coords = {"pp": ctx.pp_rank, "tp": ctx.tp_rank, "ep": ctx.ep_rank, "dp": ctx.dp_rank}
         self.writer.save(self.ckpt_dir, step, lambda: rank_state(state, step, self.data.train.state_dict(),
                                                                  data_source(self.cfg),
-                                                                 snapshot=self.writer.asynchronous),
+                                                                 snapshot=self.writer.asynchronous,
+                                                                 data_record=self.data_record),
                          layout=self.layout, keep_last=self.cfg.checkpoint.keep_last, coords=coords)
 
     def end_of_run(self) -> dict:

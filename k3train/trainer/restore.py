@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from k3train.config import RunConfig, load_config
 from k3train.config.schema import ParallelConfig
+from k3train.data.dataset import dataset_content_hash
 from k3train.errors import CheckpointError, RunDirError, UsageError
 from k3train.hf.load import INDEX as HF_INDEX, load_hf, merge_model_config
 from k3train.model.model import build_model
@@ -145,6 +146,55 @@ def data_source(cfg: RunConfig) -> str:
     return f"data.source={cfg.data.source} (tokenizer {cfg.data.tokenizer})"
 
 
+_BUILT_IN_SOURCES = ("embedded", "stdlib", "mqar")  # made by k3train, no prepared dataset
+
+
+def data_record(cfg: RunConfig) -> dict:
+    """What a checkpoint's manifest records of the run's data (its ``data`` entry): ``source``
+    (``data_source``) and ``content_sha256``, per dataset prefix in ``data.source`` /
+    ``data.sources`` order the hash prepare-data recorded in its meta file (None for a built-in
+    source or a dataset without one). The hash, not the path, names the data: a dataset
+    re-prepared at the same prefix is other data, a moved one is not."""
+    paths = [s.path for s in cfg.data.sources] or [cfg.data.source]
+    hashes = [None if p in _BUILT_IN_SOURCES else dataset_content_hash(p) for p in paths]
+    return {"source": data_source(cfg), "content_sha256": hashes}
+
+
+def _hashes(hashes: list) -> str:
+    return "[" + ", ".join("none" if h is None else str(h)[:12] for h in hashes) + "]"
+
+
+def _data_change(saved, now: dict) -> str | None:
+    """How the data of a manifest's ``data`` record differs from ``now``, or None (also for a
+    checkpoint that records none)."""
+    if not isinstance(saved, dict):
+        return None
+    theirs, ours = saved.get("content_sha256") or [], now["content_sha256"]
+    if any(theirs) or any(ours):  # prepared datasets: their content decides
+        if theirs == ours:
+            return None
+        return (f"dataset content sha256 {_hashes(theirs)} in the checkpoint, {_hashes(ours)} now "
+                f"({saved.get('source')} then, {now['source']} now)")
+    if saved.get("source") != now["source"]:
+        return f"{saved.get('source')} in the checkpoint, {now['source']} now"
+    return None
+
+
+def _check_data(manifest: dict, cfg: RunConfig, path: Path, main: bool) -> bool:
+    """Refuse (one line) a resume onto other data than ``path`` was trained on unless
+    ``train.allow_data_change``, which warns instead. True when the manifest records the data
+    (the older rank-file comparison is then not needed)."""
+    change = _data_change(manifest.get("data"), data_record(cfg))
+    if change is not None and not cfg.train.allow_data_change:
+        raise CheckpointError(f"--resume: checkpoint {path} was trained on other data: {change}; set "
+                              f"train.allow_data_change=true to continue the run on this data, or start a "
+                              f"new run directory with train.init_from={path} (nothing was changed)")
+    if change is not None and main:
+        print(f"[k3train] WARNING: train.allow_data_change: {path} was trained on other data: {change}. "
+              f"The optimizer, schedule and data position continue from step {manifest['step']}")
+    return isinstance(manifest.get("data"), dict)
+
+
 def _every_rank(value) -> list:
     """Every rank's ``value`` (collective where there is more than one rank)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
@@ -236,6 +286,7 @@ def restore_training(state, data, path: Path, layout: dict, run_dir: Path, main:
         raise RunDirError(f"--resume: {path.name} is step {manifest['step']}, past train.steps="
                           f"{state.cfg.train.steps}; raise train.steps to at least {manifest['step']} to "
                           f"continue the run (nothing was changed)")
+    recorded = _check_data(manifest, state.cfg, path, main)  # refused: nothing loaded or written
     try:
         if "tensors" in manifest:
             changes = compare_with_checkpoint(state, manifest)
@@ -256,7 +307,7 @@ def restore_training(state, data, path: Path, layout: dict, run_dir: Path, main:
         print(f"[k3train] resumed from {path} (step {step}){moved}")
         for note in notes:
             print(f"[k3train] note: {note}")
-        if source is not None and source != data_source(state.cfg):
+        if not recorded and source is not None and source != data_source(state.cfg):  # an older checkpoint
             print(f"[k3train] WARNING: {path} was trained on {source}; this run reads {data_source(state.cfg)}. "
                   f"The optimizer, schedule and data position continue from step {step}; to start them "
                   f"fresh on the new data, use train.init_from={path} in a new run directory")

@@ -55,9 +55,10 @@ def _expert_names(state) -> set[str]:
 
 
 def rank_state(state, step: int, data_state: dict, data_source: str = "", *,
-               snapshot: bool = False) -> tuple[dict, dict]:
+               snapshot: bool = False, data_record: dict | None = None) -> tuple[dict, dict]:
     """(this rank's file content, its index {global name: piece json with "optim" keys}).
-    data_source names the training data (a resume on other data warns naming both).
+    data_source names the training data (a resume on other data warns naming both);
+    data_record (``restore.data_record``) goes into the manifest as ``data``.
     snapshot: every tensor of the content is a host copy of its own (on CPU too, where
     ``.cpu()`` would alias the live weights), so the next steps may run while a background
     thread writes it (``train.async_save``). Collective (ZeRO-1 gathers its optimizer shards):
@@ -85,7 +86,7 @@ def rank_state(state, step: int, data_state: dict, data_source: str = "", *,
                "moe_loads": state.moe_stats.state_dict() if state.moe_stats is not None else None,
                "rng": torch.get_rng_state(),
                "cuda_rng": torch.cuda.get_rng_state() if state.device.type == "cuda" else None,
-               "data": data_state, "data_source": data_source}
+               "data": data_state, "data_source": data_source, "data_record": data_record}
     if snapshot:  # the optimizer moments are copies already (per_param_state clones them)
         content["moe_loads"] = _host_copy(content["moe_loads"])
         content["data"] = copy.deepcopy(data_state)
