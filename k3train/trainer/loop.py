@@ -223,6 +223,11 @@ class Trainer:
         self.logger.close()
         if main and summary["last_loss"] is not None:
             val = "n/a" if summary["val_loss"] is None else f"{summary['val_loss']:.4f}"
-            print(f"[k3train] done: step {summary['steps']}, train loss {summary['first_loss']:.4f} -> "
-                  f"{summary['last_loss']:.4f}, val loss {val}")
+            losses = (f"train loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}, "
+                      f"val loss {val}")
+            if summary["stopped_by_signal"]:  # not done: say where it stopped and how to go on
+                print(f"[k3train] stopped by a signal at step {summary['steps']} of {self.cfg.train.steps}, "
+                      f"saved to {self.ckpt_dir}; {losses}; rerun with --resume to continue")
+            else:
+                print(f"[k3train] done: step {summary['steps']}, {losses}")
         return summary
