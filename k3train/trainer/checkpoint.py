@@ -40,6 +40,23 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+# sha256 of rank files this process has verified, by file identity and change stamps. A resume
+# verifies the checkpoint twice on rank 0 (the run directory's plan, then the load), which at K3
+# scale meant reading tens of GiB twice; the second pass now reads only the stamps. Any write to
+# a file changes its ctime (which no tool can set), so a changed file is hashed again.
+_VERIFIED: dict[tuple, str] = {}
+
+
+def _verified_sha256(path: Path) -> str:
+    st = path.stat()
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key not in _VERIFIED:
+        if len(_VERIFIED) > 4096:  # a long-lived process (a sweep) opens many checkpoints
+            _VERIFIED.clear()
+        _VERIFIED[key] = _sha256(path)
+    return _VERIFIED[key]
+
+
 def _step_name(step: int) -> str:
     return f"step_{step:08d}"
 
@@ -351,7 +368,7 @@ def verify_checkpoint(path: Path, world_size: int, layout: dict | None = None) -
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"checkpoint file {f} is missing")
-        if f.stat().st_size != meta["bytes"] or _sha256(f) != meta["sha256"]:
+        if f.stat().st_size != meta["bytes"] or _verified_sha256(f) != meta["sha256"]:
             raise CheckpointError(f"checkpoint file {f} is corrupted (checksum mismatch); "
                                   f"delete {path} and point 'latest' at an older step to resume from it")
     return manifest
