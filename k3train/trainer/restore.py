@@ -119,7 +119,12 @@ def read_weights(checkpoint: str | os.PathLike, config: str | os.PathLike | None
     by global name, every checksum verified), with its run config (one-process layout)."""
     step_dir = resolve_checkpoint(checkpoint)
     cfg, cfg_path = run_config(step_dir, config, overrides, one_process=True)
-    whole = consolidated_state(step_dir, optimizer=False)
+    try:
+        whole = consolidated_state(step_dir, optimizer=False)
+    except FileNotFoundError as exc:  # a live run pruned it (no lock is taken: docs/checkpoints.md#export)
+        raise CheckpointError(f"{exc.filename or step_dir} vanished while it was read: a live run removes its "
+                              f"older checkpoints (checkpoint.keep_last); run the command again (it takes "
+                              f"the newest step) or pass a step directory the run keeps") from None
     return Weights(whole["model"], cfg, step_dir, cfg_path, int(whole["step"]))
 
 
