@@ -69,3 +69,22 @@ def test_under_torchrun_a_layout_error_prints_once_and_fails(tmp_path):
     assert out.count("k3train: error:") == 1 and needle in out, out
     assert "[rank0]: Traceback" not in out and "[rank1]: Traceback" not in out, out
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("case", ["proc-prefix", "tiktoken-duplicate-rank"])
+def test_prepare_data_leftovers_are_one_line(tmp_path, capsys, case):
+    """The issue's last prepare-data cases: an output prefix in /proc, a tiktoken file repeating a rank."""
+    (tmp_path / "a.txt").write_text("one\ntwo\n")
+    argv = ["prepare-data", str(tmp_path / "a.txt"), "--split-lines"]
+    if case == "proc-prefix":
+        argv += ["--output-prefix", "/proc/k3train_fault_test_ds"]
+        needle = "/proc/k3train_fault_test_ds"
+    else:
+        (tmp_path / "dup.tiktoken").write_text("aGVsbG8= 0\naGk= 0\n")  # "hello" and "hi", both rank 0
+        argv += ["--output-prefix", str(tmp_path / "ds"), "--tokenizer", str(tmp_path / "dup.tiktoken")]
+        needle = "rank 0 repeats"
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("k3train: error: ") and "\n" not in err and needle in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
