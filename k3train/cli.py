@@ -111,14 +111,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     os.environ.setdefault("WANDB_SILENT", "true")
     _arm_stack_dump(os.environ.get("K3TRAIN_STACKS_AFTER"))
-    from k3train.errors import K3TrainError
+    from k3train.config import ConfigError
+    from k3train.errors import K3TrainError, LayoutError
 
     try:
         return args.fn(args)
     except K3TrainError as exc:  # ConfigError is one too
         # Bad input or a refused operation: one clear message, no traceback. Everything else
-        # (an internal ValueError included) is a bug and keeps its traceback.
-        print(f"k3train: error: {exc}", file=sys.stderr)
+        # (an internal ValueError included) is a bug and keeps its traceback. Under torchrun
+        # every worker reads the same config and refuses it (or its layout) the same way:
+        # rank 0 (torchrun's RANK) says so once, the others exit with the same status silently.
+        if not (isinstance(exc, (ConfigError, LayoutError)) and os.environ.get("RANK", "0") != "0"):
+            print(f"k3train: error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -91,7 +91,12 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError(f"config file '{p}' does not exist (configs/ lists the shipped ones)")
         try:
-            tree = yaml.safe_load(p.read_text()) or {}
+            tree = yaml.safe_load(p.read_bytes().decode("utf-8")) or {}
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file '{p}' is not UTF-8 text (byte {exc.start}); expected a YAML "
+                              f"mapping of sections") from None
+        except OSError as exc:
+            raise ConfigError(f"config file '{p}' cannot be read ({exc.strerror or exc})") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file '{p}' is not valid YAML: {exc}") from None
         if not isinstance(tree, dict):

@@ -305,6 +305,24 @@ class TrainConfig(_Strict):
     weights start this run, whatever parallel layout wrote it. Weights only: the optimizer,
     the lr schedule and the data position start fresh (docs/checkpoints.md). Ignored when
     --resume finds a checkpoint of this run (that one already holds the fine-tuned weights)."""
+    allow_model_change: bool = False
+    """--resume onto a checkpoint whose tensors differ from this config's model (a tensor on one
+    side only, e.g. model.attnres.enabled changed): false refuses the resume naming the
+    difference; true drops the checkpoint's extra tensors, starts the model's new ones from
+    their initialisation, prints both lists and resumes."""
+    allow_optimizer_change: bool = False
+    """--resume onto a checkpoint trained with another optimizer (optim.name, or a parameter
+    the table now gives to the other optimizer): false refuses naming the difference; true
+    starts the changed parameters' optimizer state fresh, prints them and resumes."""
+    allow_data_change: bool = False
+    """--resume onto other training data than the checkpoint's (another data.source, or a
+    dataset re-prepared at the same prefix: its content_sha256 differs from the one the
+    checkpoint's manifest records): false refuses naming both; true prints a warning and
+    continues the optimizer, schedule and data position on the new data."""
+    async_save: bool = False
+    """Checkpoints written by a background thread from a host-memory snapshot while the next
+    steps train (k3train/trainer/async_save.py); at most one save in flight, committed (manifest,
+    latest) only when every rank's file is complete. false: training waits for each save."""
 
 
 class OptimConfig(_Strict):
@@ -529,6 +547,11 @@ class RunConfig(_Strict):
         if p.vpp > 1 and p.pp == 1:
             return (f"parallel.vpp={p.vpp} needs parallel.pp > 1 (virtual stages interleave over "
                     f"pipeline ranks); set parallel.vpp=1 or parallel.pp >= 2")
+        chunks = p.pp * p.vpp
+        if self.model.num_layers < chunks:  # pipeline/layout.py gives every chunk at least one layer
+            return (f"model.num_layers={self.model.num_layers} cannot be split over parallel.pp={p.pp} x "
+                    f"parallel.vpp={p.vpp} = {chunks} pipeline chunks (each needs at least one layer); "
+                    f"use at least {chunks} layers or a smaller pp/vpp")
         m = self.train.microbatches
         if p.vpp > 1 and (m < p.pp or m % p.pp):
             return (f"train.microbatches={m} cannot run the interleaved schedule of parallel.pp={p.pp} "

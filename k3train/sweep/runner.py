@@ -47,6 +47,7 @@ import hashlib
 import itertools
 import json
 import re
+import signal
 from pathlib import Path
 
 import yaml
@@ -254,7 +255,10 @@ def _select(runs: list[Variant], only: list[str] | str | None) -> list[Variant]:
 
 def _train_in_subprocesses(path, out: Path, todo: list[Variant], extra, seeds, jobs: int) -> None:
     """Train ``todo`` with at most ``jobs`` ``k3train sweep --only NAME`` processes at once (small
-    models on one GPU, or several CPU cores); each one's output goes to ``OUT/logs/NAME.log``."""
+    models on one GPU, or several CPU cores); each one's output goes to ``OUT/logs/NAME.log``.
+
+    A SIGTERM/SIGINT is passed on to the running variants (each saves and stops), no further
+    variant starts, and ``SweepStopped`` (exit status 3) names those left once they have exited."""
     import subprocess
     import sys
     import time
@@ -264,29 +268,51 @@ def _train_in_subprocesses(path, out: Path, todo: list[Variant], extra, seeds, j
     seed_args = ["--seeds", ",".join(map(str, seeds))] if seeds is not None else []
     pending, running, failed = list(todo), [], []
     out_of_memory = 0
-    while pending or running:
-        while pending and len(running) < jobs:
-            v = pending.pop(0)
-            log = open(logs / f"{v.name}.log", "w")
-            cmd = [sys.executable, "-m", "k3train", "sweep", str(path), "--out", str(out), "--only", v.name,
-                   *seed_args, *extra]
-            print(f"[sweep] {v.name}: training in a subprocess (log {log.name})")
-            running.append((v, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
-        time.sleep(0.5)
-        for item in [r for r in running if r[1].poll() is not None]:
-            running.remove(item)
-            item[2].close()
-            if item[1].returncode != 0 or not (out / item[0].name / "DONE").is_file():
-                failed.append(item[0].name)
-                oom = _ran_out_of_memory(Path(item[2].name))
-                out_of_memory += oom
-                why = "; it ran out of GPU memory" if oom else ""
-                print(f"[sweep] {item[0].name}: failed (exit {item[1].returncode}{why}); see {item[2].name}")
+    stop: list[int] = []  # the signals received
+
+    def forward(signum, frame):
+        stop.append(signum)
+        for _, proc, _ in running:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while pending or running:
+            while pending and len(running) < jobs and not stop:
+                v = pending.pop(0)
+                log = open(logs / f"{v.name}.log", "w")
+                cmd = [sys.executable, "-m", "k3train", "sweep", str(path), "--out", str(out), "--only", v.name,
+                       *seed_args, *extra]
+                print(f"[sweep] {v.name}: training in a subprocess (log {log.name})")
+                running.append((v, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
+            if stop and not running:
+                break
+            time.sleep(0.5)
+            for item in [r for r in running if r[1].poll() is not None]:
+                running.remove(item)
+                item[2].close()
+                if stop and item[1].returncode == EXIT_SWEEP_STOPPED:
+                    continue  # saved and stopped at the signal: left for a rerun
+                if item[1].returncode != 0 or not (out / item[0].name / "DONE").is_file():
+                    failed.append(item[0].name)
+                    oom = _ran_out_of_memory(Path(item[2].name))
+                    out_of_memory += oom
+                    why = "; it ran out of GPU memory" if oom else ""
+                    print(f"[sweep] {item[0].name}: failed (exit {item[1].returncode}{why}); see {item[2].name}")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if failed:
         hint = (f"; {out_of_memory} of them ran out of GPU memory with {jobs} jobs at once: rerun with a "
                 f"smaller --jobs" if out_of_memory else "")
         raise RunDirError(f"sweep variants {failed} did not finish{hint}; their logs are in {logs}; rerun the "
                           f"sweep to resume them")
+    if stop:
+        left = [v.name for v in todo if not (out / v.name / "DONE").is_file()]
+        raise SweepStopped(f"sweep stopped by a signal ({signal.Signals(stop[0]).name}): {len(left)} variant(s) "
+                           f"left ({', '.join(left)}); the running ones saved; rerun the same command to resume",
+                           [])
 
 
 def _ran_out_of_memory(log: Path) -> bool:

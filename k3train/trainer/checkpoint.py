@@ -40,16 +40,34 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+# sha256 of rank files this process has verified, by file identity and change stamps. A resume
+# verifies the checkpoint twice on rank 0 (the run directory's plan, then the load), which at K3
+# scale meant reading tens of GiB twice; the second pass now reads only the stamps. Any write to
+# a file changes its ctime (which no tool can set), so a changed file is hashed again.
+_VERIFIED: dict[tuple, str] = {}
+
+
+def _verified_sha256(path: Path) -> str:
+    st = path.stat()
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key not in _VERIFIED:
+        if len(_VERIFIED) > 4096:  # a long-lived process (a sweep) opens many checkpoints
+            _VERIFIED.clear()
+        _VERIFIED[key] = _sha256(path)
+    return _VERIFIED[key]
+
+
 def _step_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def _gather(value: Any) -> list:
-    """Every rank's ``value`` (a collective; also the save's synchronisation point)."""
+def _gather(value: Any, group=None) -> list:
+    """Every rank's ``value`` (a collective over ``group``, default the world; also the save's
+    synchronisation point)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return [value]
     out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
+    dist.all_gather_object(out, value, group=group)
     return out
 
 
@@ -64,20 +82,60 @@ def _state_bytes(state: Any) -> int:
     return 0
 
 
-def _save_failed(ckpt_dir: Path, step: int, where: Path, exc: OSError, needed: int) -> str:
+def _free_text(path: Path) -> str:
     try:
-        free = f"{shutil.disk_usage(ckpt_dir).free:,} bytes free there"
+        return f"{shutil.disk_usage(path).free:,} bytes free there"
     except OSError:
-        free = "free space unknown"
-    pointer = ckpt_dir / "latest"
-    previous = (f"the previous checkpoint ({pointer.read_text().strip()}) is intact" if pointer.is_file()
-                else "no earlier checkpoint exists")
+        return "free space unknown"
+
+
+def _previous(ckpt_dir: Path) -> str:
+    """What a failed save leaves to resume from, for its message."""
+    try:
+        path = latest_checkpoint(ckpt_dir)
+    except CheckpointError:
+        path = None
+    return f"the previous checkpoint ({path.name}) is intact" if path is not None else "no earlier checkpoint exists"
+
+
+def _save_failed(ckpt_dir: Path, step: int, where: Path, exc: OSError, needed: int) -> str:
     return (f"saving checkpoint step {step} failed at {where}: {exc.strerror or exc}; it needs about "
-            f"{needed:,} bytes per rank ({free}); its temporary directory was removed and {previous}")
+            f"{needed:,} bytes per rank ({_free_text(ckpt_dir if ckpt_dir.is_dir() else ckpt_dir.parent)}); "
+            f"its temporary directory was removed and {_previous(ckpt_dir)}")
+
+
+def _behind(exc: BaseException, kind) -> BaseException | None:
+    """The exception of type ``kind`` behind ``exc``: torch.save reports a failed write of its
+    zip writer (a full disk, an interrupt) as ``RuntimeError: unexpected pos ...`` raised while
+    handling the original one."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, kind):
+            return exc
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    return _behind(exc, OSError)
+
+
+def check_free_space(ckpt_dir: Path, step: int, needed: int) -> None:
+    """Refuse (one line: the path, the bytes needed and free) a save of about ``needed`` bytes
+    (every rank file's tensor bytes) where the file system has less free."""
+    try:
+        free = shutil.disk_usage(ckpt_dir).free
+    except OSError:
+        return  # unknown: the write itself reports a shortfall
+    if free < needed:
+        raise CheckpointError(f"saving checkpoint step {step} refused: {ckpt_dir} has {free:,} bytes free, the "
+                              f"checkpoint needs about {needed:,} bytes (its tensors); free space there or lower "
+                              f"checkpoint.keep_last; nothing was written and {_previous(ckpt_dir)}")
 
 
 def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, state: dict[str, Any], layout: dict,
-                    keep_last: int = 2, coords: dict | None = None, index: dict | None = None) -> Path:
+                    keep_last: int = 2, coords: dict | None = None, index: dict | None = None,
+                    group=None) -> Path:
     """Collective: every rank passes its own ``state`` (and its parallel ``coords``, recorded
     in the manifest so a run with another data-parallel size can find its source rank);
     returns the final directory.
@@ -86,23 +144,34 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, state: dict[str, Any
     given on every rank, the manifest merges them into ``tensors`` (global name -> shape and the
     file, dim, offset and length of each piece), which lets any layout load the checkpoint.
 
-    An OSError on any rank (a full disk, most often) removes the temporary directory and
-    raises CheckpointError on every rank, naming the path and the bytes needed: the ranks
-    exchange their outcome at each stage instead of waiting in a barrier for a rank that died."""
+    Before writing, rank 0 refuses a save whose tensors (every rank's) need more than the free
+    space of ``ckpt_dir`` (``check_free_space``). An OSError on any rank (a full disk, most
+    often, which torch.save may surface as a RuntimeError) removes the temporary directory and
+    raises CheckpointError on every rank, naming the path, the bytes needed and the free space:
+    the ranks exchange their outcome at each stage instead of waiting in a barrier for a rank
+    that died. An interrupt removes the partial files too; the previous checkpoint stays.
+
+    group: the process group of the save's own exchanges (default the world's); a save written
+    by a background thread (``k3train.trainer.async_save``) uses a group of its own, so its
+    collectives never interleave with the training step's."""
     ckpt_dir = Path(ckpt_dir)
     rank = dist.get_rank() if dist.is_initialized() else 0
     final, tmp = ckpt_dir / _step_name(step), ckpt_dir / f".tmp-{_step_name(step)}"
     needed = _state_bytes(state)
+    total = sum(_gather(needed, group))  # every rank's file lands in the same directory
 
     def stage(work) -> list:
         error = None
         try:
             work()
-        except OSError as exc:
-            error = _save_failed(ckpt_dir, step, Path(exc.filename or tmp), exc, needed)
         except CheckpointError as exc:
             error = str(exc)
-        outcomes = _gather(error)
+        except (OSError, RuntimeError) as exc:
+            os_error = _os_error(exc)
+            if os_error is None:
+                raise  # not an I/O error: a bug, with its traceback
+            error = _save_failed(ckpt_dir, step, Path(os_error.filename or tmp), os_error, needed)
+        outcomes = _gather(error, group)
         failed = [e for e in outcomes if e is not None]
         if failed:
             if rank == 0:
@@ -113,7 +182,10 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, state: dict[str, Any
     def prepare():
         if rank == 0:
             ckpt_dir.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
+            # Temporary directories of saves a kill interrupted are never read: reclaim their space.
+            for stale in ckpt_dir.glob(".tmp-step_*"):
+                shutil.rmtree(stale, ignore_errors=True)
+            check_free_space(ckpt_dir, step, total)
             tmp.mkdir()
 
     def write_rank_file():
@@ -123,8 +195,14 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, state: dict[str, Any
                 torch.save(state, f)
                 f.flush()
                 os.fsync(f.fileno())
-        except OSError as exc:
-            exc.filename = exc.filename or str(rank_file)
+        except BaseException as exc:
+            rank_file.unlink(missing_ok=True)  # a partial file never stays, whatever stopped the write
+            interrupt = _behind(exc, (KeyboardInterrupt, SystemExit))
+            if interrupt is not None and interrupt is not exc:
+                raise interrupt from None  # the interrupt itself, not torch's wrapper
+            os_error = _os_error(exc)
+            if os_error is not None:
+                os_error.filename = os_error.filename or str(rank_file)
             raise
 
     def publish():
@@ -138,6 +216,10 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, state: dict[str, Any
         if index is not None:
             manifest.update(format=state["format"], optim_step=state["optim_step"],
                             tensors=_merge_index(all_index))
+            if state.get("optim_name"):
+                manifest["optim_name"] = state["optim_name"]
+            if state.get("data_record"):  # what the run trains on (a resume on other data is refused)
+                manifest["data"] = state["data_record"]
         write_text_atomic(tmp / "manifest.json", json.dumps(manifest, indent=1))
         fsync_dir(tmp)
         if final.exists():  # an earlier save of the same step (e.g. after a resume) is replaced whole
@@ -147,12 +229,19 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, state: dict[str, Any
         write_text_atomic(ckpt_dir / "latest", final.name)
         _prune(ckpt_dir, keep_last, step)
 
-    stage(prepare)
-    stage(write_rank_file)
-    all_coords = _gather(coords)
-    all_index = _gather(index)
-    faults.maybe_slow_save(step)
-    stage(publish)
+    try:
+        stage(prepare)
+        stage(write_rank_file)
+        all_coords = _gather(coords, group)
+        all_index = _gather(index, group)
+        faults.maybe_slow_save(step)
+        stage(publish)
+    except BaseException:
+        # An interrupt (KeyboardInterrupt, a second signal) or a refusal: the partial save goes,
+        # the previous checkpoint and 'latest' stay.
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return final
 
 
@@ -162,6 +251,8 @@ def _merge_index(per_rank: list[dict]) -> dict:
     for rank, index in enumerate(per_rank):
         for name, p in sorted(index.items()):
             entry = out.setdefault(name, {"shape": p["shape"], "optim": p.get("optim", []), "pieces": []})
+            if p.get("optimizer"):
+                entry["optimizer"] = p["optimizer"]
             entry["pieces"].append({"file": f"rank_{rank:05d}.pt", "dim": p["dim"], "offset": p["offset"],
                                     "length": p["length"]})
     for entry in out.values():
@@ -200,6 +291,8 @@ def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
     target = Path(ckpt_dir) / name
     if not target.is_dir():
         raise CheckpointError(f"{pointer} names {target.name}, which does not exist")
+    if target.resolve().parent != Path(ckpt_dir).resolve():  # a step symlinked to another run's
+        raise CheckpointError(f"{pointer} names {name}, which leads out of {ckpt_dir} (to {target.resolve()})")
     return target
 
 
@@ -275,7 +368,7 @@ def verify_checkpoint(path: Path, world_size: int, layout: dict | None = None) -
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"checkpoint file {f} is missing")
-        if f.stat().st_size != meta["bytes"] or _sha256(f) != meta["sha256"]:
+        if f.stat().st_size != meta["bytes"] or _verified_sha256(f) != meta["sha256"]:
             raise CheckpointError(f"checkpoint file {f} is corrupted (checksum mismatch); "
                                   f"delete {path} and point 'latest' at an older step to resume from it")
     return manifest

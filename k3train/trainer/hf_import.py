@@ -6,12 +6,17 @@ The directory is written into a temporary sibling and renamed into place
 (``k3train.runtime.files.output_dir``): an existing target is replaced only when it is a
 previous import (its ``k3train_output.json`` says so, no run has trained in it) and
 ``overwrite`` is given.
+
+Nothing is written before ``load_hf`` has validated the directory (dtypes, finite values, paths
+confined to it, HF fields against the ``k3train`` section, the tokenizer). A tokenizer with
+files is copied into ``out_dir/tokenizer/`` and ``data.tokenizer`` names that copy: the run
+directory then needs neither the HF directory nor the exporting machine's paths.
 """
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
-
 
 from k3train.config import load_config
 from k3train.trainer.run_dir import save_config
@@ -31,8 +36,11 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike,
     the step directory. Nothing is written when the HF directory does not hold its model."""
     base = load_config(config)
     model_cfg, state = load_hf(hf_dir, base)
+    out = Path(os.path.abspath(out_dir))
+    tok_file = _tokenizer_file(Path(hf_dir), model_cfg["data"].get("tokenizer"))
+    if tok_file is not None:  # load_hf checked it loads; the run reads its own copy
+        model_cfg["data"] = {"tokenizer": str(out / "tokenizer" / tok_file.name)}
     cfg = merge_model_config(base, model_cfg)
-    out = Path(out_dir)
     with process_groups() as info, output_dir(out, command="import", overwrite=overwrite,
                                              details={"source": str(Path(hf_dir).resolve())}) as tmp:
         model = build_model(cfg)
@@ -45,6 +53,17 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike,
         content, index = weights_state(model, 0, str(Path(hf_dir).resolve()))
         layout = {**info.__dict__, "zero1": cfg.optim.zero1}
         coords = {"pp": 0, "tp": 0, "ep": 0, "dp": 0}
+        if tok_file is not None:
+            (tmp / "tokenizer").mkdir()
+            shutil.copyfile(tok_file, tmp / "tokenizer" / tok_file.name)
         save_config(cfg, tmp / "config.yaml")
         save_checkpoint(tmp / "checkpoints", 0, content, layout=layout, coords=coords, index=index)
     return out / "checkpoints" / "step_00000000"
+
+
+def _tokenizer_file(hf_dir: Path, spec: str | None) -> Path | None:
+    """The tokenizer file ``load_hf`` resolved inside ``hf_dir`` (None: the byte tokenizer)."""
+    if spec in (None, "byte"):
+        return None
+    path = Path(spec)
+    return path if hf_dir.resolve() in path.resolve().parents else None

@@ -2,6 +2,7 @@
 checkpoints, signals) and the end of the run."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -21,13 +22,13 @@ from k3train.runtime.distributed import init_distributed, parallel_context
 from k3train.runtime.env_report import commit as source_commit
 from k3train.runtime.threads import apply_threads
 from k3train.trainer import faults
-from k3train.trainer.checkpoint import save_checkpoint
+from k3train.trainer.async_save import CheckpointWriter
 from k3train.trainer.context import RunContext
 from k3train.trainer.data import build_data
 from k3train.trainer.guards import last_checkpoint_note, params_finite
 from k3train.trainer.metrics import MetricsLogger
 from k3train.trainer.report import datasheet_peak, measure_peak_flops, write_end_of_run_plots
-from k3train.trainer.restore import data_source, init_from, restore_training
+from k3train.trainer.restore import data_record, data_source, init_from, restore_training
 from k3train.trainer.run_dir import decided_on_rank0, keep_recorded_settings, plan_run_dir, save_config
 from k3train.trainer.run_lock import RunDirLock
 from k3train.trainer.state import TrainState
@@ -101,6 +102,8 @@ class Trainer:
         self.data = build_data(cfg, ctx.dp_rank, info.dp)
         self.state = state = TrainState(cfg, info, dev, targets=self.data.targets, parallel=ctx,
                                         documents=self.data.documents)
+        self.writer = CheckpointWriter(asynchronous=cfg.train.async_save)  # collective when asynchronous
+        self.data_record = data_record(cfg)  # every checkpoint's manifest names the data it was trained on
         self.peak_flops = measure_peak_flops(dev)
         self.datasheet_flops, mfu_words = datasheet_peak(dev)
         self.flops_token = flops_per_token(cfg)
@@ -143,7 +146,10 @@ class Trainer:
         bar = tqdm(total=last_step, initial=self.start_step, disable=not (main and cfg.logging.progress_bar),
                    desc="train", dynamic_ncols=True, file=sys.stdout)
         skips, window_tokens, window_start = 0, 0, time.perf_counter()
-        with SignalGuard() as guard:  # shares the run's guard entered in train()
+        # The guard is shared with the run's guard entered in train(); the save in flight
+        # commits before the loop ends.
+        with SignalGuard() as guard, contextlib.ExitStack() as saves:
+            saves.callback(self.writer.wait)
             for step in range(self.start_step + 1, last_step + 1):
                 lr = state.schedule_lr(step)
                 faults.maybe_crash(step)
@@ -176,6 +182,7 @@ class Trainer:
                 if (interval and step % interval == 0) or signalled or step == last_step:
                     self._save(step)
                 if signalled:
+                    self.writer.wait()
                     summary["stopped_by_signal"] = True
                     if main:
                         print(f"\n[k3train] signal received: saved step {step} to {self.ckpt_dir}; exiting")
@@ -205,10 +212,12 @@ class Trainer:
                 f"step {step}: the parameters hold inf or NaN values, so step {step} was not saved "
                 f"(it could not resume); lower optim.lr or inspect the data. "
                 f"{last_checkpoint_note(self.ckpt_dir, self.cfg.checkpoint.interval)}")
-        content, index = rank_state(state, step, self.data.train.state_dict(), data_source(self.cfg))
         coords = {"pp": ctx.pp_rank, "tp": ctx.tp_rank, "ep": ctx.ep_rank, "dp": ctx.dp_rank}
-        save_checkpoint(self.ckpt_dir, step, content, layout=self.layout, keep_last=self.cfg.checkpoint.keep_last,
-                        coords=coords, index=index)
+        self.writer.save(self.ckpt_dir, step, lambda: rank_state(state, step, self.data.train.state_dict(),
+                                                                 data_source(self.cfg),
+                                                                 snapshot=self.writer.asynchronous,
+                                                                 data_record=self.data_record),
+                         layout=self.layout, keep_last=self.cfg.checkpoint.keep_last, coords=coords)
 
     def end_of_run(self) -> dict:
         """Plots of a run that trained (collective), the logger closed, the summary line."""
@@ -221,6 +230,11 @@ class Trainer:
         self.logger.close()
         if main and summary["last_loss"] is not None:
             val = "n/a" if summary["val_loss"] is None else f"{summary['val_loss']:.4f}"
-            print(f"[k3train] done: step {summary['steps']}, train loss {summary['first_loss']:.4f} -> "
-                  f"{summary['last_loss']:.4f}, val loss {val}")
+            losses = (f"train loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}, "
+                      f"val loss {val}")
+            if summary["stopped_by_signal"]:  # not done: say where it stopped and how to go on
+                print(f"[k3train] stopped by a signal at step {summary['steps']} of {self.cfg.train.steps}, "
+                      f"saved to {self.ckpt_dir}; {losses}; rerun with --resume to continue")
+            else:
+                print(f"[k3train] done: step {summary['steps']}, {losses}")
         return summary

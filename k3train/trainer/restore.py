@@ -28,13 +28,15 @@ import torch.distributed as dist
 
 from k3train.config import RunConfig, load_config
 from k3train.config.schema import ParallelConfig
+from k3train.data.dataset import dataset_content_hash
 from k3train.errors import CheckpointError, RunDirError, UsageError
 from k3train.hf.load import INDEX as HF_INDEX, load_hf, merge_model_config
 from k3train.model.model import build_model
 from k3train.trainer.checkpoint import latest_checkpoint, load_checkpoint, verify_checkpoint
 from k3train.trainer.run_dir import load_error
+from k3train.trainer.reshard import local_pieces
 from k3train.trainer.state_io import (consolidated_state, load_rank_state, load_weights,
-                                      load_weights_from_tensors, peek_manifest)
+                                      load_weights_from_tensors, optimizer_kinds, peek_manifest, saved_kind)
 
 LAYOUT_SHOWN = ("tp", "pp", "vpp", "ep", "dp", "zero1")
 _ONE_PROCESS = [f"parallel.{k}=1" for k in ParallelConfig.model_fields]
@@ -52,7 +54,8 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     if (p / "manifest.json").is_file():
         return p
     for ckpt_dir in (p, p / "checkpoints"):
-        if (ckpt_dir / "latest").is_file():
+        pointer = ckpt_dir / "latest"
+        if pointer.exists() or pointer.is_symlink():  # latest_checkpoint refuses a malformed one in one line
             return latest_checkpoint(ckpt_dir)
     if not p.exists():
         raise CheckpointError(f"checkpoint {p} does not exist; give a run directory, its checkpoints/ "
@@ -116,7 +119,12 @@ def read_weights(checkpoint: str | os.PathLike, config: str | os.PathLike | None
     by global name, every checksum verified), with its run config (one-process layout)."""
     step_dir = resolve_checkpoint(checkpoint)
     cfg, cfg_path = run_config(step_dir, config, overrides, one_process=True)
-    whole = consolidated_state(step_dir, optimizer=False)
+    try:
+        whole = consolidated_state(step_dir, optimizer=False)
+    except FileNotFoundError as exc:  # a live run pruned it (no lock is taken: docs/checkpoints.md#export)
+        raise CheckpointError(f"{exc.filename or step_dir} vanished while it was read: a live run removes its "
+                              f"older checkpoints (checkpoint.keep_last); run the command again (it takes "
+                              f"the newest step) or pass a step directory the run keeps") from None
     return Weights(whole["model"], cfg, step_dir, cfg_path, int(whole["step"]))
 
 
@@ -143,6 +151,135 @@ def data_source(cfg: RunConfig) -> str:
     return f"data.source={cfg.data.source} (tokenizer {cfg.data.tokenizer})"
 
 
+_BUILT_IN_SOURCES = ("embedded", "stdlib", "mqar")  # made by k3train, no prepared dataset
+
+
+def data_record(cfg: RunConfig) -> dict:
+    """What a checkpoint's manifest records of the run's data (its ``data`` entry): ``source``
+    (``data_source``) and ``content_sha256``, per dataset prefix in ``data.source`` /
+    ``data.sources`` order the hash prepare-data recorded in its meta file (None for a built-in
+    source or a dataset without one). The hash, not the path, names the data: a dataset
+    re-prepared at the same prefix is other data, a moved one is not."""
+    paths = [s.path for s in cfg.data.sources] or [cfg.data.source]
+    hashes = [None if p in _BUILT_IN_SOURCES else dataset_content_hash(p) for p in paths]
+    return {"source": data_source(cfg), "content_sha256": hashes}
+
+
+def _hashes(hashes: list) -> str:
+    return "[" + ", ".join("none" if h is None else str(h)[:12] for h in hashes) + "]"
+
+
+def _data_change(saved, now: dict) -> str | None:
+    """How the data of a manifest's ``data`` record differs from ``now``, or None (also for a
+    checkpoint that records none)."""
+    if not isinstance(saved, dict):
+        return None
+    theirs, ours = saved.get("content_sha256") or [], now["content_sha256"]
+    if any(theirs) or any(ours):  # prepared datasets: their content decides
+        if theirs == ours:
+            return None
+        return (f"dataset content sha256 {_hashes(theirs)} in the checkpoint, {_hashes(ours)} now "
+                f"({saved.get('source')} then, {now['source']} now)")
+    if saved.get("source") != now["source"]:
+        return f"{saved.get('source')} in the checkpoint, {now['source']} now"
+    return None
+
+
+def _check_data(manifest: dict, cfg: RunConfig, path: Path, main: bool) -> bool:
+    """Refuse (one line) a resume onto other data than ``path`` was trained on unless
+    ``train.allow_data_change``, which warns instead. True when the manifest records the data
+    (the older rank-file comparison is then not needed)."""
+    change = _data_change(manifest.get("data"), data_record(cfg))
+    if change is not None and not cfg.train.allow_data_change:
+        raise CheckpointError(f"--resume: checkpoint {path} was trained on other data: {change}; set "
+                              f"train.allow_data_change=true to continue the run on this data, or start a "
+                              f"new run directory with train.init_from={path} (nothing was changed)")
+    if change is not None and main:
+        print(f"[k3train] WARNING: train.allow_data_change: {path} was trained on other data: {change}. "
+              f"The optimizer, schedule and data position continue from step {manifest['step']}")
+    return isinstance(manifest.get("data"), dict)
+
+
+def _every_rank(value) -> list:
+    """Every rank's ``value`` (collective where there is more than one rank)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [value]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _some(names) -> str:
+    names = sorted(names)
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return ", ".join(names[:3]) + more
+
+
+@dataclass(frozen=True)
+class Changes:
+    """How a checkpoint differs from the run's config: tensor names on one side only, and
+    parameters whose optimizer differs ({global name: (saved kind, config's kind)})."""
+
+    only_checkpoint: frozenset
+    only_config: frozenset
+    optimizer: dict
+    optim_names: tuple   # (saved optim.name or None when unrecorded, config's optim.name)
+
+
+def compare_with_checkpoint(state, manifest: dict) -> Changes:
+    """The model and optimizer differences between ``state`` (a TrainState; its ranks together
+    hold the whole model) and a checkpoint stored by global name. Collective."""
+    mine = {g for g in local_pieces(state.model, state.info.tp, state.parallel.tp_rank)}
+    kinds = optimizer_kinds(state.model, state.optimizer)
+    everyone = _every_rank((sorted(mine), kinds))
+    model_names = set().union(*(set(names) for names, _ in everyone))
+    config_kinds = {g: k for _, theirs in everyone for g, k in theirs.items()}
+    saved = manifest["tensors"]
+    moved = {}
+    for g, kind in config_kinds.items():
+        before = saved_kind(saved[g]) if g in saved else None
+        if before is not None and before != kind:
+            moved[g] = (before, kind)
+    return Changes(frozenset(set(saved) - model_names), frozenset(model_names - set(saved)), moved,
+                   (manifest.get("optim_name"), state.cfg.optim.name))
+
+
+def _accept_changes(changes: Changes, state, path: Path, run_dir: Path, main: bool) -> None:
+    """Refuse (one line naming the difference and the field that accepts it) or, where that
+    field is true, print what is dropped, initialised or reset."""
+    train = state.cfg.train
+    fix = f"or resume with the config it was saved with ({run_dir / 'config.yaml'} has it)"
+    if changes.only_checkpoint or changes.only_config:
+        parts = [f"{len(names)} tensor(s) only in the {side} ({_some(names)})" for side, names in
+                 (("checkpoint", changes.only_checkpoint), ("config's model", changes.only_config)) if names]
+        if not train.allow_model_change:
+            raise CheckpointError(f"--resume: checkpoint {path} holds another model than this config: "
+                                  f"{'; '.join(parts)}; set train.allow_model_change=true to drop the "
+                                  f"checkpoint's extra tensors and initialise the new ones, {fix}")
+        if main:
+            if changes.only_checkpoint:
+                print(f"[k3train] train.allow_model_change: dropped {len(changes.only_checkpoint)} checkpoint "
+                      f"tensor(s) this model lacks: {', '.join(sorted(changes.only_checkpoint))}; later "
+                      f"checkpoints do not hold them")
+            if changes.only_config:
+                print(f"[k3train] train.allow_model_change: {len(changes.only_config)} tensor(s) not in the "
+                      f"checkpoint start from their initialisation: {', '.join(sorted(changes.only_config))}")
+    saved_name, name = changes.optim_names
+    renamed = saved_name is not None and saved_name != name
+    if changes.optimizer or renamed:
+        pairs = sorted({f"{a} -> {b}" for a, b in changes.optimizer.values()})
+        what = (f"optim.name {saved_name} in the checkpoint, {name} in this config" if renamed else
+                f"the parameter table gives {len(changes.optimizer)} parameter(s) another optimizer")
+        moved = (f" ({len(changes.optimizer)} parameter(s) {', '.join(pairs)}: {_some(changes.optimizer)})"
+                 if changes.optimizer else "")
+        if not train.allow_optimizer_change:
+            raise CheckpointError(f"--resume: checkpoint {path} was trained with another optimizer: {what}{moved}; "
+                                  f"set train.allow_optimizer_change=true to start their optimizer state fresh, {fix}")
+        if main:
+            print(f"[k3train] train.allow_optimizer_change: {what}; optimizer state reset (fresh) for "
+                  f"{len(changes.optimizer)} parameter(s): {', '.join(sorted(changes.optimizer))}")
+
+
 def restore_training(state, data, path: Path, layout: dict, run_dir: Path, main: bool) -> int:
     """``--resume``: load checkpoint ``path`` into ``state`` (a TrainState) and ``data``; returns
     its step. A checkpoint stored by global name loads under any layout; an older one (per-rank
@@ -154,9 +291,14 @@ def restore_training(state, data, path: Path, layout: dict, run_dir: Path, main:
         raise RunDirError(f"--resume: {path.name} is step {manifest['step']}, past train.steps="
                           f"{state.cfg.train.steps}; raise train.steps to at least {manifest['step']} to "
                           f"continue the run (nothing was changed)")
+    recorded = _check_data(manifest, state.cfg, path, main)  # refused: nothing loaded or written
     try:
         if "tensors" in manifest:
-            step, data_state, source, notes = load_rank_state(state, path, manifest, layout, coords)
+            changes = compare_with_checkpoint(state, manifest)
+            _accept_changes(changes, state, path, run_dir, main)  # refused: nothing loaded or written
+            step, data_state, source, notes = load_rank_state(state, path, manifest, layout, coords,
+                                                              fresh=changes.only_config,
+                                                              reset=frozenset(changes.optimizer))
         else:
             _, saved = load_checkpoint(path, layout=layout, coords=coords)
             step, data_state, source, notes = state.load_state_dict(saved), saved["data"], None, []
@@ -170,7 +312,7 @@ def restore_training(state, data, path: Path, layout: dict, run_dir: Path, main:
         print(f"[k3train] resumed from {path} (step {step}){moved}")
         for note in notes:
             print(f"[k3train] note: {note}")
-        if source is not None and source != data_source(state.cfg):
+        if not recorded and source is not None and source != data_source(state.cfg):  # an older checkpoint
             print(f"[k3train] WARNING: {path} was trained on {source}; this run reads {data_source(state.cfg)}. "
                   f"The optimizer, schedule and data position continue from step {step}; to start them "
                   f"fresh on the new data, use train.init_from={path} in a new run directory")

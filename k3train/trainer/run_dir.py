@@ -4,8 +4,9 @@
   ``metrics.jsonl``): two runs in one directory would mix their metrics, and the pruning of old
   checkpoints would delete the new run's (lower-numbered) ones. ``--overwrite`` first moves the
   old run's files into ``archive/<UTC time>/`` inside the directory: nothing is deleted.
-* ``--resume`` continues from the checkpoint ``latest`` names. When ``latest`` is missing or
-  names nothing, it takes the newest step directory that verifies, and says so. When step
+* ``--resume`` continues from the checkpoint ``latest`` names. When ``latest`` is missing,
+  malformed, or names a step that is gone or does not verify, it takes the newest step
+  directory that verifies, and says so. When step
   directories exist but none verifies, it refuses rather than start over. With no step
   directory at all it starts from step 0, as a requeued job's or an elastic restart's first
   attempt needs; metrics of a run that died before its first save are archived first.

@@ -6,8 +6,11 @@ touches anything in the directory (``config.yaml``, ``metrics.jsonl``, ``checkpo
 holds it until the run ends; a second run refuses at once, naming the holder's PID and host.
 
 * The kernel drops the lock when the holder exits in any way (a SIGKILL included), so a dead
-  run never leaves the directory locked; the file itself stays (deleting it would let a run
-  that opened the old file and one that creates a new one both hold "the" lock).
+  run never leaves the directory locked. A run that ends (finished, failed or stopped) removes
+  the file while it still holds the lock; only a killed run leaves it behind, naming no live
+  holder. Removing it is safe because a run that locked a file checks that the path still names
+  that file (same inode) and otherwise starts over: a run that opened the old file just before
+  it was removed cannot then hold the lock next to one that created the new file.
 * Only global rank 0 locks: under torchrun the other ranks write only inside checkpoint
   directories that rank 0 creates. Per-host locks would collide on a shared filesystem, where
   every host's rank 0 would try the same file.
@@ -44,15 +47,19 @@ class RunDirLock:
             raise RunDirError(f"run directory {self.path.parent} is a file, not a directory; "
                               f"pass another --run-dir or move the file away")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read_holder(fd)
-            os.close(fd)
-            raise RunDirError(
-                f"run directory {self.path.parent} is in use by another run ({holder}; lock "
-                f"{self.path}); wait for that run to end or stop it, or pass another --run-dir") from None
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise RunDirError(
+                    f"run directory {self.path.parent} is in use by another run ({holder}; lock "
+                    f"{self.path}); wait for that run to end or stop it, or pass another --run-dir") from None
+            if _same_file(fd, self.path):
+                break
+            os.close(fd)  # the previous holder removed the file we opened: lock the current one
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode(), 0)
         self._fd = fd
@@ -61,10 +68,21 @@ class RunDirLock:
     def __exit__(self, *exc) -> None:
         if self._fd is None:
             return
-        os.ftruncate(self._fd, 0)  # no stale holder named once the lock is free
+        if _same_file(self._fd, self.path):  # ours: removed while still locked (module doc)
+            self.path.unlink()
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
         self._fd = None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the open file ``fd`` (it may have been removed or replaced)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
 def _read_holder(fd: int) -> str:

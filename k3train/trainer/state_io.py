@@ -8,6 +8,7 @@ docs/checkpoints.md.
 """
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -31,36 +32,76 @@ def _param_names(model) -> dict[int, str]:
     return {id(p): names[n] for n, p in model.named_parameters()}
 
 
+def optimizer_kinds(model, optimizer) -> dict[str, str]:
+    """{global name: "adamw" or "muon"}: which optimizer updates each of this rank's parameters
+    (the parameter table's assignment under ``optim.name``; both optimizers' groups carry it)."""
+    names = _param_names(model)
+    return {names[id(p)]: group["kind"] for group in optimizer.param_groups for p in group["params"]
+            if id(p) in names}
+
+
+def saved_kind(entry: dict) -> str | None:
+    """The optimizer a checkpoint's tensor entry was trained with: recorded since this version,
+    else told by its state keys (AdamW's moments or Muon's momentum); None without state."""
+    if entry.get("optimizer"):
+        return entry["optimizer"]
+    keys = set(entry.get("optim", []))
+    return "adamw" if "exp_avg" in keys else "muon" if "momentum_buffer" in keys else None
+
+
 def _expert_names(state) -> set[str]:
     names = _param_names(state.model)
     return {names[id(p)] for layer in state.moe_layers for p in layer.experts.parameters()}
 
 
-def rank_state(state, step: int, data_state: dict, data_source: str = "") -> tuple[dict, dict]:
+def rank_state(state, step: int, data_state: dict, data_source: str = "", *,
+               snapshot: bool = False, data_record: dict | None = None) -> tuple[dict, dict]:
     """(this rank's file content, its index {global name: piece json with "optim" keys}).
-    data_source names the training data (a resume on other data warns naming both).
-    Collective (ZeRO-1 gathers its optimizer shards): every rank calls it."""
+    data_source names the training data (a resume on other data warns naming both);
+    data_record (``restore.data_record``) goes into the manifest as ``data``.
+    snapshot: every tensor of the content is a host copy of its own (on CPU too, where
+    ``.cpu()`` would alias the live weights), so the next steps may run while a background
+    thread writes it (``train.async_save``). Collective (ZeRO-1 gathers its optimizer shards):
+    every rank calls it."""
     ctx = state.parallel
     pieces = local_pieces(state.model, state.info.tp, ctx.tp_rank)
     optim, optim_step = per_param_state(state.optimizer)
     by_name = {g: optim[i] for i, g in _param_names(state.model).items() if i in optim}
     experts = _expert_names(state)
+    kinds = optimizer_kinds(state.model, state.optimizer)
     tensors, moments, index = {}, {}, {}
     for g, (t, piece) in pieces.items():
         if not writes_piece(piece, g in experts, ctx):
             continue
-        tensors[g] = t.cpu()
+        tensors[g] = t.detach().to("cpu", copy=True) if snapshot else t.cpu()
         entry = piece.as_json(_length(t, piece))
         if g in by_name:
             moments[g] = {k: v.cpu() for k, v in by_name[g].items()}
             entry["optim"] = sorted(moments[g])
+        if g in kinds:
+            entry["optimizer"] = kinds[g]
         index[g] = entry
     content = {"format": FORMAT, "step": step, "tensors": tensors, "optim": moments, "optim_step": optim_step,
+               "optim_name": state.cfg.optim.name,
                "moe_loads": state.moe_stats.state_dict() if state.moe_stats is not None else None,
                "rng": torch.get_rng_state(),
                "cuda_rng": torch.cuda.get_rng_state() if state.device.type == "cuda" else None,
-               "data": data_state, "data_source": data_source}
+               "data": data_state, "data_source": data_source, "data_record": data_record}
+    if snapshot:  # the optimizer moments are copies already (per_param_state clones them)
+        content["moe_loads"] = _host_copy(content["moe_loads"])
+        content["data"] = copy.deepcopy(data_state)
     return content, index
+
+
+def _host_copy(obj):
+    """``obj`` (nested dicts/lists of tensors and plain values) with every tensor copied to host."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_host_copy(v) for v in obj)
+    return copy.deepcopy(obj)
 
 
 def weights_state(model, step: int = 0, source: str = "") -> tuple[dict, dict]:
@@ -107,10 +148,13 @@ def _source_file(manifest: dict, coords: dict, keys: tuple[str, ...]) -> str | N
     return None
 
 
-def load_rank_state(state, path: Path, manifest: dict, layout: dict,
-                    coords: dict) -> tuple[int, dict, str | None, list[str]]:
+def load_rank_state(state, path: Path, manifest: dict, layout: dict, coords: dict, *,
+                    fresh: frozenset = frozenset(), reset: frozenset = frozenset()
+                    ) -> tuple[int, dict, str | None, list[str]]:
     """Fill ``state`` (a TrainState) from ``path``; returns (step, data state, the data source
-    it was trained on (None if unrecorded), notes for the log).
+    it was trained on (None if unrecorded), notes for the log). fresh: global names the
+    checkpoint lacks, kept as initialised (``train.allow_model_change``); reset: names whose
+    optimizer state starts fresh (``train.allow_optimizer_change``).
 
     Weights and optimizer come from the pieces, whatever layout wrote them. The RNG state comes
     from the same rank when the layout is unchanged, else from rank 0. The data position counts
@@ -121,10 +165,11 @@ def load_rank_state(state, path: Path, manifest: dict, layout: dict,
     pieces = local_pieces(state.model, state.info.tp, ctx.tp_rank)
     with torch.no_grad():
         for g, (t, piece) in pieces.items():
-            t.copy_(reader.local(g, piece, _length(t, piece)))
+            if g not in fresh:
+                t.copy_(reader.local(g, piece, _length(t, piece)))
     optim = {}
     for pid, g in _param_names(state.model).items():
-        keys = manifest["tensors"].get(g, {}).get("optim", [])
+        keys = [] if g in reset else manifest["tensors"].get(g, {}).get("optim", [])
         t, piece = pieces[g]
         if keys:
             optim[pid] = {k: reader.local(g, piece, _length(t, piece), "optim", k) for k in keys}

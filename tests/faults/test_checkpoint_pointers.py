@@ -7,7 +7,8 @@ import shutil
 import pytest
 
 from k3train.errors import CheckpointError, RunDirError
-from k3train.trainer.checkpoint import latest_checkpoint
+from k3train.trainer import checkpoint
+from k3train.trainer.checkpoint import latest_checkpoint, verify_checkpoint
 from k3train.trainer.loop import train
 from tests.helpers import read_records, small_cfg
 
@@ -73,3 +74,33 @@ def test_a_latest_directory_and_a_resume_past_the_steps_are_refused_unchanged(ru
     with pytest.raises(CheckpointError, match="is a directory"):
         train(small_cfg("train.steps=5", *STEPS), run_dir, resume=True)
     assert _listing(run_dir) == before
+
+
+def test_a_step_symlinked_to_another_run_is_never_followed(run, tmp_path):
+    """`latest` names a well-formed step, but that step is a link into another run's checkpoints/."""
+    run_dir, other = _copy(run, tmp_path / "a"), _copy(run, tmp_path / "b")
+    ckpt = run_dir / "checkpoints"
+    (ckpt / "step_00000009").symlink_to(other / "checkpoints" / "step_00000003")
+    (ckpt / "latest").write_text("step_00000009")
+    with pytest.raises(CheckpointError, match="leads out of"):
+        latest_checkpoint(ckpt)
+
+
+def test_resume_hashes_each_rank_file_once_and_a_changed_file_again(run, tmp_path, monkeypatch):
+    """The plan and the load both verify `latest`: the second pass reuses the first's sha256
+    unless the file changed since (its ctime moves with any write)."""
+    run_dir = _copy(run, tmp_path)
+    hashed = []
+    real = checkpoint._sha256
+    monkeypatch.setattr(checkpoint, "_sha256", lambda path: hashed.append(path.parent.name) or real(path))
+    train(small_cfg("train.steps=4", *STEPS), run_dir, resume=True)
+    # step 3's one rank file read once for plan + load; step 4's when its save writes the manifest
+    assert hashed == ["step_00000003", ".tmp-step_00000004"], hashed
+    step = run_dir / "checkpoints" / "step_00000004"
+    verify_checkpoint(step, 1)
+    rank_file = step / "rank_00000.pt"
+    data = bytearray(rank_file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    rank_file.write_bytes(bytes(data))  # same size, new content
+    with pytest.raises(CheckpointError, match="corrupted"):
+        verify_checkpoint(step, 1)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from k3train.cli import main as cli_main
+from k3train.errors import CheckpointError
 from k3train.runtime.distributed import init_distributed, shutdown_distributed
 from k3train.model.model import build_model
 from k3train.trainer.checkpoint import latest_checkpoint
@@ -51,12 +52,16 @@ def test_init_from_takes_weights_only(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_resume_on_other_data_warns_naming_both_sources(tmp_path, capsys):
+def test_resume_on_other_data_is_refused_or_warns_naming_both_sources(tmp_path, capsys):
     train(small_cfg(*STEPS, "train.steps=3"), tmp_path, stop_at=1)
+    with pytest.raises(CheckpointError, match="data.source=embedded .* in the checkpoint, data.source=mqar .* now"
+                                              ".*train.allow_data_change=true"):
+        train(small_cfg(*STEPS, "train.steps=3", "data.source=mqar"), tmp_path, resume=True, stop_at=2)
     capsys.readouterr()
-    train(small_cfg(*STEPS, "train.steps=3", "data.source=mqar"), tmp_path, resume=True, stop_at=2)
+    allow = "train.allow_data_change=true"
+    train(small_cfg(*STEPS, "train.steps=3", "data.source=mqar", allow), tmp_path, resume=True, stop_at=2)
     out = capsys.readouterr().out
-    assert "WARNING" in out and "trained on data.source=embedded" in out and "reads data.source=mqar" in out
+    assert "WARNING" in out and "data.source=embedded" in out and "data.source=mqar" in out
     train(small_cfg(*STEPS, "train.steps=3", "data.source=mqar"), tmp_path, resume=True)
     assert "WARNING" not in capsys.readouterr().out  # step 2 was saved by the mqar run
 
