@@ -215,11 +215,14 @@ def hf_tokenizer(hf_dir: Path, section_spec, vocab_size: int):
         raise CheckpointError(f"{hf_dir} has no {TOKENIZER_CONFIG}, but config.json's k3train.data.tokenizer "
                               f"names {section_spec!r}: the directory must carry its tokenizer")
     tc = _read_json(tc_path)
-    kind = tc.get("k3train_tokenizer_kind", "byte" if "tokenizer_file" not in tc else None)
+    # k3train_tokenizer_file since exports carry a tokenizer.json for transformers (which reads a
+    # plain tokenizer_file as its own path); tokenizer_file in earlier exports.
+    key = "k3train_tokenizer_file" if "k3train_tokenizer_file" in tc else "tokenizer_file"
+    kind = tc.get("k3train_tokenizer_kind", "byte" if key not in tc else None)
     if kind == "byte":
         tok, file = load_tokenizer("byte"), None
     else:
-        file = confined(hf_dir, tc.get("tokenizer_file"), f"{TOKENIZER_CONFIG}'s tokenizer_file")
+        file = confined(hf_dir, tc.get(key), f"{TOKENIZER_CONFIG}'s {key}")
         if not file.is_file():
             raise CheckpointError(f"tokenizer file {file} named by {tc_path} is missing")
         try:

@@ -207,7 +207,7 @@ def test_a_bpe_tokenizer_is_imported_as_a_copy(tmp_path, capsys):
 ])
 def test_a_tokenizer_file_outside_or_missing_is_refused(tmp_path, capsys, tokenizer_file, needle):
     hf, _ = _bpe_export(tmp_path)
-    _edit_json(hf / "tokenizer_config.json", lambda t: t.update(tokenizer_file=tokenizer_file))
+    _edit_json(hf / "tokenizer_config.json", lambda t: t.update(k3train_tokenizer_file=tokenizer_file))
     _refused(hf, capsys, "tokenizer", needle)
 
 

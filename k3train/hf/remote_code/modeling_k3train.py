@@ -27,6 +27,11 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim: fla's in-kernel form, as k3train's KDA uses."""
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """``[..., D]`` -> ``x / rms(x) * weight`` in x's dtype, computed in fp32 at least."""
     xf = x.to(_compute_dtype(x))
@@ -174,8 +179,8 @@ class K3DeltaAttention(nn.Module):
         B, T, _ = x.shape
         shape = (B, T, self.H, self.K)
         ct = _compute_dtype(x)
-        q = F.normalize(self._qkv(self.q_proj, self.q_conv1d, x).to(ct), dim=-1)
-        k = F.normalize(self._qkv(self.k_proj, self.k_conv1d, x).to(ct), dim=-1)
+        q = l2norm(self._qkv(self.q_proj, self.q_conv1d, x).to(ct))
+        k = l2norm(self._qkv(self.k_proj, self.k_conv1d, x).to(ct))
         v = self._qkv(self.v_proj, self.v_conv1d, x).to(ct)
         f = self.f_b_proj(self.f_a_proj(x)).view(shape).to(ct)
         a = torch.exp(self.A_log.to(ct))[:, None]
