@@ -42,6 +42,15 @@ def write_chrome_trace(rec, path) -> int:
     return n
 
 
+def gantt_title(rec, num_ranks: int) -> str:
+    """The Gantt chart's title: the layout and the step it shows (chunk.microbatch on each bar)."""
+    info = getattr(rec, "info", None) or {}
+    layout = ", ".join(f"{k} {info[v]}" for k, v in (("P", "pp_size"), ("V", "vpp_size"),
+                                                      ("m", "num_microbatches")) if v in info)
+    return (f"pipeline step timeline, {num_ranks} rank{'s' if num_ranks != 1 else ''}"
+            + (f" ({layout})" if layout else "") + ": compute rows labelled chunk.microbatch, p2p rows below")
+
+
 def write_gantt_png(rec, path) -> None:
     """Gantt chart of the last step: per rank a compute row (F blue, B orange) and a comm row."""
     import matplotlib
@@ -66,8 +75,11 @@ def write_gantt_png(rec, path) -> None:
     ax.set_yticks([2 * (len(ranks) - 1 - i) + 1 for i in range(len(ranks))])
     ax.set_yticklabels([f"rank {r}" for r in ranks])
     ax.set_xlabel("ms since step start")
+    ax.set_title(gantt_title(rec, len(ranks)), fontsize=9)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    ax.legend(handles, ["forward", "backward", "send", "recv"], loc="upper right", fontsize=7)
+    # Outside the axes, right of the last bar: inside it covered the late ranks' ops.
+    ax.legend(handles, ["forward", "backward", "send", "recv"], loc="upper left",
+              bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

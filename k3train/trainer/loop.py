@@ -174,7 +174,13 @@ class Trainer:
                     elapsed = time.perf_counter() - window_start
                     record = self._record(step, lr, out, window_tokens / max(elapsed, 1e-9), last_step)
                     self.logger.log(record)
-                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                    **({"val": f"{record['val_loss']:.4f}"} if "val_loss" in record else {}))
+                    if "val_loss" in record and main and not step == last_step:
+                        # Not only in metrics.jsonl: an evaluation is worth a line of its own (the
+                        # last one is in the closing "done:" line).
+                        bar.write(f"[k3train] step {step}: val loss {record['val_loss']:.4f} "
+                                  f"(train loss {loss:.4f})")
                     window_tokens, window_start = 0, time.perf_counter()
                 interval = cfg.checkpoint.interval
                 # Every rank stops at the same step when any one got a signal (k3train/trainer/stop.py).
