@@ -31,6 +31,7 @@ from k3train.config import RunConfig, dump_config
 from k3train.errors import CheckpointError, K3TrainError, RunDirError
 from k3train.runtime.files import write_text_atomic
 from k3train.trainer.checkpoint import latest_checkpoint, verify_checkpoint
+from k3train.trainer.run_lock import LOCK_NAME
 
 T = TypeVar("T")
 ARCHIVE = "archive"
@@ -91,8 +92,9 @@ def check_writable(run_dir: Path) -> None:
 
 
 def archive_run(run_dir: Path) -> Path:
-    """Move every entry of ``run_dir`` but ``archive/`` and hidden files (lock files, temporary
-    files of a running save) into ``run_dir/archive/<UTC time>/``; returns that directory."""
+    """Move every entry of ``run_dir`` but ``archive/``, the run lock (held by the run that is
+    archiving: moving it would unlock the directory) and hidden files (temporary files of a
+    running save) into ``run_dir/archive/<UTC time>/``; returns that directory."""
     dest = run_dir / ARCHIVE / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     base, n = dest, 1
     while dest.exists():  # two overwrites within one second
@@ -100,7 +102,7 @@ def archive_run(run_dir: Path) -> Path:
     try:
         dest.mkdir(parents=True)
         for entry in sorted(run_dir.iterdir()):
-            if entry.name != ARCHIVE and not entry.name.startswith("."):
+            if entry.name not in (ARCHIVE, LOCK_NAME) and not entry.name.startswith("."):
                 shutil.move(str(entry), str(dest / entry.name))
     except OSError as exc:
         raise RunDirError(f"archiving the previous run in {run_dir} to {dest} failed at {exc.filename or dest} "

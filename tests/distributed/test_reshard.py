@@ -64,10 +64,11 @@ def test_resume_under_another_layout_continues_the_run(tmp_path, case):
     ref = consolidated_state(tmp_path / "ref" / "checkpoints" / "step_00000002")
     assert sorted(saved["model"]) == sorted(ref["model"])
     # Two AdamW steps of lr 3e-3 move a weight by up to 6e-3; a shard put in the wrong place is
-    # off by the weights' scale (~0.05). Summation order alone moves an element by up to ~3e-5
-    # (AdamW's normalisation amplifies it where the gradient is near zero).
+    # off by the weights' scale (~0.05). Summation order alone moves an element by up to ~2e-4
+    # (AdamW's normalisation amplifies it where the gradient is near zero: 1.8e-4 measured on
+    # one element of 4096 in tp2-to-1, 2026-12-04), so the bound sits between the two.
     for name, t in ref["model"].items():
-        torch.testing.assert_close(saved["model"][name], t, rtol=1e-3, atol=1e-4, msg=name)
+        torch.testing.assert_close(saved["model"][name], t, rtol=1e-3, atol=1e-3, msg=name)
     got, want = _losses(tmp_path / "run"), _losses(tmp_path / "ref")
     assert sorted(got) == [1, 2, 3, 4]
     assert [got[3], got[4]] == pytest.approx([want[3], want[4]], rel=1e-4, abs=1e-5)
