@@ -24,6 +24,7 @@ from k3train.runtime.device import resolve_device
 from k3train.runtime.one_process import process_groups
 from k3train.runtime.threads import apply_threads
 from k3train.trainer.data import build_data, run_tokenizer
+from k3train.trainer.position_loss import PositionLoss, token_losses
 from k3train.trainer.restore import load_weights_into, open_checkpoint, resolve_checkpoint, run_config
 from k3train.trainer.state import TrainState
 
@@ -37,7 +38,8 @@ def bytes_per_token(cfg: RunConfig) -> float | None:
 
 
 def evaluate_checkpoint(checkpoint: str | Path, *, config: str | None = None, overrides: list[str] = (),
-                        data: str | None = None, batches: int = 0, progress: bool = True) -> dict:
+                        data: str | None = None, batches: int = 0, progress: bool = True,
+                        seq_len: int = 0, by_position: bool = False) -> dict:
     """Evaluate; returns {"loss", "perplexity", "bits_per_byte" (or None), "batches", "tokens",
     "step", "checkpoint", "data", "whole_split", "micro_batch_size", "seq_len"}: ``batches`` and
     ``tokens`` count what was evaluated (tokens: the predicted positions, ``seq_len`` per window),
@@ -45,9 +47,16 @@ def evaluate_checkpoint(checkpoint: str | Path, *, config: str | None = None, ov
 
     checkpoint: a run directory, its checkpoints/ directory or a step directory, of any layout.
     batches: how many validation batches of ``train.micro_batch_size`` windows (0: all of the
-    split). Under several data-parallel ranks each takes every dp-th batch (of a multiple of dp)."""
+    split). Under several data-parallel ranks each takes every dp-th batch (of a multiple of dp).
+    seq_len: evaluate windows of this many tokens (0: the run's ``train.seq_len``).
+    by_position: also the loss by position bucket (``k3train.trainer.position_loss``), returned
+    as ``by_position`` rows; runs the whole model in one pipeline stage."""
     if batches < 0:
         raise UsageError(f"--batches {batches}: expected 0 (the whole validation split) or a positive count")
+    if seq_len < 0:
+        raise UsageError(f"--seq-len {seq_len}: expected a positive window length (0: the run's train.seq_len)")
+    if seq_len:
+        overrides = [*overrides, f"train.seq_len={seq_len}"]
     step_dir = resolve_checkpoint(checkpoint)
     cfg, _ = run_config(step_dir, config, [*overrides, *([f"data.source={data}"] if data else [])])
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"eval_batches": batches or 1 << 30})})
@@ -72,15 +81,23 @@ def evaluate_checkpoint(checkpoint: str | Path, *, config: str | None = None, ov
         if not val:
             raise UsageError(f"the validation split has fewer batches than the {info.dp} data-parallel ranks")
         mine = val[dp_rank::info.dp]
+        if by_position and state.engine is not None:
+            raise UsageError(f"--by-position runs the whole model in one pipeline stage; this layout has "
+                             f"parallel.pp={p.pp} (in one process any checkpoint opens with parallel.pp=1)")
+        positions = PositionLoss(cfg.train.seq_len) if by_position else None
         total = torch.zeros(3, dtype=torch.float64)  # loss sum, batches, predicted tokens
         bar = tqdm(mine, desc="eval", disable=not (progress and cfg.logging.progress_bar and info.is_main), file=sys.stdout, dynamic_ncols=True)
         for b in bar:
             # a batch [windows, seq_len + 1] predicts seq_len tokens per window
-            total += torch.tensor([state.evaluate([b]), 1.0, b[:, 1:].numel()], dtype=torch.float64)
+            batch_loss = state.evaluate([b]) if positions is None else _position_batch(state, b, positions)
+            total += torch.tensor([batch_loss, 1.0, b[:, 1:].numel()], dtype=torch.float64)
             bar.set_postfix(loss=f"{total[0] / total[1]:.4f}")
         bar.close()
         if info.dp > 1:
             dist.all_reduce(total, group=state.dp_group)
+            if positions is not None:
+                dist.all_reduce(positions.sums, group=state.dp_group)
+                dist.all_reduce(positions.counts, group=state.dp_group)
         loss = float(total[0] / total[1])
         bpt = bytes_per_token(cfg)
         return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)),
@@ -88,7 +105,22 @@ def evaluate_checkpoint(checkpoint: str | Path, *, config: str | None = None, ov
                 "batches": int(total[1]), "tokens": int(total[2]),
                 "step": manifest["step"], "checkpoint": str(step_dir), "data": cfg.data.source,
                 "whole_split": batches == 0, "micro_batch_size": cfg.train.micro_batch_size,
-                "seq_len": cfg.train.seq_len}
+                "seq_len": cfg.train.seq_len,
+                **({"by_position": positions.rows()} if positions is not None else {})}
+
+
+@torch.no_grad()
+def _position_batch(state: TrainState, batch: torch.Tensor, positions: PositionLoss) -> float:
+    """One batch through the whole model (``TrainState.evaluate``'s forward, returning logits):
+    its per-token losses go to ``positions``; returns the batch's mean loss, as ``evaluate``."""
+    state.model.eval()
+    b = batch.to(state.device)
+    segments = state.documents(b)
+    with state.autocast:
+        logits = state.model(b[:, :-1], **({} if segments is None else {"segments": segments}))
+    losses, scored = token_losses(logits, state.targets(b))
+    positions.add(losses, scored)
+    return float((losses * scored).sum() / scored.sum().clamp_min(1))
 
 
 def format_result(r: dict) -> str:
