@@ -1,6 +1,6 @@
 """Parameters per component (total and activated per token, counted on the meta device, so the
 full K3 costs no memory), then each pipeline rank's memory for the parallel.* layout with --dp
-data-parallel replicas. Given an ablation file, each variant's differences from its base come
+data-parallel replicas (and --cp context-parallel ranks: predicted). Given an ablation file, each variant's differences from its base come
 first and the counts are for the base. See docs/memory.md."""
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ def add_arguments(p) -> None:
     add_config_args(p)
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas per pipeline stage for the "
                    "memory plan (a multiple of parallel.ep; docs/memory.md)")
+    p.add_argument("--cp", type=int, default=None, help="context-parallel ranks for the memory plan (default: "
+                   "parallel.cp): each keeps seq_len/cp tokens' activations plus the CP exchanges (predicted)")
 
 
 def run(args) -> int:
@@ -26,7 +28,7 @@ def run(args) -> int:
         print(variants)
     with process_groups():
         counts, assumptions = model_info(cfg)
-        memory = memory_report(cfg, args.dp)   # builds on the meta device too: needs the groups
+        memory = memory_report(cfg, args.dp, args.cp)   # builds on the meta device too: needs the groups
     print(f"model: {args.config}  ({cfg.model.num_layers} layers, pattern {cfg.model.layer_pattern}, "
           f"hidden {cfg.model.hidden_size}, {cfg.moe.num_experts} experts top-{cfg.moe.topk})")
     print(format_info(counts, assumptions))

@@ -19,6 +19,13 @@ Under PP, a rank holds the activations of its in-flight (chunk, microbatch) forw
 replaying its interleaved 1F1B schedule (``pipeline.schedule``), plus the AttnRes block cache:
 the blocks its later chunks read, one set per in-flight microbatch. MoE dispatch buffers are the
 permuted tokens of one layer at capacity (transient, live during one layer's forward/backward).
+
+Context parallelism (``cp``, predicted: not yet measured): each CP rank keeps the activations of
+its ``seq_len / cp`` tokens, and on top of them what the exchanges leave (docs/long_context.md):
+per MLA layer the all-gathered latent of the whole sequence and the keys and values expanded
+from it, which the attention saves for backward (counted for the last CP rank, whose queries
+see every key); per KDA layer the fold's fp32 states (its own end state and transition, the
+folded initial state, ``[H, K, V + K]`` and ``[H, K, V]``). ``cp_extra`` in the plan.
 """
 from __future__ import annotations
 
@@ -227,12 +234,15 @@ class RankPlan:
     activations: dict[str, float] = field(default_factory=dict)   # per microbatch, per mode
     peak_activations: dict[str, float] = field(default_factory=dict)  # schedule peak, per mode
     in_flight: int = 1
+    cp: int = 1
     attnres_cache: float = 0.0
     moe_buffers: float = 0.0
+    cp_extra: dict[str, float] = field(default_factory=dict)       # context parallelism, per mode
 
     def total(self, mode: str, zero1: bool) -> float:
         return (self.params + self.grads + (self.optimizer_zero1 if zero1 else self.optimizer)
-                + self.peak_activations[mode] + self.attnres_cache + self.moe_buffers)
+                + self.peak_activations[mode] + self.attnres_cache + self.moe_buffers
+                + self.cp_extra.get(mode, 0.0))
 
 
 def _param_split(cfg: RunConfig) -> tuple[dict[int, dict[str, int]], dict[str, int]]:
@@ -261,18 +271,41 @@ def _param_split(cfg: RunConfig) -> tuple[dict[int, dict[str, int]], dict[str, i
     return per_layer, outer
 
 
-def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: int = 1) -> list[RankPlan]:
+def cp_extra_bytes(cfg: RunConfig, layers: list[int], act_bytes: int, cp: int) -> float:
+    """Bytes one microbatch's forward keeps on the last CP rank for the CP exchanges of
+    ``layers`` (module docstring), beyond its own tokens' activations; 0 at ``cp`` = 1."""
+    if cp == 1:
+        return 0.0
+    w = Widths.of(cfg)
+    kinds = expand_layer_pattern(cfg.model.layer_pattern, cfg.model.num_layers)
+    B, S = cfg.train.micro_batch_size, cfg.train.seq_len
+    mla = sum(1 for i in layers if kinds[i] == "M")
+    kda = sum(1 for i in layers if kinds[i] == "K")
+    latent = B * S * (w.kvl + w.rope) * act_bytes
+    expanded = B * S * w.Hm * (w.qk + w.v) * act_bytes
+    fold = B * w.H * w.K * (2 * w.K + w.K + w.K) * 4   # [E, M] (V + K wide) and S_r (V wide), V = K
+    return mla * (latent + expanded) + kda * fold
+
+
+def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: int = 1,
+                cp: int | None = None) -> list[RankPlan]:
     """Memory of each pipeline rank of ``cfg.parallel`` (tp, pp, vpp, ep) with ``dp`` data-parallel
     replicas per stage (ep divides dp). ops: ``fused`` (CUDA kernels, compiled norms and SiTU-GLU),
     ``fused-eager`` (the same with ``kernels.compile=false``) or ``torch``; act_bytes: 2
-    under bf16 autocast, 4 in fp32. Activations are per ``train.micro_batch_size x seq_len``."""
+    under bf16 autocast, 4 in fp32. Activations are per ``train.micro_batch_size x seq_len / cp``
+    tokens; cp: context-parallel ranks (default ``parallel.cp``), which divide ``seq_len``."""
 
     if ops not in OPS:
         raise ValueError(f"ops must be one of {', '.join(OPS)}, got {ops!r}")
     p = cfg.parallel
     if dp % p.ep:
         raise ValueError(f"parallel.ep={p.ep} must divide the data-parallel size {dp} (EP runs inside DP)")
-    tokens, T = cfg.train.micro_batch_size * cfg.train.seq_len, cfg.train.seq_len
+    cp = getattr(p, "cp", 1) if cp is None else cp
+    if cp < 1 or cfg.train.seq_len % cp:
+        raise ValueError(f"context parallelism over {cp} ranks needs a train.seq_len divisible by it "
+                         f"(got {cfg.train.seq_len})")
+    T = cfg.train.seq_len // cp
+    tokens = cfg.train.micro_batch_size * T
     per_layer, outer = _param_split(cfg)
     layout = PipelineLayout(cfg.model.num_layers, p.pp, p.vpp)
     C = layout.num_chunks
@@ -298,7 +331,8 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
         n_dense = dense["muon"] + dense["adamw"]
         opt = dense["muon"] * 4 + dense["adamw"] * 8 + expert_opt
         plan = RankPlan(pp_rank=r, layers=layers, params=4 * (n_dense + expert), grads=4 * (n_dense + expert),
-                        optimizer=opt, optimizer_zero1=(dense["muon"] * 4 + dense["adamw"] * 8) / dp + expert_opt / edp)
+                        optimizer=opt, optimizer_zero1=(dense["muon"] * 4 + dense["adamw"] * 8) / dp + expert_opt / edp,
+                        cp=cp)
         for mode in MODES:
             per_chunk = {}
             for c in chunks:
@@ -321,6 +355,11 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
             first_layer = layout.layer_range(last).start
             blocks = 1 + first_layer // cfg.model.attnres.block_size
             plan.attnres_cache = blocks * tokens * w.D * act_bytes * plan.in_flight
+        # none and selective keep every layer's exchange (the attention core, kept under
+        # selective, saves the expanded keys and values); full recomputes them, one layer live.
+        every = cp_extra_bytes(cfg, layers, act_bytes, cp) * plan.in_flight
+        one = max((cp_extra_bytes(cfg, [i], act_bytes, cp) for i in layers), default=0.0)
+        plan.cp_extra = {"none": every, "selective": every, "full": every and one}
         if any(i >= cfg.model.dense_layers for i in layers):
             cf = cfg.moe.capacity_factor
             rows = tokens * w.k * (cf if cf else 1.0)
@@ -334,8 +373,11 @@ def format_plan(cfg: RunConfig, plans: list[RankPlan], *, dp: int, ops: str) -> 
     """The planner's table: one row per pipeline rank, the largest first."""
     p = cfg.parallel
     g = lambda b: f"{b / GiB:9.2f}"  # noqa: E731
-    lines = [f"per-rank memory (GiB), tp={p.tp} pp={p.pp} vpp={p.vpp} ep={p.ep} dp={dp}, "
-             f"microbatch {cfg.train.micro_batch_size} x {cfg.train.seq_len} tokens, "
+    cp = plans[0].cp if plans else 1
+    lines = [f"per-rank memory (GiB), tp={p.tp} pp={p.pp} vpp={p.vpp} ep={p.ep} dp={dp}"
+             + (f" cp={cp} (predicted)" if cp > 1 else "") + ", "
+             f"microbatch {cfg.train.micro_batch_size} x {cfg.train.seq_len} tokens"
+             + (f" ({cfg.train.seq_len // cp} per CP rank)" if cp > 1 else "") + ", "
              f"{cfg.train.microbatches} microbatches, kernels={ops}:",
              f"{'pp rank':>8}{'layers':>8}{'params':>9}{'grads':>9}{'optim':>9}{'optim z1':>9}"
              + "".join(f"{'act ' + m:>14}" for m in MODES) + f"{'in-flight':>10}{'AR cache':>9}{'MoE buf':>9}"]
@@ -348,14 +390,18 @@ def format_plan(cfg: RunConfig, plans: list[RankPlan], *, dp: int, ops: str) -> 
     if len(plans) > len(shown):
         lines.append(f"  ({len(plans) - len(shown)} lighter pp ranks not shown)")
     top = {(m, z): max(q.total(m, z) for q in plans) / GiB for m in MODES for z in (False, True)}
-    lines.append("heaviest rank's total (params + grads + optimizer + peak activations + cache + MoE buffers):")
+    if cp > 1:
+        lines.append("CP exchanges kept (gathered MLA latent and expanded keys/values, KDA fold states), last CP rank: "
+                     + ", ".join(f"{m}: {max(q.cp_extra[m] for q in plans) / GiB:.2f} GiB" for m in MODES))
+    lines.append("heaviest rank's total (params + grads + optimizer + peak activations + cache + MoE buffers"
+                 + (" + CP exchanges" if cp > 1 else "") + "):")
     lines.append("  " + ", ".join(f"{m}: {top[(m, False)]:.1f} GiB ({top[(m, True)]:.1f} with ZeRO-1)" for m in MODES))
     lines.append("  activations are the schedule's peak over in-flight microbatches (1F1B warmup depth); "
                  "fp32 weights, gradients and optimizer state; see docs/memory.md")
     return "\n".join(lines)
 
 
-def memory_report(cfg: RunConfig, dp: int = 1) -> str:
+def memory_report(cfg: RunConfig, dp: int = 1, cp: int | None = None) -> str:
     """``model-info``'s memory section for ``cfg.parallel`` with ``dp`` replicas per stage: the
     CUDA kernels at bf16 (fp32 under precision.recipe=fp32), or the torch forms in fp32 when
     ``train.device=cpu``."""
@@ -367,7 +413,7 @@ def memory_report(cfg: RunConfig, dp: int = 1) -> str:
     ops = "torch" if cpu else "fused-eager" if cfg.kernels.compile is False else "fused"
     act = 4 if cpu or cfg.precision.recipe == "fp32" else 2
     try:
-        plans = plan_memory(cfg, ops=ops, act_bytes=act, dp=dp)
+        plans = plan_memory(cfg, ops=ops, act_bytes=act, dp=dp, cp=cp)
     except ValueError as exc:   # a layout the pipeline cannot run (layers, microbatches)
         raise UsageError(f"memory plan: {exc}") from None
     return format_plan(cfg, plans, dp=dp, ops=ops)

@@ -98,3 +98,29 @@ def test_model_info_prints_the_memory_plan_and_refuses_a_bad_dp(capsys):
     assert main(["model-info", "--config", "configs/k3_tiny.yaml", "parallel.ep=2", "--dp", "3"]) == 2
     assert capsys.readouterr().err.strip() == ("k3train: error: --dp must be a positive multiple of "
                                               "parallel.ep=2 (expert parallelism runs inside data parallelism), got 3")
+
+
+def test_context_parallel_plan_is_the_shorter_sequence_plus_the_exchanges(world1):
+    """cp ranks each keep seq_len/cp tokens' activations (the plan of the shorter sequence) plus,
+    per MLA layer, the gathered latent and the keys/values expanded from it for the whole
+    sequence, and per KDA layer the fold's fp32 states; counted here from the config's widths."""
+    from k3train.config import load_config
+    from k3train.profiling.memory_plan import plan_memory
+
+    base = ["train.seq_len=256", "train.micro_batch_size=2", "train.device=cuda"]
+    cfg = load_config("configs/k3_tiny.yaml", base)
+    short = load_config("configs/k3_tiny.yaml", [*base, "train.seq_len=64"])
+    (four,), (one,) = plan_memory(cfg, cp=4), plan_memory(short, cp=1)
+    for mode in ("none", "selective", "full"):
+        assert four.peak_activations[mode] == one.peak_activations[mode]
+    m, a = cfg.model, 2
+    n_mla = m.layer_pattern.count("M") * m.num_layers // len(m.layer_pattern)
+    n_kda = m.num_layers - n_mla
+    per_mla = 2 * 256 * (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim) * a \
+        + 2 * 256 * m.mla.num_heads * (m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim + m.mla.v_head_dim) * a
+    per_kda = 2 * m.kda.num_heads * m.kda.head_dim * (4 * m.kda.head_dim) * 4
+    assert four.cp_extra["none"] == four.cp_extra["selective"] == n_mla * per_mla + n_kda * per_kda
+    assert four.cp_extra["full"] == per_mla
+    assert one.cp_extra["none"] == 0 and four.total("none", False) == one.total("none", False) + four.cp_extra["none"]
+    with pytest.raises(ValueError, match="divisible"):
+        plan_memory(cfg, cp=3)
