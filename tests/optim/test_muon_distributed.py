@@ -14,11 +14,14 @@ import torch
 import torch.distributed as dist
 
 import optim.muon_distributed as md
+from k3train.model.model import build_model
+from k3train.trainer.optimizer import muon_ns_flops_per_rank
 from optim import build_optimizer, build_param_table
 from optim.grads import GradGroups
 from optim.muon import ns_flops
 from optim.muon_distributed import gather_bytes, muon_blocks, ns_flops_per_rank, plan_ns_owners
 from optim.sharded import ShardedOptimizer
+from tests.helpers import tiny_cfg
 from tests.multiproc import run_multiprocess
 from tests.optim.helpers import EXPERT_SHAPES, HP, RULES, SHAPES
 
@@ -196,3 +199,20 @@ def _ep_body(rank: int, world: int) -> None:
 @pytest.mark.slow
 def test_ep2_dp2_experts_over_expert_dp_equal_replicated():
     run_multiprocess(_ep_body, 4)
+
+
+def test_model_flops_per_rank_replicated_vs_distributed(world1):
+    cfg = tiny_cfg("optim.name=muon")
+    with torch.device("meta"):
+        model = build_model(cfg)
+    (full,) = muon_ns_flops_per_rank(model, cfg.optim, dp=1)
+    assert full > 0 and muon_ns_flops_per_rank(model, cfg.optim, dp=1, distributed=False) == [full]
+    for dp in (2, 4):
+        assert muon_ns_flops_per_rank(model, cfg.optim, dp=dp, distributed=False) == [full] * dp
+        per = muon_ns_flops_per_rank(model, cfg.optim, dp=dp)
+        assert sum(per) == full and max(per) < full / dp * 1.25, per
+    # EP=2 at DP=2: one expert-DP copy, so each rank runs its own experts' blocks; the dense
+    # blocks still split in two.
+    per = muon_ns_flops_per_rank(model, cfg.optim, dp=2, ep=2)
+    assert full < sum(per) < 2 * full and max(per) < full, per
+    assert muon_ns_flops_per_rank(model, cfg.optim.model_copy(update={"name": "adamw"}), dp=2) == [0, 0]
