@@ -329,15 +329,30 @@ class Muon(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
 
-    def _update_batches(self, group: dict[str, Any]) -> list[tuple[int | None, list[torch.Tensor]]]:
+    def _update_batches(self, group: dict[str, Any], only: set[int] | None = None
+                        ) -> list[tuple[int | None, list[torch.Tensor]]]:
         """``(heads, params)`` per Newton-Schulz call of ``step`` for ``group``: parameters with a
-        gradient, batched by shape, head split, dtype and device, largest first."""
+        gradient (and, given ``only``, whose id is in it), batched by shape, head split, dtype
+        and device, largest first."""
         same: dict[tuple, list[torch.Tensor]] = {}
         for p, _name, heads in self._per_param(group):
-            if p.grad is not None:
+            if p.grad is not None and (only is None or id(p) in only):
                 same.setdefault((tuple(p.shape), heads, p.dtype, p.grad.dtype, p.device), []).append(p)
         return [(heads, ps) for (_shape, heads, *_), params in largest_first(same, torch.Tensor.numel)
                 for ps in _batches(params, params[0].numel())]
+
+    def _step_group(self, group: dict[str, Any], only: set[int] | None = None) -> None:
+        """The update of ``group``'s parameters with a gradient (those in ``only``, if given)."""
+        lr, wd = group["lr"], group["weight_decay"]
+        for heads, ps in self._update_batches(group, only):
+            for p in ps:
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            updates = muon_updates(
+                [p.grad for p in ps], [self.state[p]["momentum_buffer"] for p in ps],
+                momentum=group["momentum"], nesterov=group["nesterov"], heads=heads,
+                ns_steps=group["ns_steps"], alpha=-lr)
+            apply_muon_updates(ps, updates, 1.0 - lr * wd)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -346,16 +361,7 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            lr, wd = group["lr"], group["weight_decay"]
-            for heads, ps in self._update_batches(group):
-                for p in ps:
-                    if "momentum_buffer" not in self.state[p]:
-                        self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                updates = muon_updates(
-                    [p.grad for p in ps], [self.state[p]["momentum_buffer"] for p in ps],
-                    momentum=group["momentum"], nesterov=group["nesterov"], heads=heads,
-                    ns_steps=group["ns_steps"], alpha=-lr)
-                apply_muon_updates(ps, updates, 1.0 - lr * wd)
+            self._step_group(group)
         return loss
 
     @torch.no_grad()

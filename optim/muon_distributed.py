@@ -16,6 +16,11 @@ gradient, repeated on each of the group's ``W`` ranks. ``DistributedMuon`` split
   batches, writing ``-lr * scale * O`` into its slice of a flat buffer.
 * One all-gather per group (and Newton-Schulz dtype) per step shares the flat buffers, each
   padded to the longest rank's; every rank then applies ``p = (1 - lr wd) p + u`` itself.
+  Where the group's Muon parameters exceed ``_ROUND_ELEMS`` (512 MiB of bf16) the step goes in
+  rounds of whole parameters, one all-gather each, so the transient buffers (owned inputs,
+  gathered updates) stay bounded as the replicated step's batches are.
+* A parameter no other rank holds (a one-rank group: DP=1, or experts at EP = DP) steps exactly
+  as in ``Muon`` (same batches, same memory).
 
 Same arithmetic per block as ``Muon.step`` (``momentum_input``, ``newton_schulz`` with the same
 ``out_scale``, ``apply_muon_updates``), so the update equals the replicated one; only the batch
@@ -107,61 +112,81 @@ class _Item:
     cols: int
     owners: list[int] = field(default_factory=list)  # per block
 
+    @property
+    def numel(self) -> int:
+        return self.n * self.rows * self.cols
+
 
 @dataclass
 class _Run:
-    """Blocks ``idx`` of one item, owned by one rank, stored at ``[off, off + len(idx) r c)``
-    of the gathered buffer."""
-    item: int
+    """Blocks ``idx`` (in index order) of one item, owned by one rank, stored at
+    ``[off, off + len(idx) * rows * cols)`` of the round's gathered buffer."""
     off: int
     idx: list[int]
 
 
 @dataclass
-class _Plan:
-    """The ownership and buffer layout of one domain (process group) and Newton-Schulz dtype."""
-    items: list[_Item]
-    world: int
-    rank: int
+class _Round:
+    """Whole items whose updates travel in one all-gather of ``world * length`` elements."""
+    items: list[int]
     length: int  # L_max: every rank's send buffer, padded
-    # Batches this rank orthogonalises: (param group, rows, cols, [(item, block idx)]).
+    # Batches this rank orthogonalises: (param group, rows, cols, [(item, owned block idx)]).
     mine: list[tuple[int, int, int, list[tuple[int, list[int]]]]]
-    runs: list[list[_Run]]  # per item: where its blocks lie in the gathered buffer
+    runs: dict[int, list[_Run]]  # per item: where its blocks lie in the gathered buffer
 
 
-def _make_plan(items: list[_Item], world: int, rank: int, steps: int) -> _Plan:
+# Items per all-gather are capped at this many elements (512 MiB in bf16): bounds the transient
+# buffers (owned inputs, the gathered updates) as the replicated step's batch cap does.
+_ROUND_ELEMS = 1 << 28
+
+
+def _rounds(items: list[_Item], world: int, rank: int, steps: int) -> list[_Round]:
+    """Owners for every block of ``items`` (one plan over all of them), then the items cut into
+    rounds of at most ``_ROUND_ELEMS`` elements (an item larger than that alone)."""
     costs = [ns_flops(it.rows, it.cols, steps) for it in items for _ in range(it.n)]
     flat = plan_ns_owners(costs, world)
     k = 0
     for it in items:
         it.owners, k = flat[k:k + it.n], k + it.n
+    cuts: list[list[int]] = [[]]
+    size = 0
+    for i, it in enumerate(items):
+        if cuts[-1] and size + it.numel > _ROUND_ELEMS:
+            cuts.append([])
+            size = 0
+        cuts[-1].append(i)
+        size += it.numel
+    return [_round(items, idx, world, rank) for idx in cuts]
+
+
+def _round(items: list[_Item], idx: list[int], world: int, rank: int) -> _Round:
     # Each rank's share, batched by (param group, block shape) in the replicated step's order
     # (largest total first); blocks of one item stay in index order within a batch.
     keyed: dict[tuple[int, int, int], list[int]] = {}
-    for i, it in enumerate(items):
+    for i in idx:
+        it = items[i]
         keyed.setdefault((it.group, it.rows, it.cols), []).append(i)
-    order = largest_first(keyed, lambda i: items[i].n * items[i].rows * items[i].cols)
-    runs: list[list[_Run]] = [[] for _ in items]
-    mine, lengths = [], []
+    order = largest_first(keyed, lambda i: items[i].numel)
+    runs: dict[int, list[_Run]] = {i: [] for i in idx}
+    mine, ends = [], []
     for r in range(world):
         off = 0
-        for (gi, rows, cols), idx in order:
-            batch = [(i, [b for b in range(items[i].n) if items[i].owners[b] == r]) for i in idx]
+        for (gi, rows, cols), same in order:
+            batch = [(i, [b for b in range(items[i].n) if items[i].owners[b] == r]) for i in same]
             batch = [(i, bs) for i, bs in batch if bs]
             for i, bs in batch:
-                runs[i].append(_Run(i, off, bs))
+                runs[i].append(_Run(off, bs))
                 off += len(bs) * rows * cols
             if r == rank and batch:
                 mine.append((gi, rows, cols, batch))
-        lengths.append(off)
-    length = max(lengths)
-    plan = _Plan(items, world, rank, length, mine, runs)
+        ends.append(off)
+    length = max(ends)
     # Offsets so far are within each rank's share: shift rank r's by r * L_max (the gathered
     # buffer is the W send buffers end to end).
-    for i, it in enumerate(items):
+    for i in idx:
         for run in runs[i]:
-            run.off += it.owners[run.idx[0]] * length
-    return plan
+            run.off += items[i].owners[run.idx[0]] * length
+    return _Round(idx, length, mine, runs)
 
 
 class DistributedMuon(Muon):
@@ -169,10 +194,11 @@ class DistributedMuon(Muon):
     (see the module docstring); the update equals ``Muon``'s.
 
     group_of: the process group a parameter's copies live on (dense: the data-parallel group;
-    routed experts: the expert-data-parallel group); None or a one-rank group: this rank alone.
-    Gradients must already be reduced (``optim.grads.DataParallelGrads``), so every rank of a
-    group holds the same ``p.grad`` and the same set of parameters with a gradient. Other
-    arguments as ``Muon``; state and checkpoints are ``Muon``'s (``state_kind``).
+    routed experts: the expert-data-parallel group); None or a one-rank group: this rank alone,
+    which steps exactly as ``Muon`` (same batches, same memory). Gradients must already be
+    reduced (``optim.grads.DataParallelGrads``), so every rank of a group holds the same
+    ``p.grad`` and the same set of parameters with a gradient. Other arguments as ``Muon``;
+    state and checkpoints are ``Muon``'s (``state_kind``).
     """
 
     state_kind = "Muon"  # checkpoints interchange with the replicated Muon
@@ -180,31 +206,34 @@ class DistributedMuon(Muon):
     def __init__(self, params: Iterable[Any], *, group_of: Callable[[torch.Tensor], Any], **kwargs) -> None:
         super().__init__(params, **kwargs)
         self._group_of = group_of
-        self._plans: dict[tuple, _Plan] = {}
+        self._plans: dict[tuple, list[_Round]] = {}
 
-    def _domains(self) -> list[tuple[Any, torch.dtype, list[_Item]]]:
-        """``(group, Newton-Schulz dtype, items)`` for the parameters with a gradient, in
-        param-group and parameter order (the same on every rank)."""
+    def _domains(self) -> tuple[set[int], list[tuple[Any, torch.dtype, list[_Item]]]]:
+        """Ids of the parameters with a gradient that no other rank holds, and ``(group,
+        Newton-Schulz dtype, items)`` for the rest, in param-group and parameter order (the
+        same on every rank of a group)."""
+        alone: set[int] = set()
         out: dict[tuple[int, torch.dtype], tuple[Any, torch.dtype, list[_Item]]] = {}
         for gi, group in enumerate(self.param_groups):
             for p, _name, heads in self._per_param(group):
                 if p.grad is None:
                     continue
                 pg = self._group_of(p)
+                if group_size(pg) == 1:
+                    alone.add(id(p))
+                    continue
                 dtype = _ns_dtype(p.grad)
                 n, rows, cols = muon_blocks(tuple(p.shape), heads)
                 out.setdefault((id(pg), dtype), (pg, dtype, []))[2].append(_Item(gi, p, n, rows, cols))
-        return list(out.values())
+        return alone, list(out.values())
 
-    def _plan(self, pg, dtype: torch.dtype, items: list[_Item]) -> _Plan:
-        steps = tuple(self.param_groups[it.group]["ns_steps"] for it in items)
-        key = (id(pg), dtype, tuple((it.group, id(it.param), it.n, it.rows) for it in items), steps)
-        plan = self._plans.get(key)
-        if plan is None:
-            world = group_size(pg)
-            rank = dist.get_rank(pg) if world > 1 else 0
-            plan = self._plans[key] = _make_plan(items, world, rank, max(steps))
-        return plan
+    def _plan(self, pg, dtype: torch.dtype, items: list[_Item]) -> tuple[list[_Item], list[_Round]]:
+        """The rounds for these items, cached while the same parameters have gradients."""
+        steps = max(self.param_groups[it.group]["ns_steps"] for it in items)
+        key = (id(pg), dtype, steps, tuple((it.group, id(it.param), it.n, it.rows) for it in items))
+        if key not in self._plans:
+            self._plans[key] = (items, _rounds(items, group_size(pg), dist.get_rank(pg), steps))
+        return self._plans[key]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -212,16 +241,25 @@ class DistributedMuon(Muon):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for pg, dtype, items in self._domains():
-            self._step_domain(pg, dtype, self._plan(pg, dtype, items))
+        alone, domains = self._domains()
+        if alone:
+            for group in self.param_groups:
+                self._step_group(group, alone)
+        for pg, dtype, items in domains:
+            items, rounds = self._plan(pg, dtype, items)
+            rank = dist.get_rank(pg)
+            for rnd in rounds:
+                self._step_round(pg, dtype, rank, items, rnd)
         return loss
 
-    def _step_domain(self, pg, dtype: torch.dtype, plan: _Plan) -> None:
-        device = plan.items[0].param.device
+    def _step_round(self, pg, dtype: torch.dtype, rank: int, items: list[_Item], rnd: _Round) -> None:
+        world = group_size(pg)
+        device = items[rnd.items[0]].param.device
         # 1. Momentum on every rank (replicated state); keep the Newton-Schulz input of the
         #    blocks this rank owns.
         owned: dict[int, torch.Tensor] = {}
-        for i, it in enumerate(plan.items):
+        for i in rnd.items:
+            it = items[i]
             p, group = it.param, self.param_groups[it.group]
             state = self.state[p]
             if "momentum_buffer" not in state:
@@ -229,34 +267,33 @@ class DistributedMuon(Muon):
             u = torch.empty(p.shape, dtype=dtype, device=device)
             momentum_input(p.grad, state["momentum_buffer"], u, momentum=group["momentum"],
                            nesterov=group["nesterov"])
-            if plan.rank in it.owners:
-                owned[i] = u.view(it.n, it.rows, it.cols)
+            mine = [b for b, o in enumerate(it.owners) if o == rank]
+            if mine:
+                u = u.view(it.n, it.rows, it.cols)
+                owned[i] = u if len(mine) == it.n else u[torch.tensor(mine, device=device)]
         # 2. Newton-Schulz on the owned blocks, written into this rank's send buffer.
-        send = torch.zeros(plan.length, dtype=dtype, device=device)
+        send = torch.zeros(rnd.length, dtype=dtype, device=device)
         off = 0
-        for gi, rows, cols, batch in plan.mine:
+        for gi, rows, cols, batch in rnd.mine:
             group = self.param_groups[gi]
-            stack = torch.cat([owned[i][bs] if len(bs) < plan.items[i].n else owned[i]
-                               for i, bs in batch])
+            stack = torch.cat([owned.pop(i) for i, _ in batch]) if len(batch) > 1 else owned.pop(batch[0][0])
             alpha = -group["lr"] * muon_scale(rows, cols)
             for chunk in _batches(list(range(stack.shape[0])), rows * cols):
                 lo, hi = chunk[0], chunk[-1] + 1
                 out = newton_schulz(stack[lo:hi], group["ns_steps"], out_scale=alpha)
                 send[off + lo * rows * cols:off + hi * rows * cols].view(hi - lo, rows, cols).copy_(out)
             off += stack.shape[0] * rows * cols
-        del owned
+            del stack
         # 3. One all-gather shares every rank's updates.
-        if plan.world > 1:
-            full = torch.empty(plan.world * plan.length, dtype=dtype, device=device)
-            _all_gather(full, send, group=pg)
-        else:
-            full = send
+        full = torch.empty(world * rnd.length, dtype=dtype, device=device)
+        _all_gather(full, send, group=pg)
+        del send
         # 4. Every rank applies every update: p = (1 - lr wd) p + u.
-        for i, it in enumerate(plan.items):
-            group = self.param_groups[it.group]
-            runs, size = plan.runs[i], it.rows * it.cols
+        for i in rnd.items:
+            it, runs = items[i], rnd.runs[i]
+            group, size = self.param_groups[it.group], it.rows * it.cols
             if len(runs) == 1:  # one owner holds every block, in order
-                upd = full[runs[0].off:runs[0].off + it.n * size].view(it.param.shape)
+                upd = full[runs[0].off:runs[0].off + it.numel].view(it.param.shape)
             else:
                 upd = torch.empty((it.n, size), dtype=dtype, device=device)
                 for run in runs:

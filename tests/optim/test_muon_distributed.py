@@ -118,22 +118,28 @@ def _count_ns(fn):
 
 
 def _dp_body(rank: int, world: int) -> None:
-    table, ref = fp64_table(0), fp64_table(0)
-    opt = build_optimizer(table, "muon", **HP, muon_group_of=lambda p: dist.group.WORLD)
-    ref_opt = build_optimizer(ref, "muon", **HP)
-    blocks = 0
-    for step in range(STEPS):
-        g = grads(table, 0, step)  # already reduced: the same on every rank
-        set_grads(table, g)
-        set_grads(ref, g)
-        blocks += _count_ns(opt.step)
-        ref_opt.step()
-        assert_same(table, ref)
-    # The blocks form a partition: each orthogonalised once per step across the group.
-    total = sum(muon_blocks(e.shape, e.heads)[0] for e in table if e.optimizer == "muon")
-    counts = [None] * world
-    dist.all_gather_object(counts, blocks)
-    assert sum(counts) == STEPS * total and all(counts), counts
+    # One all-gather for the whole table; then a cap of 200 elements, which cuts the three Muon
+    # matrices (128, 192 and 192 elements) into three rounds of one all-gather each.
+    for cap in (md._ROUND_ELEMS, 200):
+        md._ROUND_ELEMS = cap
+        table, ref = fp64_table(0), fp64_table(0)
+        opt = build_optimizer(table, "muon", **HP, muon_group_of=lambda p: dist.group.WORLD)
+        ref_opt = build_optimizer(ref, "muon", **HP)
+        blocks = 0
+        for step in range(STEPS):
+            g = grads(table, 0, step)  # already reduced: the same on every rank
+            set_grads(table, g)
+            set_grads(ref, g)
+            blocks += _count_ns(opt.step)
+            ref_opt.step()
+            assert_same(table, ref)
+        # The blocks form a partition: each orthogonalised once per step across the group.
+        total = sum(muon_blocks(e.shape, e.heads)[0] for e in table if e.optimizer == "muon")
+        counts = [None] * world
+        dist.all_gather_object(counts, blocks)
+        assert sum(counts) == STEPS * total and all(counts), counts
+        rounds = [len(r) for _, r in opt.optimizers[0]._plans.values()]
+        assert rounds == ([1] if cap > 1000 else [3]), rounds
 
     # ZeRO-1: every rank its own gradient; the reference steps their mean.
     table, ref = fp64_table(1), fp64_table(1)
