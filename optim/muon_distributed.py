@@ -87,26 +87,23 @@ def ns_flops_per_rank(matrices: Iterable[tuple[tuple[int, ...], int | None]], wo
 
 def gather_bytes(matrices: Iterable[tuple[tuple[int, ...], int | None]], world: int, *,
                  element_size: int, steps: int = 5) -> int:
-    """Bytes one rank receives in the step's all-gather of updates (``(W - 1) * L_max``
-    elements of ``element_size`` bytes; ``L_max`` the longest rank's share, padding included)."""
-    sizes, costs = [], []
-    for shape, heads in matrices:
-        n, rows, cols = muon_blocks(tuple(shape), heads)
-        sizes += [rows * cols] * n
-        costs += [ns_flops(rows, cols, steps)] * n
+    """Bytes one rank receives per step in the all-gathers of updates for Muon parameters
+    ``(shape, heads)`` (in the optimizer's order) replicated over ``world`` ranks: per round,
+    ``(W - 1) * L_max`` elements of ``element_size`` bytes (``L_max``: the longest rank's share
+    of the round, padding included)."""
     if world == 1:
         return 0
-    per = [0] * world
-    for s, o in zip(sizes, plan_ns_owners(costs, world)):
-        per[o] += s
-    return (world - 1) * max(per) * element_size
+    items = [_Item(0, None, *muon_blocks(tuple(shape), heads)) for shape, heads in matrices]
+    if not items:
+        return 0
+    return sum((world - 1) * rnd.length for rnd in _rounds(items, world, 0, steps)) * element_size
 
 
 @dataclass
 class _Item:
     """One Muon parameter with a gradient, viewed as ``n`` blocks ``[rows, cols]``."""
     group: int  # param-group index
-    param: torch.Tensor
+    param: torch.Tensor | None  # None: accounting only (gather_bytes)
     n: int
     rows: int
     cols: int
