@@ -20,18 +20,35 @@ Newton-Schulz time is the sum of its matrices' measured times (the slowest rank 
 With ``--slice-json`` (bench_slice.py's output: measured forward+backward per token) it also
 gives Muon's share of a step at 256K tokens per update, EXTRAPOLATED from those measured parts:
 ``ns_rank / (fwd_bwd_per_token * 256K / DP + ns_rank)``.
+
+Then the replicated optimizer's distributed Muon (``optim.muon_distributed``, config
+``optim.muon_distributed``): Newton-Schulz blocks (whole matrices, per-head blocks, single
+experts) assigned by ``plan_ns_owners`` at DP = 1, 2, 4, 8 (experts over expert-DP = DP at
+EP=1). Side by side per rank: Newton-Schulz GFLOP replicated (every rank all blocks) and
+distributed (slowest / least-loaded owner), the measured Newton-Schulz time of the replicated
+set (the DP=1 row) and of the slowest owner's share, each run on this one device as the owner
+batches it, and the bytes one rank receives in the step's all-gather of updates (computed from
+the plan, bf16 on CUDA; its time is not measured on one device).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import re
+from collections import Counter
 
 import torch
 
 from benchmarks.common import graph_ms, save_json, timeit  # noqa: E402
 
 import optim.muon as muon  # noqa: E402
+from k3train.config import load_config  # noqa: E402
+from k3train.model.model import build_model  # noqa: E402
+from k3train.runtime.distributed import init_distributed  # noqa: E402
+from k3train.trainer.optimizer import _EXPERTS, k3_param_rules  # noqa: E402
+from optim import build_param_table  # noqa: E402
+from optim.sharded import plan_muon_owners  # noqa: E402
+from optim.muon_distributed import gather_bytes, muon_blocks, plan_ns_owners  # noqa: E402
 from k3train.ops import kernels  # noqa: E402
 from optim.ns_gemm_triton import baddbmm_triton  # noqa: E402
 
@@ -50,25 +67,46 @@ def ns_with(backend: str, G: torch.Tensor) -> torch.Tensor:
 
 def ns_flops(shape: tuple[int, ...], heads: int | None, steps: int = 5) -> float:
     """FLOPs of ``steps`` quintic Newton-Schulz steps on ``shape`` (``[A, B]`` or ``[S, A, B]``,
-    split into ``heads`` row blocks): per step and matrix ``[a, b]`` (a <= b) the Gram product
-    2a^2b, ``b A + c A A`` 2a^3 and ``B X`` 2a^2b."""
-    *stack, rows, cols = shape
-    n = (stack[0] if stack else 1) * (heads or 1)
-    a, b = sorted((rows // (heads or 1), cols))
-    return steps * n * (4 * a * a * b + 2 * a ** 3)
+    split into ``heads`` row blocks): ``optim.muon.ns_flops`` per block times the blocks."""
+    n, rows, cols = muon_blocks(shape, heads)
+    return n * muon.ns_flops(rows, cols, steps)
+
+
+def owner_share(matrices: list[tuple[tuple[int, ...], int | None]], world: int) -> list[dict]:
+    """Each rank's blocks under ``DistributedMuon``'s plan (``plan_ns_owners``) for Muon
+    parameters ``(shape, heads)`` replicated over ``world`` ranks: per rank, a Counter of block
+    shapes ``(rows, cols) -> count`` and its Newton-Schulz FLOPs."""
+    blocks = []
+    for shape, heads in matrices:
+        n, rows, cols = muon_blocks(shape, heads)
+        blocks += [(rows, cols)] * n
+    owners = plan_ns_owners([muon.ns_flops(r, c) for r, c in blocks], world)
+    share = [{"blocks": Counter(), "flops": 0} for _ in range(world)]
+    for (r, c), o in zip(blocks, owners):
+        share[o]["blocks"][(r, c)] += 1
+        share[o]["flops"] += muon.ns_flops(r, c)
+    return share
+
+
+def time_blocks(blocks, device: str, gen) -> float:
+    """Measured ms of Newton-Schulz on ``blocks`` (``(rows, cols) -> count``), batched per
+    shape in runs of at most ``optim.muon``'s batch cap, as ``DistributedMuon`` stacks them:
+    one full run is timed and multiplied, so memory stays at one run."""
+    total = 0.0
+    for (rows, cols), count in blocks.items():
+        per = max(1, muon._BATCH_ELEMS // (rows * cols))
+        full, rest = divmod(count, per)
+        for k, times in ((per, full), (rest, 1)):
+            if k == 0 or times == 0:
+                continue
+            G = torch.randn(k, rows, cols, device=device, generator=gen)
+            total += times * timeit(lambda: muon.newton_schulz(G, out_scale=-1e-3), warmup=1, iters=3, device=device)
+            del G
+    return total
 
 
 def slice_muon(args) -> dict:
     """The slice's Muon matrices: time per update of each distinct shape, ZeRO-1 per-rank times."""
-    from collections import Counter
-
-    from k3train.config import load_config
-    from k3train.runtime.distributed import init_distributed
-    from k3train.model.model import build_model
-    from k3train.trainer.optimizer import _EXPERTS, k3_param_rules
-    from optim import build_param_table
-    from optim.sharded import plan_muon_owners
-
     small = ["model.hidden_size=64", "model.kda.num_heads=2", "model.kda.head_dim=32", "model.mla.num_heads=2",
              "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=32", "model.mla.qk_nope_head_dim=16",
              "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=16", "moe.num_experts=8", "moe.topk=2",
@@ -127,6 +165,31 @@ def slice_muon(args) -> dict:
             z["extrapolated_256k"] = {"fwd_bwd_ms_per_rank": fb, "muon_share_of_step": z["max_ms"] / (fb + z["max_ms"]),
                                       "extrapolated": True}
         out["zero1"][dp] = z
+    out["distributed"] = distributed_muon(table, expert, dev, gen)
+    return out
+
+
+def distributed_muon(table, expert: list[bool], dev: torch.device, gen) -> dict:
+    """optim.muon_distributed at DP = 1, 2, 4, 8 (EP=1: experts over expert-DP = DP): per rank
+    the Newton-Schulz FLOPs, replicated against the owner plan, and the measured Newton-Schulz
+    time of the slowest owner's share (run here on one device); bytes one rank receives in the
+    step's all-gather of updates (bf16 on CUDA, fp32 on CPU)."""
+    mats = {want: [(tuple(e.shape), e.heads) for e, x in zip(table, expert) if x == want] for want in (False, True)}
+    elem = 2 if dev.type == "cuda" else 4
+    replicated_ms, out = None, {}
+    for dp in (1, 2, 4, 8):
+        shares = {want: owner_share(mats[want], dp) for want in (False, True)}
+        per_rank = [shares[False][r]["flops"] + shares[True][r]["flops"] for r in range(dp)]
+        slow = max(range(dp), key=lambda r: per_rank[r])
+        blocks = Counter(shares[False][slow]["blocks"]) + Counter(shares[True][slow]["blocks"])
+        ms = time_blocks(blocks, dev.type, gen)
+        replicated_ms = ms if dp == 1 else replicated_ms
+        nbytes = sum(gather_bytes(mats[want], dp, element_size=elem) for want in (False, True))
+        out[dp] = {"replicated_tflop_per_rank": sum(per_rank) / 1e12,  # every rank all blocks
+                   "distributed_tflop_per_rank_max": max(per_rank) / 1e12,
+                   "distributed_tflop_per_rank_min": min(per_rank) / 1e12,
+                   "ns_ms_slowest_owner": ms, "ns_ms_replicated": replicated_ms,
+                   "allgather_bytes_per_rank": nbytes}
     return out
 
 
@@ -146,6 +209,15 @@ def print_slice(out: dict) -> None:
         print(line)
     if not share:
         print("(pass --slice-json from bench_slice.py for the share of the step)")
+    print(f"\n{'Muon once per block (optim.muon_distributed)':<46}")
+    print(f"{'DP':<4}{'NS GFLOP/rank repl':>20}{'distributed max':>17}{'min':>10}"
+          f"{'NS ms/rank repl':>17}{'distributed ms':>16}{'all-gather MiB/rank':>21}")
+    for dp, d in out["distributed"].items():
+        print(f"{dp:<4}{d['replicated_tflop_per_rank'] * 1e3:>20.1f}{d['distributed_tflop_per_rank_max'] * 1e3:>17.1f}"
+              f"{d['distributed_tflop_per_rank_min'] * 1e3:>10.1f}{d['ns_ms_replicated']:>17.1f}"
+              f"{d['ns_ms_slowest_owner']:>16.1f}{d['allgather_bytes_per_rank'] / 2**20:>21.1f}")
+    print("(distributed ms: the slowest owner's blocks run on this one device; the all-gather's time "
+          "is not measured here, only its bytes)")
 
 
 def main() -> None:

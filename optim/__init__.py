@@ -15,6 +15,7 @@ from .muon import (
     muon_updates,
     newton_schulz,
 )
+from .muon_distributed import DistributedMuon, ns_flops_per_rank, plan_ns_owners
 from .param_groups import ParamGroupPlan, plan_param_groups
 from .param_table import (
     OPTIMIZERS,
@@ -31,7 +32,7 @@ __all__ = [
     "DataParallelGrads", "GradGroups", "clip_grads_", "global_grad_norm",
     "ParamGroupPlan", "plan_param_groups",
     "NS_COEFFICIENTS", "Muon", "apply_muon_updates", "muon_scale", "muon_update", "muon_updates",
-    "newton_schulz",
+    "newton_schulz", "DistributedMuon", "ns_flops_per_rank", "plan_ns_owners",
     "OPTIMIZERS", "ParamEntry", "ParamRule", "build_param_table", "format_table",
     "SCHEDULES", "apply_lr", "lr_factor",
     "ShardedOptimizer", "plan_muon_owners",

@@ -6,6 +6,7 @@ from typing import Any, Callable
 import torch
 
 from .muon import Muon
+from .muon_distributed import DistributedMuon
 from .param_groups import OPTIMIZER_NAMES, ParamGroupPlan, plan_param_groups
 from .param_table import ParamEntry
 
@@ -54,14 +55,18 @@ class CombinedOptimizer:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=set_to_none)
 
+    def _kinds(self) -> list[str]:
+        # state_kind: DistributedMuon's state is Muon's, so checkpoints interchange.
+        return [getattr(opt, "state_kind", type(opt).__name__) for opt in self.optimizers]
+
     def state_dict(self) -> dict[str, Any]:
         return {
-            "kinds": [type(opt).__name__ for opt in self.optimizers],
+            "kinds": self._kinds(),
             "optimizers": [opt.state_dict() for opt in self.optimizers],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        kinds = [type(opt).__name__ for opt in self.optimizers]
+        kinds = self._kinds()
         if state_dict.get("kinds") != kinds:
             raise ValueError(
                 f"optimizer state is for {state_dict.get('kinds')}, this optimizer is {kinds}"
@@ -96,6 +101,7 @@ def build_optimizer(
     eps: float = 1e-8,
     muon_lr: float | None = None,
     muon_momentum: float = 0.95,
+    muon_group_of: Callable[[torch.Tensor], Any] | None = None,
 ) -> CombinedOptimizer:
     """Build the optimizer named ``name`` ("adamw" or "muon") over a parameter table.
 
@@ -105,6 +111,11 @@ def build_optimizer(
     lr = base lr * ``lr_mult``; weight decay = ``weight_decay * wd_mult``. Both optimizers use
     decoupled weight decay ``p *= 1 - lr * wd``. Gradients must already be reduced
     (``optim.grads.DataParallelGrads``).
+
+    muon_group_of: None (every rank orthogonalises every Muon matrix it holds), or a function
+    giving the process group each Muon parameter is replicated over (dense: DP; routed experts:
+    expert DP): Muon is then ``DistributedMuon``, which runs Newton-Schulz once per matrix block
+    per group and all-gathers the updates (same update, same checkpoint state).
     """
     plans = plan_param_groups(table, name, lr=lr, weight_decay=weight_decay, muon_lr=muon_lr)
     muon_plans = [g for g in plans if g.kind == "muon"]
@@ -113,8 +124,10 @@ def build_optimizer(
     optimizers: list[torch.optim.Optimizer] = []
     if muon_plans:
         mlr = lr if muon_lr is None else muon_lr
-        optimizers.append(Muon(_torch_groups(muon_plans, muon=True), lr=mlr,
-                               weight_decay=weight_decay, momentum=muon_momentum, nesterov=True))
+        kw = dict(lr=mlr, weight_decay=weight_decay, momentum=muon_momentum, nesterov=True)
+        groups = _torch_groups(muon_plans, muon=True)
+        optimizers.append(Muon(groups, **kw) if muon_group_of is None else
+                          DistributedMuon(groups, group_of=muon_group_of, **kw))
     if adamw_plans:
         # torch's fused CUDA kernel: one launch per few tensors instead of a foreach chain of
         # ~10 passes over the optimizer state, with the same update rule.

@@ -31,8 +31,8 @@ import torch
 
 from .backends import current as current_backends
 
-__all__ = ["NS_COEFFICIENTS", "apply_muon_updates", "largest_first", "newton_schulz", "muon_scale",
-           "scratch_muon_updates",
+__all__ = ["NS_COEFFICIENTS", "apply_muon_updates", "largest_first", "momentum_input", "newton_schulz",
+           "muon_scale", "ns_flops", "scratch_muon_updates",
            "muon_update", "muon_updates", "Muon"]
 
 # Quintic p(x) = a x + b x^3 + c x^5 applied to the singular values. The large slope a at 0
@@ -42,7 +42,11 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
 def _ns_dtype(t: torch.Tensor) -> torch.dtype:
-    """The dtype the Newton-Schulz iteration runs in for a tensor on ``t``'s device."""
+    """The dtype the Newton-Schulz iteration runs in for a tensor like ``t``: bf16 on CUDA,
+    fp32 elsewhere; fp64 stays fp64 (reference runs: an fp64 test then compares at fp64
+    rounding, not fp32's)."""
+    if t.dtype == torch.float64:
+        return torch.float64
     return torch.bfloat16 if t.is_cuda else torch.float32
 
 
@@ -115,6 +119,16 @@ def muon_scale(rows: int, cols: int) -> float:
     return 0.2 * math.sqrt(max(rows, cols))
 
 
+def ns_flops(rows: int, cols: int, steps: int = 5) -> int:
+    """FLOPs of ``steps`` quintic Newton-Schulz steps on one ``[rows, cols]`` matrix (block).
+
+    On the wide orientation ``[a, b]`` (``a = min``, ``b = max``) each step is the Gram product
+    ``X X^T`` (2a^2b), ``b A + c A A`` (2a^3) and ``B X`` (2a^2b); elementwise work is ignored.
+    """
+    a, b = sorted((rows, cols))
+    return steps * (4 * a * a * b + 2 * a ** 3)
+
+
 def _check_matrix(shape: tuple[int, ...], heads: int | None, name: str | None) -> None:
     """A Muon parameter is a matrix ``[A, B]`` or a stack ``[S, A, B]``; heads split 2-D rows."""
     what = f"parameter {name!r}" if name else "parameter"
@@ -157,6 +171,26 @@ def muon_update(
                         ns_steps=ns_steps)[0]
 
 
+def momentum_input(g: torch.Tensor, buf: torch.Tensor, out: torch.Tensor, *, momentum: float,
+                   nesterov: bool) -> None:
+    """Advance the momentum ``buf = mu * buf + g`` in place and write Newton-Schulz's input
+    (``g + mu * buf`` with Nesterov, else ``buf``) into ``out``, cast on the store.
+
+    ``g, buf, out``: one shape (``out`` in the Newton-Schulz dtype). On CUDA one Triton pass
+    does both (torch needs two). The one place this arithmetic lives, so that the replicated
+    and the distributed Muon (``optim.muon_distributed``) advance the momentum bit for bit alike.
+    """
+    fused = _cuda_kernel(g, "momentum", "momentum_triton", "momentum_nesterov_triton")
+    if fused is not None and g.is_contiguous() and buf.is_contiguous():
+        fused(g, buf, out, momentum, nesterov)
+        return
+    torch.add(g, buf, alpha=momentum, out=buf)          # buf = mu * buf + g
+    if nesterov:
+        torch.add(g, buf, alpha=momentum, out=out)      # u = g + mu * buf
+    else:
+        out.copy_(buf)
+
+
 def muon_updates(
     grads: list[torch.Tensor],
     bufs: list[torch.Tensor],
@@ -178,18 +212,9 @@ def muon_updates(
     """
     ns_dtype = _ns_dtype(grads[0])
     u = torch.empty((len(grads), *grads[0].shape), dtype=ns_dtype, device=grads[0].device)
-    # The Nesterov input is written straight into its slot of the Newton-Schulz stack, cast on
-    # the store; on CUDA one Triton pass also advances the momentum (torch needs two).
-    fused = _cuda_kernel(grads[0], "momentum", "momentum_triton", "momentum_nesterov_triton")
+    # The Nesterov input is written straight into its slot of the Newton-Schulz stack.
     for i, (g, buf) in enumerate(zip(grads, bufs)):
-        if fused is not None and g.is_contiguous() and buf.is_contiguous():
-            fused(g, buf, u[i], momentum, nesterov)
-            continue
-        torch.add(g, buf, alpha=momentum, out=buf)          # buf = mu * buf + g
-        if nesterov:
-            torch.add(g, buf, alpha=momentum, out=u[i])     # u = g + mu * buf
-        else:
-            u[i].copy_(buf)
+        momentum_input(g, buf, u[i], momentum=momentum, nesterov=nesterov)
     rows, cols = u.shape[-2:]
     h = heads or 1
     ortho = newton_schulz(u.view(-1, rows // h, cols), ns_steps,
@@ -304,15 +329,30 @@ class Muon(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
 
-    def _update_batches(self, group: dict[str, Any]) -> list[tuple[int | None, list[torch.Tensor]]]:
+    def _update_batches(self, group: dict[str, Any], only: set[int] | None = None
+                        ) -> list[tuple[int | None, list[torch.Tensor]]]:
         """``(heads, params)`` per Newton-Schulz call of ``step`` for ``group``: parameters with a
-        gradient, batched by shape, head split, dtype and device, largest first."""
+        gradient (and, given ``only``, whose id is in it), batched by shape, head split, dtype
+        and device, largest first."""
         same: dict[tuple, list[torch.Tensor]] = {}
         for p, _name, heads in self._per_param(group):
-            if p.grad is not None:
+            if p.grad is not None and (only is None or id(p) in only):
                 same.setdefault((tuple(p.shape), heads, p.dtype, p.grad.dtype, p.device), []).append(p)
         return [(heads, ps) for (_shape, heads, *_), params in largest_first(same, torch.Tensor.numel)
                 for ps in _batches(params, params[0].numel())]
+
+    def _step_group(self, group: dict[str, Any], only: set[int] | None = None) -> None:
+        """The update of ``group``'s parameters with a gradient (those in ``only``, if given)."""
+        lr, wd = group["lr"], group["weight_decay"]
+        for heads, ps in self._update_batches(group, only):
+            for p in ps:
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            updates = muon_updates(
+                [p.grad for p in ps], [self.state[p]["momentum_buffer"] for p in ps],
+                momentum=group["momentum"], nesterov=group["nesterov"], heads=heads,
+                ns_steps=group["ns_steps"], alpha=-lr)
+            apply_muon_updates(ps, updates, 1.0 - lr * wd)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -321,16 +361,7 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            lr, wd = group["lr"], group["weight_decay"]
-            for heads, ps in self._update_batches(group):
-                for p in ps:
-                    if "momentum_buffer" not in self.state[p]:
-                        self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                updates = muon_updates(
-                    [p.grad for p in ps], [self.state[p]["momentum_buffer"] for p in ps],
-                    momentum=group["momentum"], nesterov=group["nesterov"], heads=heads,
-                    ns_steps=group["ns_steps"], alpha=-lr)
-                apply_muon_updates(ps, updates, 1.0 - lr * wd)
+            self._step_group(group)
         return loss
 
     @torch.no_grad()

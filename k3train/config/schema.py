@@ -349,6 +349,13 @@ class OptimConfig(_Strict):
     matrices and a slice of the AdamW parameters; see docs/optim_sharding.md."""
     muon_per_head: bool = True
     """Orthogonalise q/k/v projection updates head by head (K3) rather than whole."""
+    muon_distributed: bool = True
+    """Run Muon's Newton-Schulz once per matrix block per group of ranks holding copies of it
+    (dense weights: data parallel; routed experts: expert data parallel), on an owner balanced
+    by FLOPs, and all-gather the updates; false: every rank orthogonalises every matrix it holds
+    (the replicated step, kept for comparison). Same update and checkpoint either way. Under
+    zero1 each matrix already has one owner, so this field changes nothing there
+    (docs/optim_sharding.md#muon-once-per-matrix)."""
 
 
 class ParallelConfig(_Strict):

@@ -19,7 +19,7 @@ from k3train.config.schema import OptimConfig
 from k3train.model.kda_layer import KimiDeltaAttention
 from k3train.model.mla import GatedMLA
 from optim import (GradGroups, ParamRule, ShardedOptimizer, build_optimizer, build_param_table,
-                   format_table)
+                   format_table, ns_flops_per_rank)
 
 _NO_DECAY = r"(norm|\.query$|A_log|dt_bias|bias$|o_norm_weight)"
 _ADAMW = r"(embed\.|head\.|router\.|_conv$|\.b_proj\.|\.f_down\.|\.f_up\.|\.f_head\.)"
@@ -39,21 +39,48 @@ def k3_param_rules(model: nn.Module, per_head: bool) -> list[ParamRule]:
     return rules
 
 
-def build_k3_optimizer(model: nn.Module, cfg: OptimConfig, *, zero1_groups: GradGroups | None = None,
+def build_k3_optimizer(model: nn.Module, cfg: OptimConfig, *, groups: GradGroups = GradGroups(),
                        expert_params: Iterable[torch.Tensor] = ()):
     """Returns (optimizer, table text for the run log).
 
-    zero1_groups: None for a replicated optimizer (gradients reduced by
-    ``optim.DataParallelGrads``), or the process groups of a ZeRO-1 ``ShardedOptimizer``, which
-    reduces them itself; ``expert_params`` (the routed-expert weights) are then sharded over
-    ``zero1_groups.expert_dp``.
+    groups: the run's process groups (default: one rank). ``cfg.zero1``: a ZeRO-1
+    ``ShardedOptimizer``, which reduces gradients itself, with ``expert_params`` (the
+    routed-expert weights) sharded over ``groups.expert_dp``. Otherwise a replicated optimizer
+    (gradients reduced by ``optim.DataParallelGrads``) whose Muon, with
+    ``cfg.muon_distributed``, runs Newton-Schulz once per matrix block per ``groups.dp``
+    (dense) or ``groups.expert_dp`` (``expert_params``).
     """
     table = build_param_table(model.named_parameters(), k3_param_rules(model, cfg.muon_per_head))
     kwargs = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-    if zero1_groups is None:
-        return build_optimizer(table, cfg.name, **kwargs), format_table(table)
     expert_ids = {id(p) for p in expert_params}
+    if not cfg.zero1:
+        group_of = None
+        if cfg.muon_distributed:
+            def group_of(p: torch.Tensor):
+                return groups.expert_dp if id(p) in expert_ids else groups.dp
+        return build_optimizer(table, cfg.name, muon_group_of=group_of, **kwargs), format_table(table)
     expert_names = {e.name for e in table if id(e.param) in expert_ids}
-    opt = ShardedOptimizer(table, name=cfg.name, groups=zero1_groups,
+    opt = ShardedOptimizer(table, name=cfg.name, groups=groups,
                            is_expert=expert_names.__contains__, **kwargs)
     return opt, format_table(table)
+
+
+def muon_ns_flops_per_rank(model: nn.Module, cfg: OptimConfig, *, dp: int, ep: int = 1,
+                           distributed: bool = True, steps: int = 5) -> list[int]:
+    """Newton-Schulz FLOPs per step on each of ``dp`` data-parallel ranks for ``model`` (one
+    rank's parameters: its expert shard at ``ep``) under ``cfg``'s Muon table: every rank all of
+    them (replicated), or its owned blocks (``cfg.muon_distributed``'s plan: dense blocks over
+    DP, routed-expert blocks over the ``dp / ep`` expert-DP copies; rank ``r`` is expert-DP rank
+    ``r // ep``, megatron-core's layout). 0 for every rank when the optimizer is not Muon."""
+    if cfg.name != "muon":
+        return [0] * dp
+    if dp % ep:
+        raise ValueError(f"dp={dp} is not a multiple of ep={ep}")
+    table = [e for e in build_param_table(model.named_parameters(), k3_param_rules(model, cfg.muon_per_head))
+             if e.optimizer == "muon"]
+    expert = [bool(re.search(_EXPERTS, e.name)) for e in table]
+    dense = ns_flops_per_rank([(e.shape, e.heads) for e, x in zip(table, expert) if not x], dp,
+                              steps=steps, distributed=distributed)
+    experts = ns_flops_per_rank([(e.shape, e.heads) for e, x in zip(table, expert) if x], dp // ep,
+                                steps=steps, distributed=distributed)
+    return [dense[r] + experts[r // ep] for r in range(dp)]

@@ -96,8 +96,7 @@ class TrainState:
                             ep=self.ep_group, pp=self.pp_group)
         self.sharded = cfg.optim.zero1
         self.optimizer, self.param_table = build_k3_optimizer(
-            self.model, cfg.optim, zero1_groups=groups if self.sharded else None,
-            expert_params=expert_params)
+            self.model, cfg.optim, groups=groups, expert_params=expert_params)
         # The one gradient path (optim.grads): ZeRO-1 reduces, norms and clips its owned parts,
         # the replicated optimizer's gradients go through DataParallelGrads; same convention.
         self.grads = (self.optimizer if self.sharded else
