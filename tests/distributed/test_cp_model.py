@@ -15,6 +15,11 @@ rounding; the fp64 parity of the layers is the model test's.
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,7 +29,7 @@ from k3train.model.model import build_model
 from k3train.ops.context_parallel import CPCommLog, cp_bytes_per_rank
 from k3train.runtime.distributed import init_distributed, parallel_context
 from k3train.trainer.state import TrainState
-from tests.helpers import tiny_cfg
+from tests.helpers import SMALL, tiny_cfg
 from tests.multiproc import run_multiprocess
 
 TOL = dict(rtol=0, atol=1e-10)
@@ -134,3 +139,30 @@ def test_cp_training_step_equals_data_parallel(world, cp):
     """cp2: one replica over two ranks; dp2xcp2: two DP replicas of two CP ranks each, in a world
     of four, against DP = 2 alone."""
     run_multiprocess(_trainer_body, world, cp)
+
+
+def _train(run_dir, nproc: int, *overrides: str, resume: bool = False) -> list[float]:
+    """``k3train train`` on configs/k3_tiny.yaml (small) in ``nproc`` processes; the logged losses."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    cmd = [*(launcher if nproc > 1 else [sys.executable]), "-m", "k3train", "train", "--config",
+           "configs/k3_tiny.yaml", "--run-dir", str(run_dir), *(["--resume"] if resume else []), *SMALL, "data.document_mask=false",
+           "train.log_interval=1", *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "loss" in r]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_cli_cp2_trains_and_resumes_as_cp1(tmp_path):
+    """torchrun, two CPU processes, parallel.cp=2: 3 steps, a checkpoint (each dense piece written
+    once, by CP rank 0), a resume to step 5; every logged loss equals the one-process run's to
+    fp32 rounding (the ranks sum their shares of each window in another order)."""
+    _train(tmp_path / "cp1", 1, "train.steps=3")  # the same schedule: 3 steps, then resumed to 5
+    one = _train(tmp_path / "cp1", 1, "train.steps=5", resume=True)
+    _train(tmp_path / "cp2", 2, "parallel.cp=2", "train.steps=3")
+    two = _train(tmp_path / "cp2", 2, "parallel.cp=2", "train.steps=5", resume=True)
+    assert len(one) == len(two) == 5
+    torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=2e-5, atol=0)
