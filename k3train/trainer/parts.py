@@ -28,7 +28,7 @@ def build_parts(cfg: RunConfig, device: torch.device, parallel: ParallelContext,
     ``parallel.cp > 1`` the model's mixers exchange over ``parallel.cp_group``."""
     if cfg.parallel.pp == 1 and cfg.parallel.vpp == 1:
         model = build_model(cfg, ep_group=parallel.ep_group).to(device)
-        if cfg.parallel.cp > 1:  # the config allows cp > 1 at pp = 1 only, for now
+        if parallel.info.cp > 1:  # the config allows cp > 1 at pp = 1 only, for now
             model.use_context_parallel(parallel.cp_group)
         return model, None
     return build_pipeline_parts(cfg, device, parallel, recorder)
