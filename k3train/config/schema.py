@@ -365,8 +365,8 @@ class ParallelConfig(_Strict):
     one per rank (docs/long_context.md). KDA folds its state over the ranks, the short convs take
     a halo from the previous rank, MLA all-gathers its compact latent; weight gradients are
     reduced over DP x CP. World = tp * pp * cp * dp. Wired for now with data parallelism only:
-    cp > 1 is refused with pp, vpp, ep or tp above 1, ZeRO-1, document masking
-    (``data.document_mask``), aux-loss balancing and CUDA graphs."""
+    cp > 1 is refused with pp, vpp, ep or tp above 1, ZeRO-1, aux-loss balancing and CUDA
+    graphs. Document masking crosses ranks (a document that spans ranks passes state)."""
 
 
 class PipelineConfig(_Strict):
@@ -548,13 +548,12 @@ class RunConfig(_Strict):
                    ("optim.zero1=true", self.optim.zero1),
                    ("moe.balancing=aux_loss", self.moe.balancing == "aux_loss"
                     and self.model.dense_layers < self.model.num_layers),
-                   ("data.document_mask=true", self.data.masks_documents),
                    ("train.cuda_graph=true", t.cuda_graph is True)]
         for what, present in unwired:
             if present:
                 return (f"parallel.cp={p.cp} with {what}: not wired yet (context parallelism runs with "
-                        f"data parallelism only, pp=vpp=ep=tp=1, zero1=false, unmasked windows, no aux-loss "
-                        f"balancing, no CUDA graphs); change {what.split('=')[0]} or use parallel.cp=1")
+                        f"data parallelism only, pp=vpp=ep=tp=1, zero1=false, no aux-loss balancing, "
+                        f"no CUDA graphs); change {what.split('=')[0]} or use parallel.cp=1")
         if t.seq_len % p.cp:
             return (f"train.seq_len={t.seq_len} is not divisible by parallel.cp={p.cp} (each CP rank "
                     f"holds seq_len/cp contiguous tokens); use a multiple of {p.cp}")

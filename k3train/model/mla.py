@@ -19,7 +19,10 @@ from k3train.ops.layers import (
     ColumnLinear, RMSNorm, RowLinear, divide, replicated_linear, sum_grad_over_tp, tp_size,
 )
 from k3train.model.recompute import keep_output
-from k3train.ops.context_parallel import CPCommLog, mla_attention_cp
+import torch.distributed as dist
+
+from k3train.model.cp_documents import same_document_causal_mask_cp
+from k3train.ops.context_parallel import CPCommLog, all_gather_cp, mla_attention_cp
 from k3train.ops.documents import same_document_causal_mask
 
 
@@ -52,6 +55,19 @@ class GatedMLA(nn.Module):
             [self.nope, self.v_dim], dim=-1)
         return torch.cat([k_nope, k_shared.unsqueeze(2).expand(B, S, H, self.rope)], dim=-1), v
 
+    def _documents_cp(self, q: torch.Tensor, latent: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """``mla_attention_cp`` with a document mask: q ``[B, T, H, Dqk]``, latent ``[B, T, R]``
+        (this rank's chunk), cu_seqlens the whole windows' (``cp * T`` tokens per row) ->
+        ``[B, T, H, v_dim]``. The gathered prefix ``[0, (r + 1) T)`` is expanded and each query
+        attends the earlier keys of its own document."""
+        B, T = q.shape[:2]
+        rank, size = dist.get_rank(self.cp_group), dist.get_world_size(self.cp_group)
+        full = all_gather_cp(latent, group=self.cp_group, dim=1, log=self.cp_log, tag="mla")[:, :(rank + 1) * T]
+        k, v = self._expand(full)
+        mask = same_document_causal_mask_cp(cu_seqlens, B, size * T, rank * T, T)
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              attn_mask=mask, scale=self.scale).transpose(1, 2)
+
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """x: [B, T, D] -> [B, T, D]. cu_seqlens: document boundaries ``[N+1]`` over the
         flattened ``B*T`` tokens (``k3train.ops.documents``): each token attends only to earlier
@@ -60,9 +76,11 @@ class GatedMLA(nn.Module):
         H = self.num_heads
         q = self.q_up(self.q_norm(self.q_down(x))).view(B, T, H, self.nope + self.rope)
         latent = self.kv_down(x)
-        if self.cp_group is not None:  # the config refuses document masking with cp > 1
+        if self.cp_group is not None and cu_seqlens is None:
             attn = keep_output(mla_attention_cp, q, latent, self._expand, group=self.cp_group,
                                scale=self.scale, log=self.cp_log)
+        elif self.cp_group is not None:
+            attn = keep_output(self._documents_cp, q, latent, cu_seqlens)
         else:
             k, v = self._expand(latent)
             # The attention core's output is kept under train.recompute=selective. With documents

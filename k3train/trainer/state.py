@@ -206,13 +206,15 @@ class TrainState:
         """The model's arguments for ``windows`` [B, T+1]: (inputs [B, T], targets [B, T],
         documents), or under context parallelism this rank's slice of them (``_cp_slice``)."""
         inputs, targets, segments = windows[:, :-1], self.targets(windows), self.documents(windows)
-        if self.cp > 1:  # the config refuses document masking with cp > 1: segments is None
-            return self._cp_slice(inputs, targets)
+        if self.cp > 1:  # the mixers read the whole windows' boundaries (k3train.model.cp_documents)
+            return self._cp_slice(inputs, targets, segments)
         return inputs, targets, segments
 
-    def _cp_slice(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple:
+    def _cp_slice(self, inputs: torch.Tensor, targets: torch.Tensor, segments) -> tuple:
         """This CP rank's contiguous slice of every window, ``[B, T / cp]`` inputs and targets,
-        and the loss divisor that makes the loss exact: the window's loss is the sum of token
+        the whole windows' document boundaries (``segments``, unchanged: the mixers map them to
+        the rank's positions, ``k3train.model.cp_documents``), and the loss divisor that makes
+        the loss exact: the window's loss is the sum of token
         losses over its N target tokens (all CP ranks; -100 ignored) divided by N, so each rank
         returns ``cp * (its sum) / N``; averaged over DP x CP with the gradients, that is the
         mean over DP of each window's exact loss, also when the ranks' slices hold different
@@ -220,7 +222,7 @@ class TrainState:
         n = inputs.shape[1] // self.cp
         mine = slice(self.cp_rank * n, (self.cp_rank + 1) * n)
         counted = (targets != -100).sum().clamp(min=1)  # an all-ignored window trains nothing
-        return inputs[:, mine], targets[:, mine], None, counted / self.cp
+        return inputs[:, mine], targets[:, mine], segments, counted / self.cp
 
     def compile_kernels(self) -> dict | None:
         """Compile the step's Triton kernels (fla's, on CUDA) all at once, before step 1.

@@ -36,7 +36,7 @@ TOL = dict(rtol=0, atol=1e-10)
 FP32_CE = dict(rtol=1e-5, atol=1e-8)  # the model's loss is fp32 (logits.float())
 SEQ, MB = 16, 2
 BASE = ["model.dense_layers=1", "model.attnres.enabled=true", "model.attnres.block_size=2",
-        "moe.balancing=quantile", "data.document_mask=false", f"train.seq_len={SEQ}",
+        "moe.balancing=quantile", f"train.seq_len={SEQ}",
         f"train.micro_batch_size={MB}", "train.microbatches=2"]
 
 
@@ -57,6 +57,18 @@ def _targets(windows: torch.Tensor) -> torch.Tensor:
     return t
 
 
+# Document starts of the 4 windows of 16 tokens (a boundary at every row start): at a rank
+# boundary (8 at cp = 2; 4, 8, 12 at cp = 4), inside a chunk, and documents that cross one.
+STARTS = [[0, 5, 8], [0, 3, 11], [0], [0, 4, 12, 13]]
+
+
+def _documents(windows: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens [N+1] over the flattened B * SEQ inputs, the same STARTS in every batch."""
+    B = windows.shape[0]
+    bounds = [b * SEQ + s for b in range(B) for s in STARTS[b % len(STARTS)]] + [B * SEQ]
+    return torch.tensor(bounds, dtype=torch.int32)
+
+
 def _check_grads(rank, model, ref_model):
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     ref = dict(ref_model.named_parameters())
@@ -66,7 +78,7 @@ def _check_grads(rank, model, ref_model):
         yield name, p.grad, ref[name].grad
 
 
-def _model_body(rank, world, cp):
+def _model_body(rank, world, cp, documents):
     cfg = tiny_cfg(*BASE, f"parallel.cp={cp}")
     info = init_distributed(cp=cp)
     group = parallel_context(info).cp_group
@@ -76,12 +88,14 @@ def _model_body(rank, world, cp):
     ref_model = build_model(tiny_cfg(*BASE)).double()
     windows = _batch(0, cfg.model.vocab_size)
     inputs, targets = windows[:, :-1], _targets(windows)
+    seg = dict(segments=_documents(windows)) if documents else {}
     n = SEQ // cp
     mine = slice(rank * n, (rank + 1) * n)
     count = (targets != -100).sum()
-    local = F.cross_entropy(model(inputs[:, mine]).flatten(0, 1), targets[:, mine].flatten(), reduction="sum") / count
+    local = F.cross_entropy(model(inputs[:, mine], **seg).flatten(0, 1), targets[:, mine].flatten(),
+                            reduction="sum") / count
     local.backward()
-    ref = F.cross_entropy(ref_model(inputs).flatten(0, 1), targets.flatten())
+    ref = F.cross_entropy(ref_model(inputs, **seg).flatten(0, 1), targets.flatten())
     ref.backward()
     loss = local.detach().clone()
     dist.all_reduce(loss, group=group)
@@ -100,14 +114,16 @@ def _model_body(rank, world, cp):
     layers = {"kda": 3, "conv": 3 * 3, "mla": 1}  # three convs (q, k, v) per KDA layer
     for tag, count in layers.items():
         for d in ("fwd", "bwd"):
+            # with documents KDA folds each row on its own: B folds of one row, the same bytes
             assert log.total(tag, d) == count * per[f"{tag}_{d}"], (tag, d, log.total(tag, d))
 
 
-def _trainer_body(rank, world, cp):
+def _trainer_body(rank, world, cp, documents):
     cfg = tiny_cfg(*BASE, f"parallel.cp={cp}")
     info = init_distributed(cp=cp)
     assert (info.cp, info.dp) == (cp, world // cp)
-    state = TrainState(cfg, info, torch.device("cpu"), targets=_targets)
+    state = TrainState(cfg, info, torch.device("cpu"), targets=_targets,
+                       documents=_documents if documents else None)
     state.model.double()
     assert state.cp_rank == rank % cp and state.parallel.dp_rank == rank // cp
     batches = [_batch(d, cfg.model.vocab_size) for d in range(info.dp)]
@@ -119,7 +135,8 @@ def _trainer_body(rank, world, cp):
     ref_loss = 0.0
     for b in batches:
         for mb in b.chunk(2):
-            part = ref_model(mb[:, :-1], _targets(mb)) / (2 * info.dp)
+            seg = dict(segments=_documents(mb)) if documents else {}
+            part = ref_model(mb[:, :-1], _targets(mb), **seg) / (2 * info.dp)
             part.backward()
             ref_loss += part.item()
     torch.testing.assert_close(loss.item() / state.loss_ranks, ref_loss, **FP32_CE)
@@ -128,24 +145,29 @@ def _trainer_body(rank, world, cp):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("documents", [False, True], ids=["windows", "documents"])
 @pytest.mark.parametrize("cp", [2, 4])
-def test_cp_model_equals_the_whole_sequence(cp):
-    run_multiprocess(_model_body, cp, cp)
+def test_cp_model_equals_the_whole_sequence(cp, documents):
+    """documents: the reference is the one-process model with the same boundaries
+    (``segments``, document masking); documents start at rank boundaries and inside chunks,
+    and some cross a boundary (their KDA state and conv halo pass over, their keys are seen)."""
+    run_multiprocess(_model_body, cp, cp, documents)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world, cp", [(2, 2), (4, 2)], ids=["cp2", "dp2xcp2"])
-def test_cp_training_step_equals_data_parallel(world, cp):
-    """cp2: one replica over two ranks; dp2xcp2: two DP replicas of two CP ranks each, in a world
-    of four, against DP = 2 alone."""
-    run_multiprocess(_trainer_body, world, cp)
+@pytest.mark.parametrize("world, cp, documents", [(2, 2, True), (4, 2, False)],
+                         ids=["cp2-documents", "dp2xcp2"])
+def test_cp_training_step_equals_data_parallel(world, cp, documents):
+    """cp2-documents: one replica over two ranks, document-masked windows; dp2xcp2: two DP
+    replicas of two CP ranks each, in a world of four, against DP = 2 alone."""
+    run_multiprocess(_trainer_body, world, cp, documents)
 
 
 def _train(run_dir, nproc: int, *overrides: str, resume: bool = False) -> list[float]:
     """``k3train train`` on configs/k3_tiny.yaml (small) in ``nproc`` processes; the logged losses."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     cmd = [*(launcher if nproc > 1 else [sys.executable]), "-m", "k3train", "train", "--config",
-           "configs/k3_tiny.yaml", "--run-dir", str(run_dir), *(["--resume"] if resume else []), *SMALL, "data.document_mask=false",
+           "configs/k3_tiny.yaml", "--run-dir", str(run_dir), *(["--resume"] if resume else []), *SMALL,
            "train.log_interval=1", *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -157,8 +179,8 @@ def _train(run_dir, nproc: int, *overrides: str, resume: bool = False) -> list[f
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_cli_cp2_trains_and_resumes_as_cp1(tmp_path):
-    """torchrun, two CPU processes, parallel.cp=2: 3 steps, a checkpoint (each dense piece written
-    once, by CP rank 0), a resume to step 5; every logged loss equals the one-process run's to
+    """torchrun, two CPU processes, parallel.cp=2, document-masked windows (the default): 3 steps,
+    a checkpoint (each dense piece written once, by CP rank 0), a resume to step 5; every logged loss equals the one-process run's to
     fp32 rounding (the ranks sum their shares of each window in another order)."""
     _train(tmp_path / "cp1", 1, "train.steps=3")  # the same schedule: 3 steps, then resumed to 5
     one = _train(tmp_path / "cp1", 1, "train.steps=5", resume=True)
