@@ -57,6 +57,38 @@ def use_cuda_graph(cfg: RunConfig, info: ParallelInfo, device: torch.device) -> 
     return True
 
 
+def _segments(cu_seqlens: torch.Tensor | None) -> dict:
+    """The model's ``segments=`` keyword when a batch has document boundaries, else nothing (the
+    call is then the one it was before document masking)."""
+    return {} if cu_seqlens is None else {"segments": cu_seqlens}
+
+
+def _window_loss(state, windows: torch.Tensor) -> torch.Tensor:
+    """``state``'s model's loss on ``windows`` [B, T+1] (pp = 1), or under context parallelism
+    this rank's share of it (``_cp_slice``). Reads ``state.model``, ``targets``, ``documents``,
+    ``cp`` (and ``cp_rank`` when cp > 1)."""
+    inputs, targets, segments = windows[:, :-1], state.targets(windows), state.documents(windows)
+    if state.cp > 1:  # the mixers read the whole windows' boundaries (k3train.model.cp_documents)
+        x, t, seg, divisor = _cp_slice(inputs, targets, segments, state.cp, state.cp_rank)
+        return state.model(x, t, segments=seg, loss_tokens=divisor)
+    return state.model(inputs, targets, **_segments(segments))
+
+
+def _cp_slice(inputs: torch.Tensor, targets: torch.Tensor, segments, cp: int, rank: int) -> tuple:
+    """CP rank ``rank``'s contiguous slice of every window, ``[B, T / cp]`` inputs and targets,
+    the whole windows' document boundaries (``segments``, unchanged: the mixers map them to the
+    rank's positions, ``k3train.model.cp_documents``), and the loss divisor that makes the loss
+    exact: the window's loss is the sum of token losses over its N target tokens (all CP ranks;
+    -100 ignored) divided by N, so each rank returns ``cp * (its sum) / N``; averaged over
+    DP x CP with the gradients, that is the mean over DP of each window's exact loss, also when
+    the ranks' slices hold different numbers of target tokens. The count is taken on the whole
+    window, so no exchange."""
+    n = inputs.shape[1] // cp
+    mine = slice(rank * n, (rank + 1) * n)
+    counted = (targets != -100).sum().clamp(min=1)  # an all-ignored window trains nothing
+    return inputs[:, mine], targets[:, mine], segments, counted / cp
+
+
 class TrainState:
     """The model part, optimizer and per-step logic of one rank (TP, PP and DP aware)."""
 
@@ -194,35 +226,13 @@ class TrainState:
             # count or time (benchmarks/README.md).
             with self.autocast:
                 for mb in batch.chunk(m):
-                    loss = self.model(*self._model_inputs(mb))
+                    loss = _window_loss(self, mb)
                     if poison:
                         loss = loss * float("nan")
                     with _autocast_off(self.autocast):
                         (loss / m).backward()
                     total += loss.detach() / m
         return total
-
-    def _model_inputs(self, windows: torch.Tensor) -> tuple:
-        """The model's arguments for ``windows`` [B, T+1]: (inputs [B, T], targets [B, T],
-        documents), or under context parallelism this rank's slice of them (``_cp_slice``)."""
-        inputs, targets, segments = windows[:, :-1], self.targets(windows), self.documents(windows)
-        if self.cp > 1:  # the mixers read the whole windows' boundaries (k3train.model.cp_documents)
-            return self._cp_slice(inputs, targets, segments)
-        return inputs, targets, segments
-
-    def _cp_slice(self, inputs: torch.Tensor, targets: torch.Tensor, segments) -> tuple:
-        """This CP rank's contiguous slice of every window, ``[B, T / cp]`` inputs and targets,
-        the whole windows' document boundaries (``segments``, unchanged: the mixers map them to
-        the rank's positions, ``k3train.model.cp_documents``), and the loss divisor that makes
-        the loss exact: the window's loss is the sum of token
-        losses over its N target tokens (all CP ranks; -100 ignored) divided by N, so each rank
-        returns ``cp * (its sum) / N``; averaged over DP x CP with the gradients, that is the
-        mean over DP of each window's exact loss, also when the ranks' slices hold different
-        numbers of target tokens. The count is taken on the whole window, so no exchange."""
-        n = inputs.shape[1] // self.cp
-        mine = slice(self.cp_rank * n, (self.cp_rank + 1) * n)
-        counted = (targets != -100).sum().clamp(min=1)  # an all-ignored window trains nothing
-        return inputs[:, mine], targets[:, mine], segments, counted / self.cp
 
     def compile_kernels(self) -> dict | None:
         """Compile the step's Triton kernels (fla's, on CUDA) all at once, before step 1.
@@ -305,7 +315,7 @@ class TrainState:
         for b in batches:
             b = b.to(self.device)
             with self.autocast:
-                losses.append(self.model(*self._model_inputs(b)).float())
+                losses.append(_window_loss(self, b).float())
         loss = torch.stack(losses).mean()
         if self.cp > 1:  # each CP rank holds its share of every window's loss (``_cp_slice``)
             dist.all_reduce(loss, group=self.parallel.cp_group)

@@ -8,9 +8,9 @@ seed, same weights) on the whole windows, and so is every parameter gradient sum
 group; the bytes each rank logged equal ``cp_bytes_per_rank`` per layer. The tiny model has KDA
 and MLA layers, AttnRes blocks and MoE; the targets ignore most positions, unevenly across ranks.
 
-Trainer (``TrainState`` at ``parallel.cp``, fp64 weights): the step's own slicing
-(``_cp_slice``), loss divisor and DP x CP gradient reduction against the DP-only one-process
-step. The model's cross-entropy runs in fp32 (``logits.float()``), so this compares to fp32
+Trainer (``TrainState`` at ``parallel.cp``, fp64 weights, under selective and full recompute):
+the step's own slicing (``_cp_slice``), loss divisor and DP x CP gradient reduction against the
+DP-only one-process step. The model's cross-entropy runs in fp32 (``logits.float()``), so this compares to fp32
 rounding; the fp64 parity of the layers is the model test's.
 """
 from __future__ import annotations
@@ -118,8 +118,8 @@ def _model_body(rank, world, cp, documents):
             assert log.total(tag, d) == count * per[f"{tag}_{d}"], (tag, d, log.total(tag, d))
 
 
-def _trainer_body(rank, world, cp, documents):
-    cfg = tiny_cfg(*BASE, f"parallel.cp={cp}")
+def _trainer_body(rank, world, cp, documents, recompute):
+    cfg = tiny_cfg(*BASE, f"parallel.cp={cp}", f"train.recompute={recompute}")
     info = init_distributed(cp=cp)
     assert (info.cp, info.dp) == (cp, world // cp)
     state = TrainState(cfg, info, torch.device("cpu"), targets=_targets,
@@ -155,12 +155,13 @@ def test_cp_model_equals_the_whole_sequence(cp, documents):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world, cp, documents", [(2, 2, True), (4, 2, False)],
-                         ids=["cp2-documents", "dp2xcp2"])
-def test_cp_training_step_equals_data_parallel(world, cp, documents):
-    """cp2-documents: one replica over two ranks, document-masked windows; dp2xcp2: two DP
-    replicas of two CP ranks each, in a world of four, against DP = 2 alone."""
-    run_multiprocess(_trainer_body, world, cp, documents)
+@pytest.mark.parametrize("world, cp, documents, recompute", [(2, 2, True, "selective"), (4, 2, False, "full")],
+                         ids=["cp2-documents-selective", "dp2xcp2-full"])
+def test_cp_training_step_equals_data_parallel(world, cp, documents, recompute):
+    """cp2: one replica over two ranks, document-masked windows; dp2xcp2: two DP replicas of two
+    CP ranks each, in a world of four, against DP = 2 alone. Under recompute (the reference
+    runs none) the CP exchanges run again in the recomputed forward, on every rank alike."""
+    run_multiprocess(_trainer_body, world, cp, documents, recompute)
 
 
 def _train(run_dir, nproc: int, *overrides: str, resume: bool = False) -> list[float]:
