@@ -16,14 +16,13 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from k3train.ops.layers import (
     ColumnLinear, RowLinear, divide, replicated_linear, sharded_param, tp_rank, tp_size,
 )
 from k3train.model.recompute import keep_output
-import torch.distributed as dist
-
 from k3train.model.cp_documents import halo_cu_seqlens, rank_document_starts
 from k3train.ops.context_parallel import CPCommLog, kda_cp, short_conv_cp
 from k3train.ops.gated_norm import head_norm_gate

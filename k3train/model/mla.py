@@ -12,6 +12,7 @@ needs offsetting.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -19,8 +20,6 @@ from k3train.ops.layers import (
     ColumnLinear, RMSNorm, RowLinear, divide, replicated_linear, sum_grad_over_tp, tp_size,
 )
 from k3train.model.recompute import keep_output
-import torch.distributed as dist
-
 from k3train.model.cp_documents import same_document_causal_mask_cp
 from k3train.ops.context_parallel import CPCommLog, all_gather_cp, mla_attention_cp
 from k3train.ops.documents import same_document_causal_mask
