@@ -368,10 +368,12 @@ class ParallelConfig(_Strict):
     ep: int = Field(1, ge=1)
     """Expert-parallel ranks (inside data parallel)."""
     cp: int = Field(1, ge=1)
-    """Context-parallel ranks: each sequence split into cp contiguous chunks, one per rank
-    (docs/long_context.md). Only 1 loads today: the primitives exist
-    (``k3train.ops.context_parallel``) but the layers, the CP process group, the data split and
-    the gradient reduction over DP x CP are not wired yet."""
+    """Context-parallel ranks: each sequence split into cp contiguous chunks of seq_len/cp tokens,
+    one per rank (docs/long_context.md). KDA folds its state over the ranks, the short convs take
+    a halo from the previous rank, MLA all-gathers its compact latent; weight gradients are
+    reduced over DP x CP. World = tp * pp * cp * dp. Wired for now with data parallelism only:
+    cp > 1 is refused with pp, vpp, ep or tp above 1, ZeRO-1, aux-loss balancing and CUDA
+    graphs. Document masking crosses ranks (a document that spans ranks passes state)."""
 
 
 class PipelineConfig(_Strict):
@@ -516,6 +518,9 @@ class RunConfig(_Strict):
         steps), so none of them rules the graph out."""
         out: dict[str, str] = {}
         p = self.parallel
+        if p.cp != 1:
+            out["parallel.cp"] = (f"train.cuda_graph is not wired with parallel.cp={p.cp} (the CP exchanges "
+                                  f"are not captured); it needs parallel.cp=1")
         if p.tp != 1:
             out["parallel.tp"] = (f"train.cuda_graph cannot capture parallel.tp={p.tp} (megatron-core's "
                                   f"tensor-parallel linears run their collectives eagerly); it needs parallel.tp=1")
@@ -541,16 +546,40 @@ class RunConfig(_Strict):
             return None
         return f"{next(iter(blockers.values()))}; set train.cuda_graph=false (or auto)"
 
+    def _cp_refusal(self) -> str | None:
+        """The first rule a ``parallel.cp > 1`` config breaks (one line), or None. Context
+        parallelism is wired at pp = 1 with DP only (docs/long_context.md, "what is built")."""
+        p, t = self.parallel, self.train
+        unwired = [(f"parallel.pp={p.pp}", p.pp > 1), (f"parallel.vpp={p.vpp}", p.vpp > 1),
+                   (f"parallel.ep={p.ep}", p.ep > 1), (f"parallel.tp={p.tp}", p.tp > 1),
+                   ("optim.zero1=true", self.optim.zero1),
+                   ("moe.balancing=aux_loss", self.moe.balancing == "aux_loss"
+                    and self.model.dense_layers < self.model.num_layers),
+                   ("train.cuda_graph=true", t.cuda_graph is True)]
+        for what, present in unwired:
+            if present:
+                return (f"parallel.cp={p.cp} with {what}: not wired yet (context parallelism runs with "
+                        f"data parallelism only, pp=vpp=ep=tp=1, zero1=false, no aux-loss balancing, "
+                        f"no CUDA graphs); change {what.split('=')[0]} or use parallel.cp=1")
+        if t.seq_len % p.cp:
+            return (f"train.seq_len={t.seq_len} is not divisible by parallel.cp={p.cp} (each CP rank "
+                    f"holds seq_len/cp contiguous tokens); use a multiple of {p.cp}")
+        halo = self.model.kda.conv_size - 1
+        if t.seq_len // p.cp < max(halo, 1):
+            return (f"train.seq_len={t.seq_len} over parallel.cp={p.cp} leaves {t.seq_len // p.cp} tokens "
+                    f"per rank, fewer than the {halo} the short convolution's halo needs; use a longer "
+                    f"seq_len or a smaller cp")
+        return None
+
     def _layout_refusal(self) -> str | None:
         """The first layout rule this config breaks, as one line naming the field, what is
         wrong and what is allowed; None when the layout is valid. Rules that need the world
         size stay in ``k3train.runtime.distributed.check_layout``."""
         p, moe = self.parallel, self.moe
         if p.cp > 1:
-            return (f"parallel.cp={p.cp}: context parallelism is not wired into the model yet (its ops "
-                    f"exist in k3train.ops.context_parallel; the KDA/MLA/conv layers do not call them and "
-                    f"there is no CP process group, sequence split or DP x CP gradient reduction); "
-                    f"use parallel.cp=1")
+            refusal = self._cp_refusal()
+            if refusal is not None:
+                return refusal
         if p.vpp > 1 and p.pp == 1:
             return (f"parallel.vpp={p.vpp} needs parallel.pp > 1 (virtual stages interleave over "
                     f"pipeline ranks); set parallel.vpp=1 or parallel.pp >= 2")

@@ -7,20 +7,26 @@ head (linear d -> H), broadcast over its K channels: Gated DeltaNet's scalar dec
 same kernels. beta = sigmoid(linear d -> H).
 o = KDA(q, k, v, g, beta); out = o_proj(RMSNorm_head(o) * sigmoid(W_gate x)).
 Heads are sharded over tensor-parallel ranks; every per-head parameter is sharded with them.
+Under context parallelism (``cp_group`` set, ``K3Chunk.use_context_parallel``) x holds this
+rank's contiguous chunk of the sequence: the convs take the previous rank's last tokens
+(``short_conv_cp``) and the recurrence folds the state of the ranks before (``kda_cp``).
 """
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from k3train.ops.layers import (
     ColumnLinear, RowLinear, divide, replicated_linear, sharded_param, tp_rank, tp_size,
 )
 from k3train.model.recompute import keep_output
+from k3train.model.cp_documents import halo_cu_seqlens, rank_document_starts
+from k3train.ops.context_parallel import CPCommLog, kda_cp, short_conv_cp
 from k3train.ops.gated_norm import head_norm_gate
-from k3train.ops.kda import kda_gated
+from k3train.ops.kda import kda_gated, kda_gated_state
 from k3train.ops.short_conv import short_conv_silu
 
 
@@ -61,6 +67,10 @@ class KimiDeltaAttention(nn.Module):
         # Per-head norm weights: a shared [K] weight would see only local heads under TP.
         self.o_norm_weight = sharded_param(torch.ones(num_heads, head_dim), tp, rank)
         self.o_proj = RowLinear(width, hidden_size, out_std or std)
+        # Context parallelism: the CP process group (None: the whole sequence is here) and an
+        # optional byte log of its exchanges; set by K3Chunk.use_context_parallel.
+        self.cp_group = None
+        self.cp_log: CPCommLog | None = None
 
     # q, k and v keep one projection and one conv each, as fla's layer does. One GEMM over the
     # concatenated weights and one conv over 3HK channels was measured too and was slower, the
@@ -68,8 +78,32 @@ class KimiDeltaAttention(nn.Module):
     # avoids (measured: see benchmarks/README.md).
     def _qkv(self, proj: ColumnLinear, conv: torch.Tensor, x: torch.Tensor,
              cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """Under CP, ``cu_seqlens`` are the boundaries of the conv's ``[halo, chunk]`` rows
+        (``halo_cu_seqlens``)."""
         B, T, _ = x.shape
-        return short_conv_silu(proj(x), conv, cu_seqlens).view(B, T, self.num_heads, self.head_dim)
+        if self.cp_group is not None:
+            def conv_fn(z, w):
+                return short_conv_silu(z, w, cu_seqlens)
+            y = short_conv_cp(proj(x), conv, group=self.cp_group, log=self.cp_log, conv=conv_fn)
+        else:
+            y = short_conv_silu(proj(x), conv, cu_seqlens)
+        return y.view(B, T, self.num_heads, self.head_dim)
+
+    def _kda_cp(self, q, k, v, f, beta_logits, dt_bias, starts: list[list[int]] | None = None) -> torch.Tensor:
+        """The layer's gated KDA on this rank's chunk, its state folded over the CP group.
+        Shapes as ``kda_gated``; the fold calls the layer's own kernel (fla's fused gate on
+        CUDA) through an adapter, with the wide values and the state arguments it needs.
+        starts: per row, the local document starts (``rank_document_starts``); rows then run
+        one fold each (their boundaries differ), None: one fold for the batch."""
+        def gated(q, k, v, f, b, scale=None, initial_state=None, output_final_state=False):
+            return kda_gated_state(q, k, v, f, b, self.A_log, dt_bias, self.lower_bound,
+                                   initial_state=initial_state, output_final_state=output_final_state)
+
+        if starts is None:
+            return kda_cp(q, k, v, f, beta_logits, group=self.cp_group, kernel=gated, log=self.cp_log)
+        return torch.cat([kda_cp(*(t[b:b + 1] for t in (q, k, v, f, beta_logits)), group=self.cp_group,
+                                 kernel=gated, doc_starts=row, log=self.cp_log)
+                          for b, row in enumerate(starts)], dim=0)
 
     def gate_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [B, T, D] -> (f [B, T, H, K], dt_bias [H, K]), what the gate reads; under
@@ -90,12 +124,24 @@ class KimiDeltaAttention(nn.Module):
         None: one sequence per row."""
         B, T, _ = x.shape
         shape = (B, T, self.num_heads, self.head_dim)
+        starts = None
+        if self.cp_group is not None and cu_seqlens is not None:
+            # Under CP, cu_seqlens are the whole windows' (cp * T tokens per row).
+            rank, size = dist.get_rank(self.cp_group), dist.get_world_size(self.cp_group)
+            starts = rank_document_starts(cu_seqlens, B, size * T, rank * T, T)
+            # The conv's rows are [halo, chunk]: a document starting inside the halo cuts it too.
+            width = self.q_conv.shape[1] - 1
+            halo_starts = rank_document_starts(cu_seqlens, B, size * T, rank * T - width, T + width)
+            cu_seqlens = halo_cu_seqlens(halo_starts, T + width, x.device)
         v = self._qkv(self.v_proj, self.v_conv, x, cu_seqlens)
         q = self._qkv(self.q_proj, self.q_conv, x, cu_seqlens)
         k = self._qkv(self.k_proj, self.k_conv, x, cu_seqlens)
         f, dt_bias = self.gate_inputs(x)
         # The KDA core's output is kept under train.recompute=selective (costly to recompute).
-        o = keep_output(kda_gated, q, k, v, f, self.b_proj(x), self.A_log, dt_bias, self.lower_bound,
-                        cu_seqlens=cu_seqlens)
+        if self.cp_group is not None:
+            o = keep_output(self._kda_cp, q, k, v, f, self.b_proj(x), dt_bias, starts)
+        else:
+            o = keep_output(kda_gated, q, k, v, f, self.b_proj(x), self.A_log, dt_bias, self.lower_bound,
+                            cu_seqlens=cu_seqlens)
         o = head_norm_gate(o, self.o_norm_weight, self.g_proj(x).view(shape), self.eps)
         return self.o_proj(o.reshape(B, T, -1).to(x.dtype))

@@ -4,10 +4,15 @@ q = q_up(RMSNorm(q_down x)) per head [nope + rope]; kv_down x = [c_kv, k_shared]
 [k_nope, v] = kv_up(RMSNorm(c_kv)) per head; k = [k_nope, k_shared broadcast over heads].
 No rotary embedding: KDA layers supply position. Gate (arXiv 2505.06708):
 out = o_proj(attn * sigmoid(W_g x)). Heads are sharded over tensor-parallel ranks.
+Under context parallelism (``cp_group`` set, ``K3Chunk.use_context_parallel``) x holds this
+rank's contiguous chunk: the compact latent ``kv_down x`` is all-gathered and expanded to the
+prefix this rank's queries see (``mla_attention_cp``); with no rotary embedding no position
+needs offsetting.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -15,6 +20,8 @@ from k3train.ops.layers import (
     ColumnLinear, RMSNorm, RowLinear, divide, replicated_linear, sum_grad_over_tp, tp_size,
 )
 from k3train.model.recompute import keep_output
+from k3train.model.cp_documents import same_document_causal_mask_cp
+from k3train.ops.context_parallel import CPCommLog, all_gather_cp, mla_attention_cp
 from k3train.ops.documents import same_document_causal_mask
 
 
@@ -34,6 +41,31 @@ class GatedMLA(nn.Module):
         self.kv_up = ColumnLinear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), std)
         self.gate_proj = ColumnLinear(hidden_size, num_heads * v_head_dim, std)
         self.o_proj = RowLinear(num_heads * v_head_dim, hidden_size, out_std or std)
+        self.cp_group = None  # context parallelism, as KimiDeltaAttention's
+        self.cp_log: CPCommLog | None = None
+
+    def _expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """latent ``[B, S, kv_lora_rank + rope]`` -> (k ``[B, S, H, nope + rope]``, v ``[B, S, H, v_dim]``)."""
+        B, S, _ = latent.shape
+        H = self.num_heads
+        c_kv, k_shared = latent.split([self.kv_rank, self.rope], dim=-1)
+        k_shared = sum_grad_over_tp(k_shared)  # feeds only this rank's heads
+        k_nope, v = self.kv_up(self.kv_norm(c_kv)).view(B, S, H, self.nope + self.v_dim).split(
+            [self.nope, self.v_dim], dim=-1)
+        return torch.cat([k_nope, k_shared.unsqueeze(2).expand(B, S, H, self.rope)], dim=-1), v
+
+    def _documents_cp(self, q: torch.Tensor, latent: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """``mla_attention_cp`` with a document mask: q ``[B, T, H, Dqk]``, latent ``[B, T, R]``
+        (this rank's chunk), cu_seqlens the whole windows' (``cp * T`` tokens per row) ->
+        ``[B, T, H, v_dim]``. The gathered prefix ``[0, (r + 1) T)`` is expanded and each query
+        attends the earlier keys of its own document."""
+        B, T = q.shape[:2]
+        rank, size = dist.get_rank(self.cp_group), dist.get_world_size(self.cp_group)
+        full = all_gather_cp(latent, group=self.cp_group, dim=1, log=self.cp_log, tag="mla")[:, :(rank + 1) * T]
+        k, v = self._expand(full)
+        mask = same_document_causal_mask_cp(cu_seqlens, B, size * T, rank * T, T)
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              attn_mask=mask, scale=self.scale).transpose(1, 2)
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """x: [B, T, D] -> [B, T, D]. cu_seqlens: document boundaries ``[N+1]`` over the
@@ -42,18 +74,21 @@ class GatedMLA(nn.Module):
         B, T, _ = x.shape
         H = self.num_heads
         q = self.q_up(self.q_norm(self.q_down(x))).view(B, T, H, self.nope + self.rope)
-        c_kv, k_shared = self.kv_down(x).split([self.kv_rank, self.rope], dim=-1)
-        k_shared = sum_grad_over_tp(k_shared)  # feeds only this rank's heads
-        k_nope, v = self.kv_up(self.kv_norm(c_kv)).view(B, T, H, self.nope + self.v_dim).split(
-            [self.nope, self.v_dim], dim=-1)
-        k = torch.cat([k_nope, k_shared.unsqueeze(2).expand(B, T, H, self.rope)], dim=-1)
-        # The attention core's output is kept under train.recompute=selective. With documents
-        # the causal mask is one boolean [B, 1, T, T] tensor (B*T*T bytes): the one code path
-        # for CPU and GPU; a varlen kernel (FlexAttention, flash varlen) would avoid it.
-        mask = None if cu_seqlens is None else same_document_causal_mask(cu_seqlens, B, T)
-        attn = keep_output(
-            F.scaled_dot_product_attention, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=mask, is_causal=mask is None, scale=self.scale,
-        ).transpose(1, 2)  # [B, T, H, v_dim]
+        latent = self.kv_down(x)
+        if self.cp_group is not None and cu_seqlens is None:
+            attn = keep_output(mla_attention_cp, q, latent, self._expand, group=self.cp_group,
+                               scale=self.scale, log=self.cp_log)
+        elif self.cp_group is not None:
+            attn = keep_output(self._documents_cp, q, latent, cu_seqlens)
+        else:
+            k, v = self._expand(latent)
+            # The attention core's output is kept under train.recompute=selective. With documents
+            # the causal mask is one boolean [B, 1, T, T] tensor (B*T*T bytes): the one code path
+            # for CPU and GPU; a varlen kernel (FlexAttention, flash varlen) would avoid it.
+            mask = None if cu_seqlens is None else same_document_causal_mask(cu_seqlens, B, T)
+            attn = keep_output(
+                F.scaled_dot_product_attention, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                attn_mask=mask, is_causal=mask is None, scale=self.scale,
+            ).transpose(1, 2)  # [B, T, H, v_dim]
         gate = torch.sigmoid(self.gate_proj(x)).view(B, T, H, self.v_dim)
         return self.o_proj((attn * gate).reshape(B, T, H * self.v_dim))

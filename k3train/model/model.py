@@ -25,6 +25,7 @@ from k3train.model.layer import K3Layer
 from k3train.config.layer_pattern import expand_layer_pattern
 from k3train.model.mla import GatedMLA
 from k3train.model.recompute import run_depth_mix, run_layer
+from k3train.ops.context_parallel import CPCommLog
 from k3train.runtime.distributed import expert_group_in_force
 from k3train.quant.recipes import apply_precision, resolve_device
 from moe import GroupedAllToAllDispatcher, LatentMoE, LocalDispatcher
@@ -120,7 +121,9 @@ class K3Chunk(nn.Module):
     the mean cross-entropy over ``targets [B, T]`` (or logits ``[B, T, vocab]`` without targets),
     the others a ``StageIO``. ``segments``: the first chunk's document boundaries (``cu_seqlens``
     ``[N+1]`` over the flattened ``B*T`` tokens, ``k3train.ops.documents``; None: one document
-    per row); later chunks read them from the ``StageIO``.
+    per row); later chunks read them from the ``StageIO``. ``loss_tokens``: divide the summed
+    token losses by this instead of averaging over this call's own targets (context
+    parallelism: each rank holds part of every window, see ``use_context_parallel``).
     """
 
     def __init__(self, cfg: RunConfig, start: int, end: int, first: bool, last: bool, *,
@@ -171,7 +174,17 @@ class K3Chunk(nn.Module):
             h = io.hidden
         return self.head(self.final_norm(h))
 
-    def forward(self, x, targets: torch.Tensor | None = None, segments: torch.Tensor | None = None):
+    def use_context_parallel(self, group, log: CPCommLog | None = None) -> None:
+        """Run every token mixer on this rank's contiguous chunk of each sequence, exchanging
+        what it needs over the context-parallel ``group`` (KDA's state fold and conv halo, MLA's
+        latent; ``k3train.ops.context_parallel``); ``log`` records the bytes. Per-token parts
+        (embedding, norms, AttnRes, FFN/MoE, head) need nothing. Every rank of the group must
+        run every forward and backward (the exchanges are collectives)."""
+        for layer in self.layers:
+            layer.mixer.cp_group, layer.mixer.cp_log = group, log
+
+    def forward(self, x, targets: torch.Tensor | None = None, segments: torch.Tensor | None = None,
+                loss_tokens: float | torch.Tensor | None = None):
         io = self.embed_tokens(x, segments) if self.first else x
         for layer in self.layers:
             io = run_layer(layer, io, self.recompute)
@@ -180,6 +193,8 @@ class K3Chunk(nn.Module):
         logits = self.logits(io)
         if targets is None:
             return logits
+        if loss_tokens is not None:
+            return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum") / loss_tokens
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     def moe_layers(self) -> list[nn.Module]:

@@ -23,7 +23,8 @@ Every collective goes through :func:`all_gather_cp` or :func:`halo_exchange`, wh
 this rank sends into an optional :class:`CPCommLog`; :func:`cp_bytes_per_rank` is the formula
 those logs are tested against. The kernels are arguments (``kernel=kda``, ``conv=short_conv_silu``)
 so the GPU path (fla's ``chunk_kda`` with ``initial_state`` and ``output_final_state``) is this
-same code. Nothing here is wired into the model yet; ``docs/long_context.md`` says what is left.
+same code. The model calls them under ``parallel.cp > 1`` (``K3Chunk.use_context_parallel``);
+``docs/long_context.md`` says what is wired and what is left.
 """
 from __future__ import annotations
 

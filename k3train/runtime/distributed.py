@@ -32,6 +32,7 @@ class ParallelInfo:
     vpp: int
     ep: int
     dp: int
+    cp: int = 1
 
     @property
     def is_main(self) -> bool:
@@ -59,19 +60,21 @@ def _attempt_store(timeout: timedelta) -> dist.Store:
     return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def check_layout(world_size: int, tp: int, pp: int, ep: int, vpp: int = 1) -> int:
+def check_layout(world_size: int, tp: int, pp: int, ep: int, vpp: int = 1, cp: int = 1) -> int:
     """Return the data-parallel size or raise ``LayoutError`` naming the impossible layout.
 
     Checked here, before megatron-core builds its groups: its own refusals are bare
     RuntimeErrors or assertions that name neither our config keys nor a fix. Only the rules that
     need the world size; the rest of the layout (vpp/pp, EP x TP, ...) is refused when the config
     loads (``RunConfig._layout_refusal``)."""
-    if world_size % (tp * pp):
+    if world_size % (tp * pp * cp):
+        what, names = (f"{tp}*{pp}", "tp/pp") if cp == 1 else (f"{tp}*{pp}*{cp}", "tp/pp/cp")
         raise LayoutError(
-            f"world size {world_size} is not divisible by parallel.tp*parallel.pp = {tp}*{pp}; "
-            f"launch a multiple of {tp * pp} processes or change tp/pp"
+            f"world size {world_size} is not divisible by parallel.tp*parallel.pp"
+            f"{'' if cp == 1 else '*parallel.cp'} = {what}; "
+            f"launch a multiple of {tp * pp * cp} processes or change {names}"
         )
-    dp = world_size // (tp * pp)
+    dp = world_size // (tp * pp * cp)
     if (dp * tp) % ep:
         raise LayoutError(
             f"parallel.ep={ep} must divide data-parallel x tensor-parallel size {dp * tp} "
@@ -80,8 +83,11 @@ def check_layout(world_size: int, tp: int, pp: int, ep: int, vpp: int = 1) -> in
     return dp
 
 
-def init_distributed(tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, device: str = "cpu") -> ParallelInfo:
-    """Initialise torch.distributed (if needed) and megatron-core's model-parallel groups."""
+def init_distributed(tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, device: str = "cpu",
+                     cp: int = 1) -> ParallelInfo:
+    """Initialise torch.distributed (if needed) and megatron-core's model-parallel groups.
+    cp: context-parallel size (megatron-core's order tp-cp-ep-dp-pp: the cp ranks of one
+    data-parallel replica are consecutive after tp); ``ParallelInfo.dp`` excludes it."""
     if not dist.is_initialized():
         backend = "nccl" if device == "cuda" else "gloo"
         if _launched_by_torchrun():
@@ -93,7 +99,7 @@ def init_distributed(tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, device
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     world, rank = dist.get_world_size(), dist.get_rank()
-    dp = check_layout(world, tp, pp, ep, vpp)
+    dp = check_layout(world, tp, pp, ep, vpp, cp)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
@@ -101,8 +107,9 @@ def init_distributed(tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, device
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         expert_model_parallel_size=ep,
+        context_parallel_size=cp,
     )
-    return ParallelInfo(world, rank, int(os.environ.get("LOCAL_RANK", "0")), tp, pp, vpp, ep, dp)
+    return ParallelInfo(world, rank, int(os.environ.get("LOCAL_RANK", "0")), tp, pp, vpp, ep, dp, cp)
 
 
 @dataclass(frozen=True)
@@ -110,9 +117,13 @@ class ParallelContext:
     """This rank's place in the run: sizes, ranks and process groups, made by ``parallel_context``.
 
     info: sizes (world, tp, pp, vpp, ep, dp) and this process's global and local rank.
-    tp_rank, pp_rank, ep_rank, dp_rank: this rank's index in each dimension.
-    tp_group, pp_group, dp_group, ep_group, edp_group: megatron-core's tensor-, pipeline-,
-        data-, expert- and expert-data-parallel groups (each exists, of size 1 where unused).
+    tp_rank, pp_rank, ep_rank, dp_rank, cp_rank: this rank's index in each dimension
+        (``dp_rank`` without CP: the CP ranks of one replica read the same data).
+    tp_group, pp_group, dp_group, ep_group, edp_group, cp_group: megatron-core's tensor-,
+        pipeline-, data-, expert-, expert-data- and context-parallel groups (each exists, of
+        size 1 where unused; ``dp_group`` without CP, ``edp_group`` spans CP as megatron's does).
+    dp_cp_group: the data x context-parallel group weight gradients and the loss are averaged
+        over (``dp_group`` itself at cp=1).
     pp_messages: ``(up, down)`` groups the pipeline's messages travel on, or None to use
         ``pp_group`` (see ``pipeline_message_groups``); None too without a pipeline engine.
     """
@@ -128,6 +139,9 @@ class ParallelContext:
     ep_group: dist.ProcessGroup
     edp_group: dist.ProcessGroup
     pp_messages: tuple | None
+    cp_rank: int = 0
+    cp_group: dist.ProcessGroup | None = None
+    dp_cp_group: dist.ProcessGroup | None = None
 
 
 def pipeline_message_groups(p2p_backend: str = "auto") -> tuple | None:
@@ -169,6 +183,9 @@ def parallel_context(info: ParallelInfo, *, p2p_backend: str = "auto") -> Parall
         dp_group=ps.get_data_parallel_group(), ep_group=ps.get_expert_model_parallel_group(),
         edp_group=ps.get_expert_data_parallel_group(),
         pp_messages=pipeline_message_groups(p2p_backend) if engine else None,
+        cp_rank=ps.get_context_parallel_rank(), cp_group=ps.get_context_parallel_group(),
+        dp_cp_group=(ps.get_data_parallel_group(with_context_parallel=True) if info.cp > 1
+                     else ps.get_data_parallel_group()),
     )
 
 

@@ -86,7 +86,7 @@ class Trainer:
         self.device = device = resolve_device(cfg.train.device).type
         apply_threads(cfg.train.threads)
         p = cfg.parallel
-        self.info = info = init_distributed(p.tp, p.pp, p.vpp, p.ep, device)
+        self.info = info = init_distributed(p.tp, p.pp, p.vpp, p.ep, device, cp=p.cp)
         if device == "cuda":
             torch.cuda.set_device(info.local_rank)
         self.dev = dev = torch.device(device, info.local_rank) if device == "cuda" else torch.device("cpu")
@@ -125,7 +125,7 @@ class Trainer:
                                     tensorboard=cfg.logging.tensorboard)
         if main:
             print(f"[k3train] code {source_commit()} | device {device} | world {info.world_size} "
-                  f"(tp {p.tp} pp {p.pp} vpp {p.vpp} ep {p.ep} dp {info.dp}) | {state.describe()}")
+                  f"(tp {p.tp} pp {p.pp} vpp {p.vpp} ep {p.ep}{f' cp {p.cp}' if p.cp > 1 else ''} dp {info.dp}) | {state.describe()}")
             val_tokens = sum(b[:, 1:].numel() for b in self.data.val)  # predicted positions
             print(f"[k3train] data: {self.data.description}; val loss over {len(self.data.val)} batches, "
                   f"{val_tokens:,} tokens (train.eval_batches={cfg.train.eval_batches}; k3train eval "

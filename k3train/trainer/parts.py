@@ -24,9 +24,13 @@ class LocalChunks(nn.ModuleDict):
 def build_parts(cfg: RunConfig, device: torch.device, parallel: ParallelContext,
                 recorder: CommRecorder | None = None):
     """Returns (module holding this rank's parameters, engine or None); the engine gets its
-    groups from ``parallel`` (k3train.runtime.distributed makes them)."""
+    groups from ``parallel`` (k3train.runtime.distributed makes them). Under
+    ``parallel.cp > 1`` the model's mixers exchange over ``parallel.cp_group``."""
     if cfg.parallel.pp == 1 and cfg.parallel.vpp == 1:
-        return build_model(cfg, ep_group=parallel.ep_group).to(device), None
+        model = build_model(cfg, ep_group=parallel.ep_group).to(device)
+        if parallel.info.cp > 1:  # the config allows cp > 1 at pp = 1 only, for now
+            model.use_context_parallel(parallel.cp_group)
+        return model, None
     return build_pipeline_parts(cfg, device, parallel, recorder)
 
 

@@ -94,9 +94,10 @@ def writes_piece(piece: Piece, expert: bool, parallel) -> bool:
     """Whether this rank writes ``piece``: the first of its replicas, so each is stored once.
 
     parallel: the rank's ``ParallelContext``. Experts are replicated over the expert-data-parallel
-    group, everything else over the data-parallel group; what TP does not shard (experts
-    included: every TP rank holds its EP rank's experts whole), over TP too."""
-    replica = _rank_in(parallel.edp_group) if expert else parallel.dp_rank
+    group, everything else over the data-parallel group and the context-parallel ranks of
+    each replica (megatron-core's expert-DP group spans CP already); what TP does not shard
+    (experts included: every TP rank holds its EP rank's experts whole), over TP too."""
+    replica = _rank_in(parallel.edp_group) if expert else parallel.dp_rank + parallel.cp_rank
     if replica != 0:
         return False
     tp_sharded = piece.dim is not None and not expert

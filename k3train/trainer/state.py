@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 
 from k3train.errors import UsageError
 from k3train.config import RunConfig
@@ -62,6 +63,32 @@ def _segments(cu_seqlens: torch.Tensor | None) -> dict:
     return {} if cu_seqlens is None else {"segments": cu_seqlens}
 
 
+def _window_loss(state, windows: torch.Tensor) -> torch.Tensor:
+    """``state``'s model's loss on ``windows`` [B, T+1] (pp = 1), or under context parallelism
+    this rank's share of it (``_cp_slice``). Reads ``state.model``, ``targets``, ``documents``,
+    ``cp`` (and ``cp_rank`` when cp > 1)."""
+    inputs, targets, segments = windows[:, :-1], state.targets(windows), state.documents(windows)
+    if state.cp > 1:  # the mixers read the whole windows' boundaries (k3train.model.cp_documents)
+        x, t, seg, divisor = _cp_slice(inputs, targets, segments, state.cp, state.cp_rank)
+        return state.model(x, t, segments=seg, loss_tokens=divisor)
+    return state.model(inputs, targets, **_segments(segments))
+
+
+def _cp_slice(inputs: torch.Tensor, targets: torch.Tensor, segments, cp: int, rank: int) -> tuple:
+    """CP rank ``rank``'s contiguous slice of every window, ``[B, T / cp]`` inputs and targets,
+    the whole windows' document boundaries (``segments``, unchanged: the mixers map them to the
+    rank's positions, ``k3train.model.cp_documents``), and the loss divisor that makes the loss
+    exact: the window's loss is the sum of token losses over its N target tokens (all CP ranks;
+    -100 ignored) divided by N, so each rank returns ``cp * (its sum) / N``; averaged over
+    DP x CP with the gradients, that is the mean over DP of each window's exact loss, also when
+    the ranks' slices hold different numbers of target tokens. The count is taken on the whole
+    window, so no exchange."""
+    n = inputs.shape[1] // cp
+    mine = slice(rank * n, (rank + 1) * n)
+    counted = (targets != -100).sum().clamp(min=1)  # an all-ignored window trains nothing
+    return inputs[:, mine], targets[:, mine], segments, counted / cp
+
+
 class TrainState:
     """The model part, optimizer and per-step logic of one rank (TP, PP and DP aware)."""
 
@@ -86,13 +113,19 @@ class TrainState:
         self.balancer = Balancer(cfg.moe.balancing, cfg.moe.aux_free_rate)
         self.moe_layers = self.model.moe_layers()
         self.dp_group = ctx.dp_group
+        # Context parallelism: every CP rank of a DP replica reads the same windows and trains
+        # its contiguous slice of each (``_cp_slice``); the loss, the gradients and the router
+        # statistics are then averaged over DP x CP (the DP group itself at cp = 1).
+        self.cp, self.cp_rank = info.cp, ctx.cp_rank
+        self.loss_group = ctx.dp_cp_group if info.cp > 1 else ctx.dp_group
+        self.loss_ranks = info.dp * info.cp
         self.moe_stats = self._build_moe_stats()
         self.tp_group = ctx.tp_group
         # Expert weights are sharded over EP: reduced over the expert-data-parallel replicas only.
         expert_params = [p for layer in self.moe_layers for p in layer.experts.parameters()]
         self.ep_group = ctx.ep_group if info.ep > 1 else None
         self.edp_group = ctx.edp_group
-        groups = GradGroups(dp=self.dp_group, expert_dp=self.edp_group, tp=self.tp_group,
+        groups = GradGroups(dp=self.loss_group, expert_dp=self.edp_group, tp=self.tp_group,
                             ep=self.ep_group, pp=self.pp_group)
         self.sharded = cfg.optim.zero1
         self.optimizer, self.param_table = build_k3_optimizer(
@@ -153,7 +186,7 @@ class TrainState:
             total = self.graphed(batch)
         else:
             total = self._forward_backward(batch, poison)
-        allreduce_mean([total], self.dp_group, self.info.dp)
+        allreduce_mean([total], self.loss_group, self.loss_ranks)
         self.grads.reduce_grads()
         norm = self.grads.global_grad_norm()
         # One host read per step: the skip decision must be known before the update. Whether
@@ -192,7 +225,7 @@ class TrainState:
             # count or time (benchmarks/README.md).
             with self.autocast:
                 for mb in batch.chunk(m):
-                    loss = self.model(mb[:, :-1], self.targets(mb), **_segments(self.documents(mb)))
+                    loss = _window_loss(self, mb)
                     if poison:
                         loss = loss * float("nan")
                     with _autocast_off(self.autocast):
@@ -240,7 +273,7 @@ class TrainState:
     @torch.no_grad()
     def _balance(self) -> None:
         """Update router biases from this step's routing (all microbatches), agreeing over DP."""
-        group = self.dp_group if self.info.dp > 1 else None
+        group = self.loss_group if self.loss_ranks > 1 else None
         for layer in self.moe_layers:
             self.balancer.update(layer, group)
         if self.moe_stats is not None:
@@ -254,7 +287,7 @@ class TrainState:
             return None
         return MoEStats(layers=self.moe_layers, rows=[every.index(i) for i in self.model.moe_layer_indices()],
                         num_moe_layers=len(every), num_experts=self.cfg.moe.num_experts,
-                        dp_group=self.dp_group, dp=self.info.dp, pp_group=self.pp_group,
+                        dp_group=self.loss_group, dp=self.loss_ranks, pp_group=self.pp_group,
                         device=self.device)
 
     def moe_metrics(self) -> dict:
@@ -281,8 +314,12 @@ class TrainState:
         for b in batches:
             b = b.to(self.device)
             with self.autocast:
-                losses.append(self.model(b[:, :-1], self.targets(b), **_segments(self.documents(b))).float())
-        return torch.stack(losses).mean().item()
+                losses.append(_window_loss(self, b).float())
+        loss = torch.stack(losses).mean()
+        if self.cp > 1:  # each CP rank holds its share of every window's loss (``_cp_slice``)
+            dist.all_reduce(loss, group=self.parallel.cp_group)
+            loss = loss / self.cp
+        return loss.item()
 
     def state_dict(self, step: int) -> dict:
         return {"step": step, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),

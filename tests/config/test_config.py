@@ -142,8 +142,15 @@ def test_fp8_recipe_offers_only_what_runs():
 # wrong and what is allowed (RunConfig._layout_refusal; the rules needing the world size are in
 # k3train.runtime.distributed.check_layout).
 LAYOUT_REFUSALS = {
-    "cp-not-wired": (["parallel.cp=2"], "parallel.cp", "parallel.cp=2: context parallelism is not wired "
-                     "into the model yet", "use parallel.cp=1"),
+    "cp-with-pp": (["parallel.cp=2", "parallel.pp=2"], "parallel.cp",
+                   "parallel.cp=2 with parallel.pp=2: not wired yet", "change parallel.pp or use parallel.cp=1"),
+    "cp-with-ep": (["parallel.cp=2", "parallel.ep=2"], "parallel.cp",
+                   "parallel.cp=2 with parallel.ep=2: not wired yet", "change parallel.ep or use parallel.cp=1"),
+    "cp-seq-len": (["parallel.cp=3", "train.seq_len=64"], "train.seq_len",
+                   "train.seq_len=64 is not divisible by parallel.cp=3", "use a multiple of 3"),
+    "cp-too-short": (["parallel.cp=32", "train.seq_len=64"], "train.seq_len",
+                     "leaves 2 tokens per rank, fewer than the 3 the short convolution's halo needs",
+                     "use a longer seq_len or a smaller cp"),
     "vpp-without-pp": (["parallel.vpp=2"], "parallel.vpp",
                        "parallel.vpp=2 needs parallel.pp > 1", "set parallel.vpp=1 or parallel.pp >= 2"),
     "interleave-microbatches": (["parallel.pp=2", "parallel.vpp=2", "train.microbatches=3"], "train.microbatches",

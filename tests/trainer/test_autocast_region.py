@@ -50,7 +50,8 @@ def _state():
     model = _Toy()
     return SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(microbatches=M)), device=torch.device("cpu"),
                            engine=None, model=model, params=list(model.parameters()), targets=lambda w: w[:, 1:],
-                           documents=lambda w: None, autocast=torch.autocast("cpu", dtype=torch.bfloat16))
+                           documents=lambda w: None, autocast=torch.autocast("cpu", dtype=torch.bfloat16),
+                           cp=1)
 
 
 def _per_microbatch(state, batch):

@@ -1,0 +1,52 @@
+"""Document boundaries under context parallelism: what one CP rank needs from its windows'.
+
+Under ``parallel.cp > 1`` the mixers receive the **whole window's** ``cu_seqlens`` (``[N+1]``
+over the flattened ``B * T`` tokens of the full windows, ``T = cp * t`` with ``t`` local tokens,
+a boundary at every row start; ``k3train.ops.documents``) and hold global positions
+``[r t, (r+1) t)`` of each row. From it: the local document starts of each row (KDA's
+``doc_starts``), the boundaries of the conv's ``[halo, chunk]`` rows, and the document id of
+every global position (MLA's mask). Boundaries are read on the host, as document masking does.
+"""
+from __future__ import annotations
+
+import torch
+
+from k3train.ops.documents import document_ids
+
+__all__ = ["halo_cu_seqlens", "rank_document_starts", "same_document_causal_mask_cp"]
+
+
+def rank_document_starts(cu_seqlens: torch.Tensor, batch: int, seq_len: int, start: int,
+                         length: int) -> list[list[int]]:
+    """Per row, the local positions in ``[0, length)`` where a document starts, for a rank
+    holding positions ``[start, start + length)`` of every row of ``seq_len`` tokens (``start``
+    may be negative: positions before a row's first token hold no start)."""
+    rows: list[list[int]] = [[] for _ in range(batch)]
+    for b in cu_seqlens.tolist()[:-1]:
+        row, pos = divmod(int(b), seq_len)
+        if start <= pos < start + length:
+            rows[row].append(pos - start)
+    return rows
+
+
+def halo_cu_seqlens(starts: list[list[int]], row: int, device) -> torch.Tensor:
+    """``cu_seqlens`` over the conv's rows ``[halo, chunk]`` of ``row`` tokens each, flattened:
+    each row begins a sequence, and so does every document start ``s`` of ``starts`` (per row,
+    positions in the extended row: ``rank_document_starts`` from ``start - width``, so a
+    document that starts inside the halo, or at the chunk's first token, cuts the tokens before
+    it off). -> int32 ``[N+1]``."""
+    bounds = {b * row for b in range(len(starts) + 1)}
+    bounds |= {b * row + s for b, ss in enumerate(starts) for s in ss}
+    return torch.tensor(sorted(bounds), dtype=torch.int32, device=device)
+
+
+def same_document_causal_mask_cp(cu_seqlens: torch.Tensor, batch: int, seq_len: int, start: int,
+                                 length: int) -> torch.Tensor:
+    """Where this rank's query at global position ``start + i`` may attend key ``s`` of the
+    gathered prefix ``[0, start + length)``: ``s <= start + i`` and one document -> bool
+    ``[B, 1, length, start + length]`` (SDPA's ``attn_mask``, True = attend)."""
+    ids = document_ids(cu_seqlens, batch, seq_len)[:, :start + length]
+    qpos = torch.arange(length, device=ids.device)[:, None] + start
+    causal = torch.arange(start + length, device=ids.device)[None, :] <= qpos
+    same = ids[:, start:start + length, None] == ids[:, None, :]
+    return (same & causal).unsqueeze(1)
