@@ -4,6 +4,7 @@
     python3 -m benchmarks.timing_model account [--json OUT]
     python3 -m benchmarks.timing_model gpu --json OUT [--device cuda] [--steps 3] [--small] [--layers-per-chunk K]
     python3 -m benchmarks.timing_model graphs [--measured RESULTS.json] [--json OUT]
+    python3 -m benchmarks.timing_model cp [--json OUT]
 
 ``check``: the model against the real engine on CPU (gloo), at P = 2 and P = 4. For each P: (1)
 per-chunk forward/backward times of the P*V chunks, measured on one process (the engine at P = 1,
@@ -25,6 +26,14 @@ at P = 1, V = 2, m = 8): each side's seconds per FLOP scales the per-layer FLOPs
 op costs, the H200 link carries the engine's own message bytes, and the schedule is replayed.
 Each row sets the predicted per-GPU tokens/s against the one-GPU graphed step's times the
 textbook bubble factor 1 / (1 + (P - 1) / (V m)) (target: >= 0.90). CPU, seconds.
+
+``cp``: PREDICTED context parallelism for K3 at 128K and 1M tokens with CP = 4, 8, 16 on H200:
+one K3 rank's layers (``configs/k3_slice.yaml``: K3's widths, one EP rank's experts, 3 KDA : 1
+MLA), compute from the slice's measured forward+backward rate on one H200 (431.7 TFLOP/s:
+58.5% of the 738 TFLOP/s matmul rate measured in that run, benchmarks/2026-12-02_all_figures-page.md),
+the most loaded rank's causal attention pairs under the contiguous partition and under
+head-tail, and communication from the CP byte formula (``k3train.ops.context_parallel``) over
+NVLink (CP <= 8, one node) or 50 GB/s per GPU between nodes (CP = 16). CPU, seconds.
 
 See docs/pipeline_timing_model.md.
 """
@@ -353,6 +362,55 @@ def gpu_main(args) -> None:
             print(f"{variant:<16}{V:>3}{pred:>14.1f}{meas:>13.1f}{pred / meas:>11.2f}")
 
 
+SLICE_RATE = 0.585 * 738e12        # the slice's fwd+bwd FLOP/s on one H200 (module docstring)
+INTER_NODE_BPS = 50e9              # 400 Gb/s per GPU between nodes
+
+
+def cp_main(args) -> None:
+    from k3train.config import load_config
+    from k3train.model.flops import flops_breakdown
+    from k3train.ops.context_parallel import causal_pairs_per_rank, cp_bytes_per_rank
+    from k3train.profiling.predict import H200_LINK
+
+    cfg = load_config(str(ROOT / "configs/k3_slice.yaml"))
+    m = cfg.model
+    kinds = [c for c in (m.layer_pattern * m.num_layers)[:m.num_layers]]
+    n_kda, n_mla = kinds.count("K"), kinds.count("M")
+    a, k = m.mla, m.kda
+    per_pair = 3 * 2 * a.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim)  # fwd+bwd
+    rows = []
+    print(f"PREDICTED: one K3 rank ({m.num_layers} layers: {n_kda} KDA + {n_mla} MLA, K3's widths) per CP rank, "
+          f"micro-batch 1, fwd+bwd at {SLICE_RATE / 1e12:.0f} TFLOP/s")
+    print(f"{'tokens':>8}{'cp':>4}{'compute s':>11}{'of which attn':>15}{'head-tail s':>13}{'comm s':>9}"
+          f"{'link':>9}{'comm/compute':>14}{'step s (overlap)':>18}")
+    for T in (131072, 1048576):
+        base = flops_breakdown(cfg, seq_len=T)
+        linear = base["total"] - base["mla_attention"]       # per token, independent of T
+        for cp in (4, 8, 16):
+            n = T // cp
+            worst = max(causal_pairs_per_rank(T, cp, "contiguous"))
+            balanced = max(causal_pairs_per_rank(T, cp, "head_tail"))
+            attn, attn_ht = n_mla * per_pair * worst, n_mla * per_pair * balanced
+            compute = (linear * n + attn) / SLICE_RATE
+            compute_ht = (linear * n + attn_ht) / SLICE_RATE
+            b = cp_bytes_per_rank(cp=cp, rank=cp - 1, batch=1, local_tokens=n, kda_heads=k.num_heads,
+                                  kda_head_dim=k.head_dim, conv_channels=3 * k.num_heads * k.head_dim,
+                                  mla_latent_dim=a.kv_lora_rank + a.qk_rope_head_dim)
+            sent = n_kda * (b["kda_fwd"] + b["kda_bwd"] + b["conv_fwd"] + b["conv_bwd"]) \
+                + n_mla * (b["mla_fwd"] + b["mla_bwd"])
+            bw = H200_LINK.bandwidth_Bps if cp <= 8 else INTER_NODE_BPS
+            comm = sent / bw + 2 * (n_kda + n_mla) * H200_LINK.latency_s
+            row = {"tokens": T, "cp": cp, "compute_s": compute, "attention_s": attn / SLICE_RATE,
+                   "compute_head_tail_s": compute_ht, "comm_s": comm, "bytes_sent": sent,
+                   "link_GBps": bw / 1e9, "step_no_overlap_s": compute + comm,
+                   "step_overlapped_s": max(compute, comm)}
+            rows.append(row)
+            print(f"{T:>8}{cp:>4}{compute:>11.3f}{attn / SLICE_RATE:>15.3f}{compute_ht:>13.3f}{comm:>9.3f}"
+                  f"{bw / 1e9:>7.0f}GB{comm / compute:>14.3f}{max(compute, comm):>18.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"predicted": True, "rate_flops": SLICE_RATE, "rows": rows}, indent=1))
+
+
 GRAPHS_MEASURED = ROOT / "benchmarks/results/2026-12-04_h200_chunk-graphs/chunk_graphs.json"
 
 
@@ -428,8 +486,11 @@ def main() -> None:
     gr.add_argument("--measured", default=str(GRAPHS_MEASURED),
                     help="bench_chunk_graphs JSON with the one-GPU step times")
     gr.add_argument("--json")
+    cpp = sub.add_parser("cp", help="PREDICTED K3 context parallelism at 128K and 1M tokens (CPU, seconds)")
+    cpp.add_argument("--json")
     args = ap.parse_args()
-    {"check": check_main, "account": account_main, "gpu": gpu_main, "graphs": graphs_main}[args.mode](args)
+    {"check": check_main, "account": account_main, "gpu": gpu_main, "graphs": graphs_main,
+     "cp": cp_main}[args.mode](args)
 
 
 if __name__ == "__main__":
