@@ -180,6 +180,7 @@ class K3Chunk(nn.Module):
         latent; ``k3train.ops.context_parallel``); ``log`` records the bytes. Per-token parts
         (embedding, norms, AttnRes, FFN/MoE, head) need nothing. Every rank of the group must
         run every forward and backward (the exchanges are collectives)."""
+        self.cp_log = log
         for layer in self.layers:
             layer.mixer.cp_group, layer.mixer.cp_log = group, log
 

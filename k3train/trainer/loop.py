@@ -201,7 +201,8 @@ class Trainer:
         record = {"step": step, "loss": out["loss"], "lr": lr, "grad_norm": out["grad_norm"],
                   "tokens_per_s": tok_s,
                   "matmul_util": tok_s * self.flops_token / (self.peak_flops * self.info.world_size),
-                  "skipped": int(not out["finite"]), **state.moe_metrics(), **state.pipeline_metrics()}
+                  "skipped": int(not out["finite"]), **state.moe_metrics(), **state.pipeline_metrics(),
+                  **state.cp_metrics()}
         if self.datasheet_flops is not None:
             record["mfu"] = tok_s * self.flops_token / (self.datasheet_flops * self.info.world_size)
         if self.dev.type == "cuda":

@@ -5,6 +5,7 @@ import torch
 import torch.nn as nn
 
 from k3train.config import RunConfig
+from k3train.ops.context_parallel import CPCommLog
 from k3train.runtime.distributed import ParallelContext
 from k3train.model.model import K3Chunk, build_model, produced_blocks
 from pipeline import CommRecorder, PipelineEngine, PipelineLayout
@@ -29,7 +30,8 @@ def build_parts(cfg: RunConfig, device: torch.device, parallel: ParallelContext,
     if cfg.parallel.pp == 1 and cfg.parallel.vpp == 1:
         model = build_model(cfg, ep_group=parallel.ep_group).to(device)
         if parallel.info.cp > 1:  # the config allows cp > 1 at pp = 1 only, for now
-            model.use_context_parallel(parallel.cp_group)
+            # The bytes the exchanges send, for the cp/bytes_sent metric (TrainState.cp_metrics).
+            model.use_context_parallel(parallel.cp_group, CPCommLog())
         return model, None
     return build_pipeline_parts(cfg, device, parallel, recorder)
 

@@ -302,6 +302,16 @@ class TrainState:
         delta, self._bytes_logged = sent - self._bytes_logged, sent
         return {"pipeline/bytes_sent": delta, "pipeline/peak_cache_bytes": self.engine.peak_cache_bytes}
 
+    def cp_metrics(self) -> dict:
+        """Bytes this rank sent in context-parallel exchanges since the last call (forward,
+        backward and recomputed forwards; ``k3train.ops.context_parallel.CPCommLog``)."""
+        log = getattr(self.model, "cp_log", None)
+        if log is None:
+            return {}
+        sent = log.total()
+        log.records.clear()
+        return {"cp/bytes_sent": sent}
+
     @torch.no_grad()
     def evaluate(self, batches: list[torch.Tensor]) -> float:
         self.model.eval()

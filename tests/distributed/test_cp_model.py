@@ -142,6 +142,19 @@ def _trainer_body(rank, world, cp, documents, recompute):
     torch.testing.assert_close(loss.item() / state.loss_ranks, ref_loss, **FP32_CE)
     for name, got, want in _check_grads(rank, state.model, ref_model):
         torch.testing.assert_close(got, want, **FP32_CE, msg=lambda m: f"rank {rank} {name}: {m}")
+    # The step's cp/bytes_sent metric: with nothing recomputed, one forward and one backward of
+    # every exchange per microbatch (2 microbatches), as the byte formula counts them; a second
+    # call reports only what was sent since.
+    metrics = state.cp_metrics()
+    if recompute == "none":
+        k, a = cfg.model.kda, cfg.model.mla
+        per = cp_bytes_per_rank(cp=cp, rank=state.cp_rank, batch=MB, local_tokens=SEQ // cp,
+                                kda_heads=k.num_heads, kda_head_dim=k.head_dim,
+                                conv_channels=k.num_heads * k.head_dim, conv_width=k.conv_size,
+                                mla_latent_dim=a.kv_lora_rank + a.qk_rope_head_dim, state_bytes=8, act_bytes=8)
+        one = sum(n * (per[f"{t}_fwd"] + per[f"{t}_bwd"]) for t, n in (("kda", 3), ("conv", 9), ("mla", 1)))
+        assert metrics == {"cp/bytes_sent": 2 * one}, (metrics, 2 * one)
+    assert metrics["cp/bytes_sent"] > 0 and state.cp_metrics() == {"cp/bytes_sent": 0}
 
 
 @pytest.mark.slow
@@ -155,8 +168,9 @@ def test_cp_model_equals_the_whole_sequence(cp, documents):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world, cp, documents, recompute", [(2, 2, True, "selective"), (4, 2, False, "full")],
-                         ids=["cp2-documents-selective", "dp2xcp2-full"])
+@pytest.mark.parametrize("world, cp, documents, recompute", [(2, 2, True, "selective"), (4, 2, False, "full"),
+                                                           (2, 2, False, "none")],
+                         ids=["cp2-documents-selective", "dp2xcp2-full", "cp2-windows-none"])
 def test_cp_training_step_equals_data_parallel(world, cp, documents, recompute):
     """cp2: one replica over two ranks, document-masked windows; dp2xcp2: two DP replicas of two
     CP ranks each, in a world of four, against DP = 2 alone. Under recompute (the reference
