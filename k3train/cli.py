@@ -11,6 +11,8 @@ import os
 import sys
 import warnings
 
+from k3train.errors import ConfigError, K3TrainError, LayoutError
+
 # megatron-core warns at import time that optional fused kernels are missing; we never use them.
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
@@ -111,9 +113,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     os.environ.setdefault("WANDB_SILENT", "true")
     _arm_stack_dump(os.environ.get("K3TRAIN_STACKS_AFTER"))
-    from k3train.config import ConfigError
-    from k3train.errors import K3TrainError, LayoutError
-
     try:
         return args.fn(args)
     except K3TrainError as exc:  # ConfigError is one too

@@ -4,8 +4,7 @@ Anything raised as a ``K3TrainError`` is bad input or a refused operation: the m
 is wrong and what to do, and the CLI prints it without a traceback. Every other exception is a
 bug and keeps its traceback.
 
-The kinds that replaced a ``ValueError`` (data, layout, usage; ``ConfigError`` in
-``k3train.config``) are still ``ValueError`` subclasses, so code and tests written against the
+The kinds that replaced a ``ValueError`` (config, data, layout, usage) are still ``ValueError`` subclasses, so code and tests written against the
 old type keep working.
 """
 from __future__ import annotations
@@ -21,6 +20,12 @@ class RunDirError(K3TrainError):
 
 class CheckpointError(K3TrainError):
     """A checkpoint is missing, corrupt, or does not fit the model or the parallel layout."""
+
+
+class ConfigError(K3TrainError, ValueError):
+    """A config file or override is wrong; the message names the field and what is allowed.
+    (Still a ValueError, as it was before the project's error types; ``k3train.config`` exports
+    it, the CLI catches it without importing the config room.)"""
 
 
 class DataError(K3TrainError, ValueError):

@@ -9,12 +9,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from k3train.config.schema import RunConfig
-from k3train.errors import K3TrainError
-
-
-class ConfigError(K3TrainError, ValueError):
-    """A config file or override is wrong; the message names the field and what is allowed.
-    (Still a ValueError, as it was before the project's error types.)"""
+from k3train.errors import ConfigError
 
 
 def _allowed_keys(model_cls: type[BaseModel], path: tuple) -> list[str]:

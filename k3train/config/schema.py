@@ -11,6 +11,7 @@ from typing import Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from k3train.config import layout_rules
 from k3train.config.layer_pattern import expand_layer_pattern
 
 RecomputeMode = Literal["none", "selective", "full"]
@@ -509,109 +510,12 @@ class RunConfig(_Strict):
     kernels: KernelsConfig = KernelsConfig()
 
     def cuda_graph_blockers(self, *, device: str | None = None) -> dict[str, str]:
-        """What rules out ``train.cuda_graph``: setting -> one line saying why, empty when
-        nothing does. The one list of graph blockers: the load-time check refuses
-        ``cuda_graph: true`` with the first, ``k3train.trainer.state.use_cuda_graph`` asks again
-        with what only the run knows, ``device`` (the resolved device type). Pipeline
-        parallelism replays chunk graphs, data parallelism reduces after the replay, and every
-        precision recipe's scaling is computed inside the captured step (no state kept between
-        steps), so none of them rules the graph out."""
-        out: dict[str, str] = {}
-        p = self.parallel
-        if p.cp != 1:
-            out["parallel.cp"] = (f"train.cuda_graph is not wired with parallel.cp={p.cp} (the CP exchanges "
-                                  f"are not captured); it needs parallel.cp=1")
-        if p.tp != 1:
-            out["parallel.tp"] = (f"train.cuda_graph cannot capture parallel.tp={p.tp} (megatron-core's "
-                                  f"tensor-parallel linears run their collectives eagerly); it needs parallel.tp=1")
-        if p.ep != 1 and self.moe.capacity_factor is None:
-            # The static dispatcher (fixed capacity, fixed all-to-all splits) reads nothing on the
-            # host: its all-to-all is recorded in the graph (benchmarks/bench_moe_permute.py --check).
-            out["parallel.ep"] = (f"train.cuda_graph cannot capture parallel.ep={p.ep} with the dynamic "
-                                  f"dispatcher (it reads its all-to-all split sizes on the host); set "
-                                  f"moe.capacity_factor (the static dispatcher) or parallel.ep=1")
-        dev = device if device is not None else self.train.device
-        if dev not in ("cuda", "auto"):
-            out["train.device"] = (f"train.cuda_graph needs a CUDA device, this run is on {dev} "
-                                   f"(train.device={self.train.device})")
-        if self.data.masks_documents:
-            out["data.document_mask"] = ("train.cuda_graph replays recorded steps, but document masking "
-                                         "reads each batch's boundaries on the host (data.document_mask=true)")
-        return out
+        """What rules out ``train.cuda_graph`` (``layout_rules.cuda_graph_blockers``)."""
+        return layout_rules.cuda_graph_blockers(self, device=device)
 
     def cuda_graph_refusal(self, *, device: str | None = None) -> str | None:
-        """Why ``train.cuda_graph: true`` cannot run (the first blocker, one line), or None."""
-        blockers = self.cuda_graph_blockers(device=device)
-        if not blockers:
-            return None
-        return f"{next(iter(blockers.values()))}; set train.cuda_graph=false (or auto)"
-
-    def _cp_refusal(self) -> str | None:
-        """The first rule a ``parallel.cp > 1`` config breaks (one line), or None. Context
-        parallelism is wired at pp = 1 with DP only (docs/long_context.md, "what is built")."""
-        p, t = self.parallel, self.train
-        unwired = [(f"parallel.pp={p.pp}", p.pp > 1), (f"parallel.vpp={p.vpp}", p.vpp > 1),
-                   (f"parallel.ep={p.ep}", p.ep > 1), (f"parallel.tp={p.tp}", p.tp > 1),
-                   ("optim.zero1=true", self.optim.zero1),
-                   ("moe.balancing=aux_loss", self.moe.balancing == "aux_loss"
-                    and self.model.dense_layers < self.model.num_layers),
-                   ("train.cuda_graph=true", t.cuda_graph is True)]
-        for what, present in unwired:
-            if present:
-                return (f"parallel.cp={p.cp} with {what}: not wired yet (context parallelism runs with "
-                        f"data parallelism only, pp=vpp=ep=tp=1, zero1=false, no aux-loss balancing, "
-                        f"no CUDA graphs); change {what.split('=')[0]} or use parallel.cp=1")
-        if t.seq_len % p.cp:
-            return (f"train.seq_len={t.seq_len} is not divisible by parallel.cp={p.cp} (each CP rank "
-                    f"holds seq_len/cp contiguous tokens); use a multiple of {p.cp}")
-        halo = self.model.kda.conv_size - 1
-        if t.seq_len // p.cp < max(halo, 1):
-            return (f"train.seq_len={t.seq_len} over parallel.cp={p.cp} leaves {t.seq_len // p.cp} tokens "
-                    f"per rank, fewer than the {halo} the short convolution's halo needs; use a longer "
-                    f"seq_len or a smaller cp")
-        return None
-
-    def _layout_refusal(self) -> str | None:
-        """The first layout rule this config breaks, as one line naming the field, what is
-        wrong and what is allowed; None when the layout is valid. Rules that need the world
-        size stay in ``k3train.runtime.distributed.check_layout``."""
-        p, moe = self.parallel, self.moe
-        if p.cp > 1:
-            refusal = self._cp_refusal()
-            if refusal is not None:
-                return refusal
-        if p.vpp > 1 and p.pp == 1:
-            return (f"parallel.vpp={p.vpp} needs parallel.pp > 1 (virtual stages interleave over "
-                    f"pipeline ranks); set parallel.vpp=1 or parallel.pp >= 2")
-        chunks = p.pp * p.vpp
-        if self.model.num_layers < chunks:  # pipeline/layout.py gives every chunk at least one layer
-            return (f"model.num_layers={self.model.num_layers} cannot be split over parallel.pp={p.pp} x "
-                    f"parallel.vpp={p.vpp} = {chunks} pipeline chunks (each needs at least one layer); "
-                    f"use at least {chunks} layers or a smaller pp/vpp")
-        m = self.train.microbatches
-        if p.vpp > 1 and (m < p.pp or m % p.pp):
-            return (f"train.microbatches={m} cannot run the interleaved schedule of parallel.pp={p.pp} "
-                    f"x parallel.vpp={p.vpp} (chunks would wait on each other); use a multiple of "
-                    f"{p.pp}, at least {p.pp}, or parallel.vpp=1")
-        if self.model.tie_embeddings and p.pp > 1:
-            return (f"model.tie_embeddings=true needs the embedding and the head on one pipeline rank "
-                    f"(got parallel.pp={p.pp}); set model.tie_embeddings=false or parallel.pp=1")
-        if p.ep > 1 and p.tp > 1:
-            return (f"parallel.ep={p.ep} together with parallel.tp={p.tp} is not supported yet (experts "
-                    f"would need expert-tensor-parallel groups); use parallel.tp=1 with ep, or ep=1")
-        has_moe = self.model.dense_layers < self.model.num_layers
-        if has_moe and moe.num_experts % p.ep:
-            return (f"moe.num_experts={moe.num_experts} is not divisible by parallel.ep={p.ep} (each "
-                    f"expert-parallel rank holds num_experts/ep experts); use an ep that divides it")
-        if moe.dispatcher == "local" and p.ep > 1:
-            return (f"moe.dispatcher=local cannot run with parallel.ep={p.ep} (it exchanges no tokens); "
-                    "use moe.dispatcher=grouped_a2a or auto")
-        if moe.dispatcher == "local" and moe.capacity_factor is not None:
-            return (f"moe.capacity_factor={moe.capacity_factor} needs moe.dispatcher=grouped_a2a or auto "
-                    "(local never drops); unset it or change the dispatcher")
-        if self.train.cuda_graph is True:
-            return self.cuda_graph_refusal()
-        return None
+        """Why ``train.cuda_graph: true`` cannot run, or None (``layout_rules.cuda_graph_refusal``)."""
+        return layout_rules.cuda_graph_refusal(self, device=device)
 
     @model_validator(mode="after")
     def _cross_field_checks(self) -> "RunConfig":
@@ -619,7 +523,7 @@ class RunConfig(_Strict):
         expand_layer_pattern(m.layer_pattern, m.num_layers)  # raises with a precise message
         if m.dense_layers > m.num_layers:
             raise ValueError(f"model.dense_layers ({m.dense_layers}) exceeds model.num_layers ({m.num_layers})")
-        refusal = self._layout_refusal()
+        refusal = layout_rules.layout_refusal(self)
         if refusal is not None:
             raise ValueError(refusal)
         pr = self.precision

@@ -66,7 +66,7 @@ def check_layout(world_size: int, tp: int, pp: int, ep: int, vpp: int = 1, cp: i
     Checked here, before megatron-core builds its groups: its own refusals are bare
     RuntimeErrors or assertions that name neither our config keys nor a fix. Only the rules that
     need the world size; the rest of the layout (vpp/pp, EP x TP, ...) is refused when the config
-    loads (``RunConfig._layout_refusal``)."""
+    loads (``k3train.config.layout_rules.layout_refusal``)."""
     if world_size % (tp * pp * cp):
         what, names = (f"{tp}*{pp}", "tp/pp") if cp == 1 else (f"{tp}*{pp}*{cp}", "tp/pp/cp")
         raise LayoutError(

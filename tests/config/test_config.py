@@ -139,7 +139,7 @@ def test_fp8_recipe_offers_only_what_runs():
 
 
 # Layout rules: refused when the config loads, each as one line that names the field, what is
-# wrong and what is allowed (RunConfig._layout_refusal; the rules needing the world size are in
+# wrong and what is allowed (k3train.config.layout_rules.layout_refusal; the rules needing the world size are in
 # k3train.runtime.distributed.check_layout).
 LAYOUT_REFUSALS = {
     "cp-with-pp": (["parallel.cp=2", "parallel.pp=2"], "parallel.cp",

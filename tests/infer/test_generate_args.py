@@ -2,6 +2,7 @@
 import pytest
 
 from k3train.cli import main
+from k3train.infer.generate import batch_prompts, resolve_cuda_graph
 
 
 @pytest.mark.parametrize("flag, value, words", [
@@ -30,7 +31,6 @@ def test_bad_batch_and_graph_arguments_are_one_line(tmp_path, capsys, args, word
 
 
 def test_batch_repeats_one_prompt_or_takes_one_sequence_per_prompt():
-    from k3train.infer.generate import batch_prompts, resolve_cuda_graph
 
     assert batch_prompts(["a"], 3) == ["a", "a", "a"]
     assert batch_prompts(["a", "bc"], None) == ["a", "bc"] == batch_prompts(["a", "bc"], 2)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from k3train.config import load_config
 from k3train.profiling.memory_plan import plan_memory
 from tests.helpers import tiny_cfg
 from tests.helpers import saved_bytes
@@ -104,9 +105,6 @@ def test_context_parallel_plan_is_the_shorter_sequence_plus_the_exchanges(world1
     """cp ranks each keep seq_len/cp tokens' activations (the plan of the shorter sequence) plus,
     per MLA layer, the gathered latent and the keys/values expanded from it for the whole
     sequence, and per KDA layer the fold's fp32 states; counted here from the config's widths."""
-    from k3train.config import load_config
-    from k3train.profiling.memory_plan import plan_memory
-
     base = ["train.seq_len=256", "train.micro_batch_size=2", "train.device=cuda"]
     cfg = load_config("configs/k3_tiny.yaml", base)
     short = load_config("configs/k3_tiny.yaml", [*base, "train.seq_len=64"])

@@ -11,6 +11,7 @@ import pytest
 from k3train.cli import main as cli_main
 from k3train.errors import RunDirError
 from k3train.trainer.run_lock import RunDirLock
+from k3train.trainer.stop import SignalGuard as _SignalGuard
 from tests.cli_runs import CLI, cli_env as _env, wait_for as _wait_for
 from tests.helpers import SMALL, small_cfg, read_records
 
@@ -138,7 +139,6 @@ def test_inductor_compile_workers_are_killed_not_awaited():
 
 
 def test_repeats_of_one_stop_signal_count_once():
-    from k3train.trainer.stop import SignalGuard as _SignalGuard
 
     with _SignalGuard() as guard:
         os.kill(os.getpid(), signal.SIGTERM)

@@ -1,0 +1,119 @@
+"""Which combinations of otherwise valid fields a run refuses, and why: the layout rules checked
+when a config loads (one line naming the field, what is wrong and what is allowed) and the one
+list of what rules out ``train.cuda_graph``. The fields themselves are in ``schema.py``; rules
+that need the world size are in ``k3train.runtime.distributed.check_layout``."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # schema.py calls these from RunConfig's validator
+    from k3train.config.schema import RunConfig
+
+
+def cuda_graph_blockers(cfg: RunConfig, *, device: str | None = None) -> dict[str, str]:
+    """What rules out ``train.cuda_graph``: setting -> one line saying why, empty when
+    nothing does. The one list of graph blockers: the load-time check refuses
+    ``cuda_graph: true`` with the first, ``k3train.trainer.state.use_cuda_graph`` asks again
+    with what only the run knows, ``device`` (the resolved device type). Pipeline
+    parallelism replays chunk graphs, data parallelism reduces after the replay, and every
+    precision recipe's scaling is computed inside the captured step (no state kept between
+    steps), so none of them rules the graph out."""
+    out: dict[str, str] = {}
+    p = cfg.parallel
+    if p.cp != 1:
+        out["parallel.cp"] = (f"train.cuda_graph is not wired with parallel.cp={p.cp} (the CP exchanges "
+                              f"are not captured); it needs parallel.cp=1")
+    if p.tp != 1:
+        out["parallel.tp"] = (f"train.cuda_graph cannot capture parallel.tp={p.tp} (megatron-core's "
+                              f"tensor-parallel linears run their collectives eagerly); it needs parallel.tp=1")
+    if p.ep != 1 and cfg.moe.capacity_factor is None:
+        # The static dispatcher (fixed capacity, fixed all-to-all splits) reads nothing on the
+        # host: its all-to-all is recorded in the graph (benchmarks/bench_moe_permute.py --check).
+        out["parallel.ep"] = (f"train.cuda_graph cannot capture parallel.ep={p.ep} with the dynamic "
+                              f"dispatcher (it reads its all-to-all split sizes on the host); set "
+                              f"moe.capacity_factor (the static dispatcher) or parallel.ep=1")
+    dev = device if device is not None else cfg.train.device
+    if dev not in ("cuda", "auto"):
+        out["train.device"] = (f"train.cuda_graph needs a CUDA device, this run is on {dev} "
+                               f"(train.device={cfg.train.device})")
+    if cfg.data.masks_documents:
+        out["data.document_mask"] = ("train.cuda_graph replays recorded steps, but document masking "
+                                     "reads each batch's boundaries on the host (data.document_mask=true)")
+    return out
+
+
+def cuda_graph_refusal(cfg: RunConfig, *, device: str | None = None) -> str | None:
+    """Why ``train.cuda_graph: true`` cannot run (the first blocker, one line), or None."""
+    blockers = cuda_graph_blockers(cfg, device=device)
+    if not blockers:
+        return None
+    return f"{next(iter(blockers.values()))}; set train.cuda_graph=false (or auto)"
+
+
+def _cp_refusal(cfg: RunConfig) -> str | None:
+    """The first rule a ``parallel.cp > 1`` config breaks (one line), or None. Context
+    parallelism is wired at pp = 1 with DP only (docs/long_context.md, "what is built")."""
+    p, t = cfg.parallel, cfg.train
+    unwired = [(f"parallel.pp={p.pp}", p.pp > 1), (f"parallel.vpp={p.vpp}", p.vpp > 1),
+               (f"parallel.ep={p.ep}", p.ep > 1), (f"parallel.tp={p.tp}", p.tp > 1),
+               ("optim.zero1=true", cfg.optim.zero1),
+               ("moe.balancing=aux_loss", cfg.moe.balancing == "aux_loss"
+                and cfg.model.dense_layers < cfg.model.num_layers),
+               ("train.cuda_graph=true", t.cuda_graph is True)]
+    for what, present in unwired:
+        if present:
+            return (f"parallel.cp={p.cp} with {what}: not wired yet (context parallelism runs with "
+                    f"data parallelism only, pp=vpp=ep=tp=1, zero1=false, no aux-loss balancing, "
+                    f"no CUDA graphs); change {what.split('=')[0]} or use parallel.cp=1")
+    if t.seq_len % p.cp:
+        return (f"train.seq_len={t.seq_len} is not divisible by parallel.cp={p.cp} (each CP rank "
+                f"holds seq_len/cp contiguous tokens); use a multiple of {p.cp}")
+    halo = cfg.model.kda.conv_size - 1
+    if t.seq_len // p.cp < max(halo, 1):
+        return (f"train.seq_len={t.seq_len} over parallel.cp={p.cp} leaves {t.seq_len // p.cp} tokens "
+                f"per rank, fewer than the {halo} the short convolution's halo needs; use a longer "
+                f"seq_len or a smaller cp")
+    return None
+
+
+def layout_refusal(cfg: RunConfig) -> str | None:
+    """The first layout rule this config breaks, as one line naming the field, what is
+    wrong and what is allowed; None when the layout is valid. Rules that need the world
+    size stay in ``k3train.runtime.distributed.check_layout``."""
+    p, moe = cfg.parallel, cfg.moe
+    if p.cp > 1:
+        refusal = _cp_refusal(cfg)
+        if refusal is not None:
+            return refusal
+    if p.vpp > 1 and p.pp == 1:
+        return (f"parallel.vpp={p.vpp} needs parallel.pp > 1 (virtual stages interleave over "
+                f"pipeline ranks); set parallel.vpp=1 or parallel.pp >= 2")
+    chunks = p.pp * p.vpp
+    if cfg.model.num_layers < chunks:  # pipeline/layout.py gives every chunk at least one layer
+        return (f"model.num_layers={cfg.model.num_layers} cannot be split over parallel.pp={p.pp} x "
+                f"parallel.vpp={p.vpp} = {chunks} pipeline chunks (each needs at least one layer); "
+                f"use at least {chunks} layers or a smaller pp/vpp")
+    m = cfg.train.microbatches
+    if p.vpp > 1 and (m < p.pp or m % p.pp):
+        return (f"train.microbatches={m} cannot run the interleaved schedule of parallel.pp={p.pp} "
+                f"x parallel.vpp={p.vpp} (chunks would wait on each other); use a multiple of "
+                f"{p.pp}, at least {p.pp}, or parallel.vpp=1")
+    if cfg.model.tie_embeddings and p.pp > 1:
+        return (f"model.tie_embeddings=true needs the embedding and the head on one pipeline rank "
+                f"(got parallel.pp={p.pp}); set model.tie_embeddings=false or parallel.pp=1")
+    if p.ep > 1 and p.tp > 1:
+        return (f"parallel.ep={p.ep} together with parallel.tp={p.tp} is not supported yet (experts "
+                f"would need expert-tensor-parallel groups); use parallel.tp=1 with ep, or ep=1")
+    has_moe = cfg.model.dense_layers < cfg.model.num_layers
+    if has_moe and moe.num_experts % p.ep:
+        return (f"moe.num_experts={moe.num_experts} is not divisible by parallel.ep={p.ep} (each "
+                f"expert-parallel rank holds num_experts/ep experts); use an ep that divides it")
+    if moe.dispatcher == "local" and p.ep > 1:
+        return (f"moe.dispatcher=local cannot run with parallel.ep={p.ep} (it exchanges no tokens); "
+                "use moe.dispatcher=grouped_a2a or auto")
+    if moe.dispatcher == "local" and moe.capacity_factor is not None:
+        return (f"moe.capacity_factor={moe.capacity_factor} needs moe.dispatcher=grouped_a2a or auto "
+                "(local never drops); unset it or change the dispatcher")
+    if cfg.train.cuda_graph is True:
+        return cuda_graph_refusal(cfg)
+    return None
