@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -79,7 +80,9 @@ def measure(args) -> dict:
     step = lambda: state.train_step(batch())  # noqa: E731
     _timed(step, args.device)  # warm-up: compiles and autotunes
     step_s = statistics.median(_timed(step, args.device) for _ in range(args.steps))
-    out = Path(args.out)
+    # A new directory of the benchmark's own inside --out: only what it wrote is removed after.
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    out = Path(tempfile.mkdtemp(prefix="bench_save_stall-", dir=args.out))
     result = {"config": args.config, "device": args.device, "step_ms": step_s * 1e3,
               "params": sum(p.numel() for p in state.params)}
 
@@ -101,7 +104,7 @@ def measure(args) -> dict:
     result["async"] = {"stall_s": stall, "steps_during_write": len(during),
                        "step_ms_during_write": statistics.median(during) * 1e3 if during else None,
                        "wait_s": wait_s, "bytes": _bytes(async_dir)}
-    shutil.rmtree(async_dir)
+    shutil.rmtree(out)
     return result
 
 

@@ -34,6 +34,7 @@ import numpy as np
 
 from k3train.data.tokenizer import load_tokenizer
 from k3train.errors import DataError
+from k3train.runtime.files import writable_ancestor_problem
 
 __all__ = ["prepare_data", "prepare_documents", "content_sha256", "read_documents", "tokenizer_meta", "meta_path", "token_dtype",
            "ALLOWED_EXTENSIONS", "TXT_SPLITS"]
@@ -335,14 +336,9 @@ def check_output_prefix(prefix: Path, overwrite: bool) -> None:
     for p in existing:
         if not p.is_file():
             raise DataError(f"{p} exists and is not a file; choose another --output-prefix")
-    parent = prefix.parent
-    for above in (parent, *parent.parents):  # the nearest existing ancestor must be a directory
-        if above.exists():
-            if not above.is_dir():
-                raise DataError(f"output prefix {prefix}: {above} is a file, not a directory")
-            if not os.access(above, os.W_OK | os.X_OK):
-                raise DataError(f"output prefix {prefix}: directory {above} is not writable")
-            break
+    problem = writable_ancestor_problem(prefix.parent)
+    if problem is not None:
+        raise DataError(f"output prefix {prefix}: {problem}")
 
 
 def _make_parents(parent: Path) -> list[Path]:

@@ -7,7 +7,6 @@ stripped. ``<|endoftext|>`` is the one special token and the EOD id. The result 
 """
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -16,6 +15,7 @@ from k3train.data.corpus import embedded_documents
 from k3train.data.stdlib_corpus import stdlib_documents
 from k3train.data.tokenizer import _require
 from k3train.errors import DataError
+from k3train.runtime.files import writable_ancestor_problem
 
 __all__ = ["train_bpe", "corpus_documents", "CORPORA"]
 
@@ -45,13 +45,9 @@ def check_tokenizer_out(out_dir: Path, overwrite: bool) -> None:
     if existing.exists() and not overwrite:
         raise DataError(f"{existing} exists (a trained tokenizer); pass --overwrite to replace it, "
                         f"or choose another --out")
-    for above in (out_dir, *out_dir.parents):  # the nearest existing ancestor must be writable
-        if above.exists():
-            if not above.is_dir():
-                raise DataError(f"--out {out_dir}: {above} is a file, not a directory")
-            if not os.access(above, os.W_OK | os.X_OK):
-                raise DataError(f"--out {out_dir}: directory {above} is not writable")
-            break
+    problem = writable_ancestor_problem(out_dir)
+    if problem is not None:
+        raise DataError(f"--out {out_dir}: {problem}")
 
 
 def train_bpe(documents: Iterable[str], vocab_size: int, out_dir: str | Path, *,

@@ -64,6 +64,19 @@ def default_file_mode() -> int:
     return 0o666 & ~umask
 
 
+def writable_ancestor_problem(path: Path) -> str | None:
+    """Why an output at ``path`` cannot be created, or None: its nearest existing ancestor must
+    be a writable directory (what is missing in between is created)."""
+    for above in (path, *path.parents):
+        if above.exists():
+            if not above.is_dir():
+                return f"{above} is a file, not a directory"
+            if not os.access(above, os.W_OK | os.X_OK):
+                return f"directory {above} is not writable"
+            return None
+    return None
+
+
 def output_manifest(path: Path) -> dict | None:
     """The output manifest of directory ``path`` (None when it has none or it is unreadable)."""
     try:
