@@ -283,7 +283,8 @@ def cp_extra_bytes(cfg: RunConfig, layers: list[int], act_bytes: int, cp: int) -
     kda = sum(1 for i in layers if kinds[i] == "K")
     latent = B * S * (w.kvl + w.rope) * act_bytes
     expanded = B * S * w.Hm * (w.qk + w.v) * act_bytes
-    fold = B * w.H * w.K * (2 * w.K + w.K + w.K) * 4   # [E, M] (V + K wide) and S_r (V wide), V = K
+    V = w.K
+    fold = B * w.H * w.K * ((V + w.K) + V) * 4   # [E, M] (V + K wide) and S_r (V wide), fp32
     return mla * (latent + expanded) + kda * fold
 
 

@@ -116,7 +116,8 @@ def test_context_parallel_plan_is_the_shorter_sequence_plus_the_exchanges(world1
     n_kda = m.num_layers - n_mla
     per_mla = 2 * 256 * (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim) * a \
         + 2 * 256 * m.mla.num_heads * (m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim + m.mla.v_head_dim) * a
-    per_kda = 2 * m.kda.num_heads * m.kda.head_dim * (4 * m.kda.head_dim) * 4
+    # [E, M]: K x (V + K), S_r: K x V, fp32, per head and window (V = K = head_dim)
+    per_kda = 2 * m.kda.num_heads * (m.kda.head_dim * 2 * m.kda.head_dim + m.kda.head_dim ** 2) * 4
     assert four.cp_extra["none"] == four.cp_extra["selective"] == n_mla * per_mla + n_kda * per_kda
     assert four.cp_extra["full"] == per_mla
     assert one.cp_extra["none"] == 0 and four.total("none", False) == one.total("none", False) + four.cp_extra["none"]
