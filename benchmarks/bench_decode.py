@@ -1,6 +1,7 @@
 """Decode speed, eager against CUDA-graphed, side by side in one run, and whether both decode the same tokens.
 
     python3 -m benchmarks.bench_decode --config configs/k3_mini.yaml --batch 1,16 --tokens 256   # one H200
+    python3 -m benchmarks.bench_decode --config configs/k3_mini.yaml --batch 1 --profile 64  # + where a step's GPU time goes
     python3 -m benchmarks.bench_decode --device cpu --config configs/k3_tiny.yaml --batch 1,2 --tokens 8
 
 The model is the config's, randomly initialised (weights do not change the cost; the config's
@@ -46,8 +47,9 @@ def _sync(device: str) -> None:
 
 def build(config: str, device: str, overrides: list[str]) -> CachedModel:
     """The config's model, random init, on ``device`` (bf16 on CUDA), with cached mixers."""
-    cfg = load_config(config, [*overrides, "parallel.tp=1", "parallel.pp=1", "parallel.ep=1",
-                               "moe.dispatcher=local", f"train.device={device}", "kernels.compile=false"])
+    # kernels.compile=false as generate's default; an override (kernels.compile=true) wins.
+    cfg = load_config(config, ["kernels.compile=false", *overrides, "parallel.tp=1", "parallel.pp=1",
+                               "parallel.ep=1", "moe.dispatcher=local", f"train.device={device}"])
     apply_kernels(cfg)
     init_distributed()
     model = build_model(cfg).to(device).eval()
@@ -66,7 +68,7 @@ def first_difference(a: list[list[int]], b: list[list[int]]) -> str | None:
 
 
 def run(config: str = "configs/k3_mini.yaml", batches: tuple[int, ...] = (1, 16), tokens: int = 256,
-        prompt_len: int = 64, device: str | None = None, overrides: list[str] = ()) -> dict:
+        prompt_len: int = 64, device: str | None = None, overrides: list[str] = (), profile: int = 0) -> dict:
     """Eager and graphed decode of each batch size; returns {"rows": [...], ...} (module docstring)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cached = build(config, device, list(overrides))
@@ -94,8 +96,33 @@ def run(config: str = "configs/k3_mini.yaml", batches: tuple[int, ...] = (1, 16)
                      "prefill_s": t_g["prefill_s"], "graphed": t_g["cuda_graph"],
                      "captures": graphed.graphed.captures, "tokens_equal": diff is None, "first_difference": diff})
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    if profile and device == "cuda":
+        rows.append({"profile": profile_steps(graphed, prompts[:1], profile)})
     return {"device": name, "config": config, "dtype": "bf16" if device == "cuda" else "fp32",
             "weights": "random init", "rows": rows}
+
+
+def profile_steps(decoder: Decoder, prompts: list[list[int]], steps: int, top: int = 25) -> dict:
+    """Where a replayed decode step's GPU time goes: ``steps`` graphed tokens of ``prompts``
+    under torch.profiler -> {"gpu_ms_per_step", "kernels_per_step", "wall_ms_per_step", "top":
+    [{"name", "ms_per_step", "calls_per_step"}]} (kernel names truncated to 90 characters)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    decoder.generate(prompts, steps)   # the graph for this batch size exists before profiling
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        decoder.generate(prompts, steps)
+    wall = time.perf_counter() - t0
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(e.name[:90], []).append(e.device_time_total / 1e3)
+    total = sum(sum(v) for v in kernels.values())
+    n = max(steps - 1, 1)
+    top_rows = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {"gpu_ms_per_step": total / n, "kernels_per_step": sum(len(v) for v in kernels.values()) / n,
+            "wall_ms_per_step": wall * 1e3 / n,
+            "top": [{"name": k, "ms_per_step": sum(v) / n, "calls_per_step": len(v) / n} for k, v in top_rows]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,18 +133,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=256, help="greedy tokens per sequence (default 256)")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--json", default=None, help="write the result here too")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="also profile STEPS graphed steps of one sequence: GPU time per step and its top kernels")
     ap.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     res = run(args.config, tuple(int(b) for b in args.batch.split(",")), args.tokens, args.prompt_len,
-              args.device, args.overrides)
+              args.device, args.overrides, args.profile)
     print(f"{res['device']} {args.config} {res['dtype']}, {res['weights']}: {args.tokens} greedy tokens "
           f"per sequence, prompts of {args.prompt_len} - (0..3) tokens")
     print(f"{'batch':>5} {'eager tok/s':>12} {'graphed tok/s':>14} {'speedup':>8}  graphed tokens == eager")
+    prof = [r["profile"] for r in res["rows"] if "profile" in r]
+    res["rows"] = [r for r in res["rows"] if "profile" not in r]
+    if prof:
+        res["profile"] = p = prof[0]
     for r in res["rows"]:
         check = "PASS" if r["tokens_equal"] else f"FAIL (first at {r['first_difference']})"
         graphed = f"{r['graphed_tokens_per_s']:>14.1f}" if r["graphed"] else f"{'(no graph)':>14}"
         print(f"{r['batch']:>5} {r['eager_tokens_per_s']:>12.1f} {graphed} {r['speedup']:>7.2f}x  {check}")
+    if prof:
+        print(f"profile, batch 1: {p['gpu_ms_per_step']:.3f} ms of GPU kernels per step ({p['kernels_per_step']:.0f} "
+              f"kernels), {p['wall_ms_per_step']:.3f} ms wall per step under the profiler")
+        for t in p["top"]:
+            print(f"  {t['ms_per_step']:8.4f} ms  {t['calls_per_step']:6.1f}x  {t['name']}")
     print(f"(tokens/s: all sequences of the batch together, decode only; {time.perf_counter() - t0:.0f} s in all)")
     save_json(args.json, res)
     return 0 if all(r["tokens_equal"] for r in res["rows"]) else 1

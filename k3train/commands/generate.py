@@ -22,6 +22,8 @@ def add_arguments(p) -> None:
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (1: off; default 0.95)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="weights and activations while decoding (auto: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--config", help=RUN_CONFIG_HELP)
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 import sys
 
+import torch
+
 from k3train.errors import UsageError
 from k3train.infer.cache import CachedModel
 from k3train.infer.decoder import Decoder
@@ -50,6 +52,19 @@ def resolve_cuda_graph(setting: str, device: str) -> tuple[bool, str]:
     return True, "on (" + ("auto: " if setting == "auto" else "") + "captured once per batch size, replayed)"
 
 
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def resolve_dtype(setting: str, device: str) -> torch.dtype:
+    """``--dtype auto|bf16|fp32`` on ``device``: auto is bf16 on CUDA (the precision training's
+    autocast multiplies in; the decode step reads half the bytes) and fp32 elsewhere."""
+    if setting == "auto":
+        return torch.bfloat16 if device == "cuda" else torch.float32
+    if setting not in DTYPES:
+        raise UsageError(f"--dtype {setting}: expected auto, bf16 or fp32")
+    return DTYPES[setting]
+
+
 def batch_prompts(prompts: list[str], batch: int | None) -> list[str]:
     """The prompt of each sequence: ``--prompt`` given once and ``--batch N``: that prompt N
     times (N independent samples); several ``--prompt``: one sequence each (``--batch``, if
@@ -83,7 +98,9 @@ def run_generate(args) -> int:
     with process_groups():
         device = resolve_device(args.device, setting="--device").type
         graphed, why = resolve_cuda_graph(args.cuda_graph, device)
+        dtype = resolve_dtype(getattr(args, "dtype", "auto"), device)
         model, cfg, step_dir = load_model(args.checkpoint, args.config, args.overrides, device)
+        model = model.to(dtype)   # the checkpoint's fp32 master weights, cast for decoding
         apply_threads(cfg.train.threads)
         kernels.apply(cfg)
         encode, decode, vocab = text_codec(cfg)
@@ -92,7 +109,7 @@ def run_generate(args) -> int:
             raise UsageError("--prompt encodes to no tokens: give at least one character")
         cached = CachedModel(model)
         print(f"[k3train] decoding {len(prompts)} sequence{'s' if len(prompts) > 1 else ''} on {device}; "
-              f"CUDA graph {why}", file=sys.stderr, flush=True)
+              f"in {str(dtype).removeprefix('torch.')}; CUDA graph {why}", file=sys.stderr, flush=True)
         if kernels.uses_triton(device):
             # fla's kernels otherwise compile on first use, one after another (minutes on a
             # fresh GPU machine): compile the prefill's and a decode step's at once, in a
@@ -113,4 +130,4 @@ def run_generate(args) -> int:
     return 0
 
 
-__all__ = ["batch_prompts", "load_model", "resolve_cuda_graph", "run_generate", "text_codec"]
+__all__ = ["batch_prompts", "load_model", "resolve_cuda_graph", "resolve_dtype", "run_generate", "text_codec"]

@@ -1,8 +1,10 @@
 """generate's sampling arguments are checked before any checkpoint is opened: one line each."""
 import pytest
+import torch
 
 from k3train.cli import main
-from k3train.infer.generate import batch_prompts, resolve_cuda_graph
+from k3train.errors import UsageError
+from k3train.infer.generate import batch_prompts, resolve_cuda_graph, resolve_dtype
 
 
 @pytest.mark.parametrize("flag, value, words", [
@@ -38,3 +40,11 @@ def test_batch_repeats_one_prompt_or_takes_one_sequence_per_prompt():
     assert resolve_cuda_graph("auto", "cuda")[0] is True and resolve_cuda_graph("true", "cuda")[0] is True
     assert resolve_cuda_graph("auto", "cpu") == (False, "off (auto: cpu has no CUDA graphs)")
     assert resolve_cuda_graph("false", "cuda") == (False, "off (--cuda-graph false)")
+
+
+def test_resolve_dtype():
+    """auto decodes in bf16 on CUDA (as bench_decode measures) and fp32 on CPU; a named dtype wins."""
+    assert resolve_dtype("auto", "cuda") is torch.bfloat16 and resolve_dtype("auto", "cpu") is torch.float32
+    assert resolve_dtype("fp32", "cuda") is torch.float32 and resolve_dtype("bf16", "cpu") is torch.bfloat16
+    with pytest.raises(UsageError, match="--dtype fp16: expected auto, bf16 or fp32"):
+        resolve_dtype("fp16", "cuda")
