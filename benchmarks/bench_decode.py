@@ -68,7 +68,8 @@ def first_difference(a: list[list[int]], b: list[list[int]]) -> str | None:
 
 
 def run(config: str = "configs/k3_mini.yaml", batches: tuple[int, ...] = (1, 16), tokens: int = 256,
-        prompt_len: int = 64, device: str | None = None, overrides: list[str] = (), profile: int = 0) -> dict:
+        prompt_len: int = 64, device: str | None = None, overrides: list[str] = (), profile: int = 0,
+        compiled: bool = False) -> dict:
     """Eager and graphed decode of each batch size; returns {"rows": [...], ...} (module docstring)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cached = build(config, device, list(overrides))
@@ -76,6 +77,7 @@ def run(config: str = "configs/k3_mini.yaml", batches: tuple[int, ...] = (1, 16)
     gen = torch.Generator().manual_seed(0)
     eager = Decoder(cached, cuda_graph=False)
     graphed = Decoder(cached, cuda_graph=device == "cuda")
+    fused = Decoder(cached, cuda_graph=device == "cuda", compile_step="inductor") if compiled else None
     if device == "cuda":
         # fla's kernels compiled at once (a fresh machine otherwise compiles them one by one),
         # then autotuned by a real short pass; none of it timed.
@@ -89,7 +91,17 @@ def run(config: str = "configs/k3_mini.yaml", batches: tuple[int, ...] = (1, 16)
         first, _ = graphed.generate(prompts, tokens)  # warm-up steps, capture, replays
         ids_g, t_g = graphed.generate(prompts, tokens)
         diff = first_difference(ids_e, ids_g) or first_difference(ids_e, first)
-        rows.append({"batch": B, "tokens": tokens, "prompt_lens": [min(lens), max(lens)],
+        extra = {}
+        if fused is not None:
+            t = time.perf_counter()
+            fused.generate(prompts, tokens)  # compile (first warm-up step), capture, replays
+            extra["compile_s"] = time.perf_counter() - t
+            ids_c, t_c = fused.generate(prompts, tokens)
+            extra["compiled_tokens_per_s"] = t_c["decode_tokens_per_s"]
+            # Inductor reorders bf16 arithmetic: greedy tokens may part after a near-tie, so
+            # report where (not a failure of the graph).
+            extra["compiled_first_difference"] = first_difference(ids_e, ids_c)
+        rows.append({**extra, "batch": B, "tokens": tokens, "prompt_lens": [min(lens), max(lens)],
                      "eager_tokens_per_s": t_e["decode_tokens_per_s"],
                      "graphed_tokens_per_s": t_g["decode_tokens_per_s"],
                      "speedup": t_g["decode_tokens_per_s"] / t_e["decode_tokens_per_s"],
@@ -98,6 +110,8 @@ def run(config: str = "configs/k3_mini.yaml", batches: tuple[int, ...] = (1, 16)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     if profile and device == "cuda":
         rows.append({"profile": profile_steps(graphed, prompts[:1], profile)})
+        if fused is not None:
+            rows.append({"profile_compiled": profile_steps(fused, prompts[:1], profile)})
     return {"device": name, "config": config, "dtype": "bf16" if device == "cuda" else "fp32",
             "weights": "random init", "rows": rows}
 
@@ -133,26 +147,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=256, help="greedy tokens per sequence (default 256)")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--json", default=None, help="write the result here too")
+    ap.add_argument("--compile", action="store_true",
+                    help="a third column: the graphed step with its model call compiled (torch.compile, inductor)")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="also profile STEPS graphed steps of one sequence: GPU time per step and its top kernels")
     ap.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     res = run(args.config, tuple(int(b) for b in args.batch.split(",")), args.tokens, args.prompt_len,
-              args.device, args.overrides, args.profile)
+              args.device, args.overrides, args.profile, args.compile)
     print(f"{res['device']} {args.config} {res['dtype']}, {res['weights']}: {args.tokens} greedy tokens "
           f"per sequence, prompts of {args.prompt_len} - (0..3) tokens")
     print(f"{'batch':>5} {'eager tok/s':>12} {'graphed tok/s':>14} {'speedup':>8}  graphed tokens == eager")
-    prof = [r["profile"] for r in res["rows"] if "profile" in r]
-    res["rows"] = [r for r in res["rows"] if "profile" not in r]
-    if prof:
-        res["profile"] = p = prof[0]
+    profiles = {k: r[k] for r in res["rows"] for k in ("profile", "profile_compiled") if k in r}
+    res["rows"] = [r for r in res["rows"] if not set(r) & {"profile", "profile_compiled"}]
+    res.update(profiles)
     for r in res["rows"]:
         check = "PASS" if r["tokens_equal"] else f"FAIL (first at {r['first_difference']})"
         graphed = f"{r['graphed_tokens_per_s']:>14.1f}" if r["graphed"] else f"{'(no graph)':>14}"
         print(f"{r['batch']:>5} {r['eager_tokens_per_s']:>12.1f} {graphed} {r['speedup']:>7.2f}x  {check}")
-    if prof:
-        print(f"profile, batch 1: {p['gpu_ms_per_step']:.3f} ms of GPU kernels per step ({p['kernels_per_step']:.0f} "
+        if "compiled_tokens_per_s" in r:
+            print(f"      graphed + compiled step: {r['compiled_tokens_per_s']:.1f} tok/s "
+                  f"({r['compiled_tokens_per_s'] / r['graphed_tokens_per_s']:.3f}x graphed; compile and capture "
+                  f"{r['compile_s']:.0f} s); tokens == eager: "
+                  f"{'all' if r['compiled_first_difference'] is None else 'to ' + r['compiled_first_difference']}")
+    for name, p in profiles.items():
+        print(f"{name}, batch 1: {p['gpu_ms_per_step']:.3f} ms of GPU kernels per step ({p['kernels_per_step']:.0f} "
               f"kernels), {p['wall_ms_per_step']:.3f} ms wall per step under the profiler")
         for t in p["top"]:
             print(f"  {t['ms_per_step']:8.4f} ms  {t['calls_per_step']:6.1f}x  {t['name']}")

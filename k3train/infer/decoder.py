@@ -119,11 +119,18 @@ class Decoder:
         cuda_graph: replay the decode step from a CUDA graph (needs CUDA); False: eager.
         warmup: eager steps per batch size before its capture.
         graphs: the capture backend (tests pass a fake).
+        compile_step: a ``torch.compile`` backend ("inductor") for the decode step's model call,
+            or None. Why: a replayed k3_mini step at batch 1 is ~2,400 small kernels (copies,
+            casts, elementwise ops between the GEMMs: benchmarks/bench_decode.py --profile), and
+            fusing them shortens the replay. The step's shapes are fixed, so it compiles once
+            per batch size (during the first warm-up step); prefill stays eager.
     """
 
     def __init__(self, cached: CachedModel, *, vocab: int | None = None, cuda_graph: bool = False,
-                 warmup: int = 2, graphs: CudaGraphs | None = None):
+                 warmup: int = 2, graphs: CudaGraphs | None = None, compile_step: str | None = None):
         self.cached, self.vocab = cached, vocab
+        self.step_model = (cached.model if compile_step is None
+                           else torch.compile(cached.model, backend=compile_step, dynamic=False))
         self.graphed = GraphedDecoder(enabled=cuda_graph, warmup=warmup, graphs=graphs)
         self.buffers: dict[int, DecodeBuffers] = {}
 
@@ -158,7 +165,7 @@ class Decoder:
 
     def _step(self, buf: DecodeBuffers, temperature: float, top_p: float) -> None:
         """One token per sequence, every read and write in ``buf`` (capturable)."""
-        buf.logits.copy_(self._last_logits(self.cached.model(buf.token[:, None])))
+        buf.logits.copy_(self._last_logits(self.step_model(buf.token[:, None])))
         buf.pos.add_(1)
         self._sample(buf, temperature, top_p)
 

@@ -230,3 +230,20 @@ def test_the_step_reads_nothing_on_the_host(models, monkeypatch):
             dec._step(buf, temperature, top_p)
         assert mode.reads == []
         assert buf.pos.tolist() == [5, 7]
+
+
+@pytest.mark.slow
+def test_compiled_step_decodes_as_the_eager_step(cached64):
+    """``compile_step``: the step's model call traced by dynamo (the ``aot_eager`` backend, so
+    no C++ toolchain is needed; inductor fuses the same graph on the GPU) decodes the same greedy
+    tokens with the same logits (fp64, 1e-12), and its in-place buffer updates (the KDA state, the
+    conv tails, the latent slots) land in the same static tensors."""
+    torch._dynamo.reset()
+    prompts = _prompts([5, 13])
+    ref_logits, out_logits = [], []
+    ids_ref, _ = Decoder(cached64, vocab=VOCAB).generate(prompts, 6, keep_logits=ref_logits)
+    dec = Decoder(cached64, vocab=VOCAB, compile_step="aot_eager")
+    ids, _ = dec.generate(prompts, 6, keep_logits=out_logits)
+    assert ids == ids_ref
+    torch.testing.assert_close(torch.stack(out_logits), torch.stack(ref_logits), rtol=0, atol=1e-12)
+    assert dec.buffers[2].pos.tolist() == [5 + 5, 13 + 5]
