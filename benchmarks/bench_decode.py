@@ -67,6 +67,24 @@ def first_difference(a: list[list[int]], b: list[list[int]]) -> str | None:
     return None if len(a) == len(b) else "batch sizes differ"
 
 
+def logit_agreement(ids_a: list[list[int]], ids_b: list[list[int]], logits_a: list, logits_b: list) -> dict:
+    """Two decodes of the same prompts: {"logits_rel_err": the largest |a - b| over the logits'
+    largest magnitude, over the steps before any row's tokens part; "parting_margin": the eager
+    top-2 logit gap at the first parted step (None if none), in the same units}. Logits are
+    ``[B, vocab]`` per step (``Decoder.generate(keep_logits=...)``)."""
+    a, b = torch.tensor(ids_a), torch.tensor(ids_b)
+    parted = (a != b).any(0).nonzero()
+    n = int(parted[0]) if len(parted) else a.shape[1]
+    la, lb = torch.stack(logits_a).float(), torch.stack(logits_b).float()
+    scale = la[:n + 1].abs().max().clamp_min(1e-30)
+    err = float((la[:n] - lb[:n]).abs().max() / scale) if n else 0.0
+    margin = None
+    if n < a.shape[1]:
+        top2 = la[n].topk(2, dim=-1).values
+        margin = float((top2[:, 0] - top2[:, 1]).min() / scale)
+    return {"logits_rel_err": err, "parting_margin": margin, "steps_compared": n}
+
+
 def run(config: str = "configs/k3_mini.yaml", batches: tuple[int, ...] = (1, 16), tokens: int = 256,
         prompt_len: int = 64, device: str | None = None, overrides: list[str] = (), profile: int = 0,
         compiled: bool = False) -> dict:
@@ -87,7 +105,8 @@ def run(config: str = "configs/k3_mini.yaml", batches: tuple[int, ...] = (1, 16)
         lens = [max(prompt_len - b % 4, 1) for b in range(B)]
         prompts = [torch.randint(0, min(vocab, 256), (n,), generator=gen).tolist() for n in lens]
         eager.generate(prompts, 4)  # autotuning and allocator warm-up for this batch size
-        ids_e, t_e = eager.generate(prompts, tokens)
+        logits_e: list = []
+        ids_e, t_e = eager.generate(prompts, tokens, keep_logits=logits_e if fused is not None else None)
         first, _ = graphed.generate(prompts, tokens)  # warm-up steps, capture, replays
         ids_g, t_g = graphed.generate(prompts, tokens)
         diff = first_difference(ids_e, ids_g) or first_difference(ids_e, first)
@@ -96,11 +115,14 @@ def run(config: str = "configs/k3_mini.yaml", batches: tuple[int, ...] = (1, 16)
             t = time.perf_counter()
             fused.generate(prompts, tokens)  # compile (first warm-up step), capture, replays
             extra["compile_s"] = time.perf_counter() - t
-            ids_c, t_c = fused.generate(prompts, tokens)
+            logits_c: list = []
+            ids_c, t_c = fused.generate(prompts, tokens, keep_logits=logits_c)
             extra["compiled_tokens_per_s"] = t_c["decode_tokens_per_s"]
-            # Inductor reorders bf16 arithmetic: greedy tokens may part after a near-tie, so
-            # report where (not a failure of the graph).
+            # Inductor reorders bf16 arithmetic, so greedy tokens may part at a near-tie of the
+            # top two logits. Until they part, both decode the same inputs: compare the logits
+            # there (within bf16 rounding), and the eager top-2 margin where they part.
             extra["compiled_first_difference"] = first_difference(ids_e, ids_c)
+            extra.update(logit_agreement(ids_e, ids_c, logits_e, logits_c))
         rows.append({**extra, "batch": B, "tokens": tokens, "prompt_lens": [min(lens), max(lens)],
                      "eager_tokens_per_s": t_e["decode_tokens_per_s"],
                      "graphed_tokens_per_s": t_g["decode_tokens_per_s"],
@@ -170,7 +192,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"      graphed + compiled step: {r['compiled_tokens_per_s']:.1f} tok/s "
                   f"({r['compiled_tokens_per_s'] / r['graphed_tokens_per_s']:.3f}x graphed; compile and capture "
                   f"{r['compile_s']:.0f} s); tokens == eager: "
-                  f"{'all' if r['compiled_first_difference'] is None else 'to ' + r['compiled_first_difference']}")
+                  f"{'all' if r['compiled_first_difference'] is None else 'to ' + r['compiled_first_difference']}; "
+                  f"logits vs eager over the {r['steps_compared']} steps before that: max rel. error "
+                  f"{r['logits_rel_err']:.2e}" + ("" if r["parting_margin"] is None else
+                  f"; eager top-2 margin where they part {r['parting_margin']:.2e}"))
     for name, p in profiles.items():
         print(f"{name}, batch 1: {p['gpu_ms_per_step']:.3f} ms of GPU kernels per step ({p['kernels_per_step']:.0f} "
               f"kernels), {p['wall_ms_per_step']:.3f} ms wall per step under the profiler")

@@ -22,6 +22,9 @@ def add_arguments(p) -> None:
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (1: off; default 0.95)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--compile", action="store_true",
+                   help="compile the decode step (torch.compile) before its CUDA graph: fewer, fused kernels "
+                        "(k3_mini on an H200: 1.8x at batch 1), at about 25 s of compiling per batch size")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="weights and activations while decoding (auto: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--config", help=RUN_CONFIG_HELP)

@@ -117,7 +117,8 @@ def run_generate(args) -> int:
             warm = Decoder(cached, vocab=vocab, cuda_graph=False)
             triton_compile.compile_ahead(lambda: warm.generate([p[:16] for p in prompts], 2),
                                          label="generation")
-        decoder = Decoder(cached, vocab=vocab, cuda_graph=graphed)
+        decoder = Decoder(cached, vocab=vocab, cuda_graph=graphed,
+                          compile_step="inductor" if getattr(args, "compile", False) else None)
         ids, timing = decoder.generate(prompts, args.max_new_tokens, args.temperature, args.top_p, args.seed)
     for i, (text, new) in enumerate(zip(texts, ids)):
         if len(ids) > 1:
