@@ -5,14 +5,16 @@
 
 Per optimizer row (``--optims``, default muon: K3's optimizer; ``muon,adamw`` adds AdamW at
 about twice the run time -- each row builds the 6.5B-parameter model, on the CPU first as the
-trainer does), all in this one run and against a bf16 8192^3
-matmul rate measured in it (not the datasheet):
+trainer does), all in this one run. MFU is model FLOPs (``k3train.model.flops``) per second over
+the GPU's datasheet dense bf16 peak (989 TFLOP/s on H100/H200), as the field counts it;
+``matmul_util`` is the same FLOP rate over a bf16 8192^3 matmul rate measured in this run (how
+close to what this GPU's GEMMs reach), a second figure, not MFU:
 
 * ``fwd_bwd_ms``: the forward and backward of every microbatch of one update (``mbs x seq x
-  microbatches`` tokens, 64K by default), no optimizer; ``mfu_fwd_bwd`` is its model FLOPs
-  (``k3train.model.flops``) over the matmul rate.
+  microbatches`` tokens, 64K by default), no optimizer; ``mfu_fwd_bwd`` / ``matmul_util_fwd_bwd``.
 * ``optimizer_ms``: the update alone (clip, Muon's Newton-Schulz on every matrix / AdamW).
-* ``step_ms`` and ``mfu_step``: ``TrainState.train_step``, what ``k3train train`` runs.
+* ``step_ms``, ``mfu_step`` / ``matmul_util_step``: ``TrainState.train_step``, what ``k3train
+  train`` runs.
 * ``extrapolated_256k``: the optimizer's share of a step at 256K tokens per update, from the
   measured forward+backward time per token and the measured update -- extrapolated, not run
   (the update does not depend on the batch; forward+backward is linear in microbatches).
@@ -29,6 +31,7 @@ import torch
 
 from benchmarks.bench_step import SMALL, optimizer_ms, time_steps  # noqa: E402
 from benchmarks.common import matmul_tflops, profile_table, save_json  # noqa: E402
+from k3train.model.flops import datasheet_peak_flops  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -77,9 +80,13 @@ def slice_row(args, optim: str, peak_tflops: float) -> dict:
     row["extrapolated_256k"] = {"tokens_per_update": EXTRAPOLATE_TOKENS, "fwd_bwd_ms": fb_big,
                                 "optimizer_share_of_step": opt_ms / (fb_big + opt_ms),
                                 "optimizer_over_fwd_bwd": opt_ms / fb_big, "extrapolated": True}
-    if peak_tflops > 0:
-        row["mfu_fwd_bwd"] = tokens * fpt / (fb_ms * 1e-3) / (peak_tflops * 1e12)
-        row["mfu_step"] = tokens * fpt / step_s / (peak_tflops * 1e12)
+    rates = {"fwd_bwd": tokens * fpt / (fb_ms * 1e-3), "step": tokens * fpt / step_s}
+    datasheet = datasheet_peak_flops(torch.cuda.get_device_name()) if args.device == "cuda" else None
+    for part, rate in rates.items():
+        if datasheet:
+            row[f"mfu_{part}"] = rate / datasheet
+        if peak_tflops > 0:
+            row[f"matmul_util_{part}"] = rate / (peak_tflops * 1e12)
     if args.device == "cuda":
         row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         torch.cuda.reset_peak_memory_stats()
@@ -122,8 +129,9 @@ def main() -> None:
         print(json.dumps({optim: row}), flush=True)
         save_json(args.json, result)
     print(f"\nmatmul rate measured in this run: {peak:.0f} TFLOP/s (bf16 8192^3)")
+    print("MFU: against the datasheet dense bf16 peak; util: against the matmul rate measured above")
     print(f"{'optim':<8}{'tok/update':>11}{'fwd+bwd ms':>12}{'opt ms':>9}{'step ms':>10}{'MFU f+b':>9}"
-          f"{'MFU step':>10}{'opt share @256K (extrap.)':>27}{'peak GiB':>10}")
+          f"{'MFU step':>10}{'util f+b':>10}{'util step':>10}{'opt share @256K (extrap.)':>27}{'peak GiB':>10}")
     for name, r in result["rows"].items():
         if "error" in r:
             print(f"{name:<8} failed: {r['error']}")
@@ -131,6 +139,7 @@ def main() -> None:
         pct = (lambda k: f"{r[k]:.1%}" if k in r else "-")
         print(f"{name:<8}{r['tokens_per_update']:>11}{r['fwd_bwd_ms']:>12.1f}{r['optimizer_ms']:>9.1f}"
               f"{r['step_ms']:>10.1f}{pct('mfu_fwd_bwd'):>9}{pct('mfu_step'):>10}"
+              f"{pct('matmul_util_fwd_bwd'):>10}{pct('matmul_util_step'):>10}"
               f"{r['extrapolated_256k']['optimizer_share_of_step']:>27.1%}{r.get('peak_mem_gib', 0):>10.1f}")
     save_json(args.json, result)
 
