@@ -123,7 +123,7 @@ def te_linear_class():
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
             if rows % 16:
-                with te.autocast(enabled=False):
+                with te.autocast(enabled=False, recipe=self.te_recipe):
                     return super().forward(x)
             if FP8GlobalStateManager.is_fp8_enabled():
                 return super().forward(x)
