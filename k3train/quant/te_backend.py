@@ -63,8 +63,11 @@ def import_te():
     return te
 
 
+@functools.cache
 def te_recipe(name: str):
-    """The TE recipe object for ``precision.fp8_recipe`` ``name`` (current | delayed | blockwise)."""
+    """The TE recipe object for ``precision.fp8_recipe`` ``name`` (current | delayed | blockwise);
+    one per process, shared by the model's region and its modules (TE keys DelayedScaling's
+    amax buffers by the recipe)."""
     if name not in TE_RECIPES:
         raise UsageError(f"precision.fp8_recipe={name!r} is not one of {', '.join(TE_RECIPES)}")
     import_te()
@@ -176,7 +179,7 @@ def te_linear(weight: nn.Parameter, recipe, *, inner: bool = False) -> nn.Module
 
 
 def fp8_region(recipe_name: str):
-    """A zero-argument factory of TE's autocast context with ``recipe_name``'s recipe (one
-    recipe object for the run: DelayedScaling keys its amax buffers by it)."""
+    """A zero-argument factory of TE's autocast context with ``recipe_name``'s recipe
+    (``te_recipe``: the object the modules hold too)."""
     te, recipe = import_te(), te_recipe(recipe_name)
     return lambda: te.autocast(enabled=True, recipe=recipe)
