@@ -102,7 +102,8 @@ def select_scope(model: nn.Module, patterns: list[str], layer_offset: int = 0,
     """
     local_of = {_global_name(n, layer_offset): n for n, _ in model.named_modules()}
     modules = dict(model.named_modules())
-    leaves = [g for g, n in local_of.items() if isinstance(modules[n], _LEAVES)]
+    leaves = [g for g, n in local_of.items()
+              if isinstance(modules[n], _LEAVES) or te_backend.replaced_linear(modules[n])]
     chosen: set[str] = set()
     for pattern in patterns:
         rx = re.compile(pattern)
@@ -114,7 +115,7 @@ def select_scope(model: nn.Module, patterns: list[str], layer_offset: int = 0,
             raise UsageError(f"precision.scope pattern {pattern!r} selects nothing: {shown} "
                              f"(names look like 'layers.1.ffn.experts'; see docs/quantization.md)")
         chosen |= picked
-    # Leaves never nest (a TP linear's inner megatron module is not an nn.Linear).
+    # Leaves never nest (a TP linear's inner megatron or TE module is not a leaf).
     return {g: local_of[g] for g in local_of if g in chosen}
 
 

@@ -165,6 +165,12 @@ def is_te_linear(module) -> bool:
     return te_linear_class.cache_info().currsize > 0 and isinstance(module, te_linear_class())
 
 
+def replaced_linear(module) -> bool:
+    """Whether ``module`` is a ``TELinear`` in the slot of an ``nn.Linear`` (a scope leaf, as the
+    nn.Linear was), not the ``inner`` of a tensor-parallel linear."""
+    return is_te_linear(module) and not isinstance(module, te_inner_class())
+
+
 def te_linear(weight: nn.Parameter, recipe, *, inner: bool = False) -> nn.Module:
     """A ``TELinear`` (``inner``: a ``TEInnerLinear``) whose weight IS ``weight`` (``[out, in]``,
     the same Parameter object: optimizer tables, tensor-parallel attributes and state-dict

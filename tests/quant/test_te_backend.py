@@ -17,7 +17,7 @@ from k3train.config import load_config
 from k3train.errors import ConfigError, UsageError
 from k3train.model.model import build_model
 from k3train.quant import te_backend
-from k3train.quant.recipes import DEFAULT_SCOPES, select_scope, te_targets
+from k3train.quant.recipes import DEFAULT_SCOPES, apply_precision, select_scope, te_targets
 
 from tests.helpers import SMALL
 
@@ -122,10 +122,13 @@ def _te_gpu():
         pytest.skip("needs a CUDA GPU")
 
 
+def _gpu_cfg(*extra):
+    return load_config("configs/k3_tiny.yaml", [*SMALL, "model.mla.qk_rope_head_dim=16", "train.device=cuda", *extra])
+
+
 def _gpu_model(*extra):
     torch.manual_seed(0)
-    return build_model(load_config("configs/k3_tiny.yaml", [*SMALL, "model.mla.qk_rope_head_dim=16",
-                                                            "train.device=cuda", *extra])).cuda()
+    return build_model(_gpu_cfg(*extra)).cuda()
 
 
 @pytest.mark.parametrize("recipe", ["current", "delayed", "blockwise"])
@@ -136,11 +139,16 @@ def test_te_model_state_dict_is_the_bf16_one_and_loss_matches(recipe, world1):
     except UsageError as exc:
         pytest.skip(str(exc))
     bf16 = _gpu_model()
-    te = _gpu_model("precision.recipe=fp8", "precision.fp8_backend=te", f"precision.fp8_recipe={recipe}")
+    te_args = ["precision.recipe=fp8", "precision.fp8_backend=te", f"precision.fp8_recipe={recipe}"]
+    te, te_cfg = _gpu_model(*te_args), _gpu_cfg(*te_args)
     TELinear = te_backend.te_linear_class()   # TEInnerLinear, in the TP linears, subclasses it
     assert sum(isinstance(m, TELinear) for m in te.modules()) == len(te.quantized) >= 14
     ref, got = bf16.state_dict(), te.state_dict()
     assert list(got) == list(ref)   # no _extra_state, nothing renamed
+    # Idempotent: the TE linears are scope leaves as the nn.Linear modules were, their TP
+    # wrappers' TE inners are not.
+    assert apply_precision(te, te_cfg.precision, "cuda") == te.quantized
+    assert list(te.state_dict()) == list(ref)
     assert all(torch.equal(got[k], ref[k]) for k in ref)
     te.load_state_dict(ref, strict=True)
     bf16.load_state_dict(got, strict=True)
