@@ -17,7 +17,8 @@ def cuda_graph_blockers(cfg: RunConfig, *, device: str | None = None) -> dict[st
     with what only the run knows, ``device`` (the resolved device type). Pipeline
     parallelism replays chunk graphs, data parallelism reduces after the replay, and every
     precision recipe's scaling is computed inside the captured step (no state kept between
-    steps), so none of them rules the graph out."""
+    steps), so none of them rules the graph out; Transformer Engine's modules
+    (``precision.fp8_backend=te``) are not validated under capture and do."""
     out: dict[str, str] = {}
     p = cfg.parallel
     if p.cp != 1:
@@ -36,6 +37,9 @@ def cuda_graph_blockers(cfg: RunConfig, *, device: str | None = None) -> dict[st
     if dev not in ("cuda", "auto"):
         out["train.device"] = (f"train.cuda_graph needs a CUDA device, this run is on {dev} "
                                f"(train.device={cfg.train.device})")
+    if cfg.precision.recipe == "fp8" and cfg.precision.fp8_backend == "te":
+        out["precision.fp8_backend"] = ("train.cuda_graph is not validated with Transformer Engine's "
+                                        "modules (precision.fp8_backend=te); use fp8_backend=torchao")
     if cfg.data.masks_documents:
         out["data.document_mask"] = ("train.cuda_graph replays recorded steps, but document masking "
                                      "reads each batch's boundaries on the host (data.document_mask=true)")

@@ -402,10 +402,15 @@ class PrecisionConfig(_Strict):
     projections, shared experts and attention projections (docs/k3_slice.md#what-fp8-covers). Other names: ``\\.ffn\\.shared$`` shared experts,
     ``\\.ffn\\.(down|up)$`` latent projections, ``\\.ffn\\.(gate|up|down)_proj$`` dense FFN,
     ``\\.mixer\\.`` attention projections. A pattern that selects nothing is an error."""
-    fp8_recipe: Literal["current"] = "current"
-    """Scaling for recipe fp8: ``current``, dynamic tensorwise scaling (torchao's float8 training;
-    Transformer Engine calls it Float8CurrentScaling). TE's delayed and block scaling need TE
-    layers, which k3train does not build, so they are not offered."""
+    fp8_backend: Literal["torchao", "te"] = "torchao"
+    """Who runs recipe fp8's GEMMs: ``torchao`` (its float8 training matmul; the ``gpu`` extra) or
+    ``te`` (Transformer Engine linears in the scope under TE's autocast; the ``te`` extra,
+    docs/quantization.md#transformer-engine). Checkpoints are the same tensors either way."""
+    fp8_recipe: Literal["current", "delayed", "blockwise"] = "current"
+    """Scaling for recipe fp8: ``current``, dynamic tensorwise scaling (torchao's tensorwise,
+    TE's Float8CurrentScaling); ``delayed``, TE's DelayedScaling (scales from an amax history);
+    ``blockwise``, TE's Float8BlockScaling (1x128 activation, 128x128 weight blocks; Hopper, CUDA
+    >= 12.9). delayed and blockwise need ``fp8_backend: te``."""
 
     @model_validator(mode="after")
     def _scope_compiles(self) -> "PrecisionConfig":
@@ -414,6 +419,9 @@ class PrecisionConfig(_Strict):
                 re.compile(pattern)
             except re.error as exc:
                 raise ValueError(f"precision.scope pattern {pattern!r} is not a valid regex ({exc})") from None
+        if self.fp8_backend == "torchao" and self.fp8_recipe != "current":
+            raise ValueError(f"precision.fp8_recipe={self.fp8_recipe} needs precision.fp8_backend=te "
+                             f"(torchao runs current scaling only; allowed with torchao: current)")
         return self
 
 
@@ -527,6 +535,12 @@ class RunConfig(_Strict):
         if refusal is not None:
             raise ValueError(refusal)
         pr = self.precision
+        if (pr.recipe == "fp8" and pr.fp8_backend == "te" and pr.fp8_recipe == "delayed"
+                and self.train.recompute != "none"):
+            # A recomputed forward would update DelayedScaling's amax history a second time.
+            raise ValueError(f"precision.fp8_recipe=delayed (Transformer Engine) does not run with "
+                             f"train.recompute={self.train.recompute}; use fp8_recipe current or "
+                             f"blockwise, or train.recompute=none")
         # scope None is the recipe default, which for the MX recipes is the routed experts.
         if pr.recipe in ("mxfp4_qat", "mxfp8") and any("experts" in pat for pat in pr.scope or ["experts"]):
             bad = {k: v for k, v in (("moe.latent_size", self.moe.latent_size),

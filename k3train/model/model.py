@@ -27,7 +27,7 @@ from k3train.model.mla import GatedMLA
 from k3train.model.recompute import run_depth_mix, run_layer
 from k3train.ops.context_parallel import CPCommLog
 from k3train.runtime.distributed import expert_group_in_force
-from k3train.quant.recipes import apply_precision, resolve_device
+from k3train.quant.recipes import apply_precision, fp8_region, resolve_device
 from moe import GroupedAllToAllDispatcher, LatentMoE, LocalDispatcher
 from moe.norm import autocast_dtype
 from pipeline.stage_io import StageIO
@@ -153,6 +153,8 @@ class K3Chunk(nn.Module):
         # A pipeline chunk may legitimately hold none of a scope pattern's modules.
         self.quantized = apply_precision(self, cfg.precision, resolve_device(cfg.train.device),
                                          layer_offset=start, require_match=first and last)
+        # Transformer Engine's fp8 autocast around each forward under precision.fp8_backend=te.
+        self.fp8_region = fp8_region(cfg.precision)
 
     def embed_tokens(self, tokens: torch.Tensor, segments: torch.Tensor | None = None) -> StageIO:
         h = self.embed(tokens)
@@ -186,12 +188,13 @@ class K3Chunk(nn.Module):
 
     def forward(self, x, targets: torch.Tensor | None = None, segments: torch.Tensor | None = None,
                 loss_tokens: float | torch.Tensor | None = None):
-        io = self.embed_tokens(x, segments) if self.first else x
-        for layer in self.layers:
-            io = run_layer(layer, io, self.recompute)
-        if not self.last:
-            return io
-        logits = self.logits(io)
+        with self.fp8_region():
+            io = self.embed_tokens(x, segments) if self.first else x
+            for layer in self.layers:
+                io = run_layer(layer, io, self.recompute)
+            if not self.last:
+                return io
+            logits = self.logits(io)
         if targets is None:
             return logits
         if loss_tokens is not None:

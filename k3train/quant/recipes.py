@@ -10,12 +10,16 @@ quantisation hook, the configuration its constructor also accepts:
 fp8 converts in-scope ``nn.Linear`` modules with torchao's ``convert_to_float8_training`` and
 gives in-scope ``ColumnLinear`` / ``RowLinear`` (tp == 1) torchao's float8 matmul as their
 ``quant`` hook (``k3train.quant.fp8``); routed experts have no fp8 path (use mxfp8).
+``precision.fp8_backend=te`` instead gives the same modules Transformer Engine linears sharing
+their weights (``k3train.quant.te_backend``), and ``fp8_region`` TE's autocast for the model's
+forward.
 
 Scope names use global layer indices (``layers.<i>.``) even inside a pipeline chunk, so a
 pattern means the same layers whatever the pipeline split.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 
 import torch
@@ -25,6 +29,7 @@ from k3train.config.schema import PrecisionConfig
 from k3train.errors import UsageError
 from k3train.ops.layers import ColumnLinear, RowLinear, tp_size
 from k3train.quant.fp8 import Float8Matmul, float8_linear_class
+from k3train.quant import te_backend
 from k3train.quant.spec import MX_SPECS, MXLinear, QuantSpec
 from k3train.runtime import device as runtime_device
 from moe import GroupedExperts
@@ -41,7 +46,7 @@ DEFAULT_SCOPES = {
 }
 _LEAVES = (GroupedExperts, nn.Linear, ColumnLinear, RowLinear)
 _FP8_INSTALL = ('precision.recipe=fp8 needs a CUDA GPU with compute capability >= 8.9 (Ada/Hopper) '
-                'and torchao (pip install -e ".[gpu]")')
+                'and its backend (torchao: pip install -e ".[gpu]"; te: pip install -e ".[te]")')
 
 
 def resolve_device(choice: str | torch.device) -> torch.device:
@@ -54,19 +59,16 @@ def scope_patterns(precision: PrecisionConfig) -> list[str]:
     return list(precision.scope) if precision.scope is not None else list(DEFAULT_SCOPES.get(precision.recipe, []))
 
 
-def _fp8_backend() -> str | None:
-    """"torchao" | "te" | None, importing lazily (neither is installed on CPU machines)."""
-    for module, name in (("torchao.float8", "torchao"), ("transformer_engine.pytorch", "te")):
-        try:
-            __import__(module)
-            return name
-        except ImportError:
-            continue
-    return None
+def _torchao_importable() -> bool:
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def validate_precision(precision: PrecisionConfig, device: str | torch.device) -> None:
-    """Raise ValueError with a one-line message if the recipe cannot run on ``device``."""
+    """Raise a one-line UsageError if the recipe cannot run on ``device`` with its backend."""
     if precision.recipe != "fp8":
         return
     dev = resolve_device(device)
@@ -76,13 +78,11 @@ def validate_precision(precision: PrecisionConfig, device: str | torch.device) -
     cap = torch.cuda.get_device_capability(dev)
     if cap < (8, 9):
         raise UsageError(f"{_FP8_INSTALL}; this GPU has compute capability {cap[0]}.{cap[1]}")
-    backend = _fp8_backend()
-    if backend is None:
-        raise UsageError(f"{_FP8_INSTALL}; torchao is not importable "
-                         f'(Transformer Engine, pip install -e ".[te]", is not used: k3train layers are not TE layers)')
-    if backend == "te":
-        raise UsageError(f"{_FP8_INSTALL}; only Transformer Engine is importable, and k3train's layers "
-                         f"are not TE layers")
+    if precision.fp8_backend == "te":
+        te_backend.check_te(precision.fp8_recipe)
+    elif not _torchao_importable():
+        raise UsageError(f"{_FP8_INSTALL}; torchao is not importable (or set precision.fp8_backend=te "
+                         f"with Transformer Engine: {te_backend.TE_INSTALL})")
 
 
 def _global_name(name: str, layer_offset: int) -> str:
@@ -102,7 +102,8 @@ def select_scope(model: nn.Module, patterns: list[str], layer_offset: int = 0,
     """
     local_of = {_global_name(n, layer_offset): n for n, _ in model.named_modules()}
     modules = dict(model.named_modules())
-    leaves = [g for g, n in local_of.items() if isinstance(modules[n], _LEAVES)]
+    leaves = [g for g, n in local_of.items()
+              if isinstance(modules[n], _LEAVES) or te_backend.replaced_linear(modules[n])]
     chosen: set[str] = set()
     for pattern in patterns:
         rx = re.compile(pattern)
@@ -114,7 +115,7 @@ def select_scope(model: nn.Module, patterns: list[str], layer_offset: int = 0,
             raise UsageError(f"precision.scope pattern {pattern!r} selects nothing: {shown} "
                              f"(names look like 'layers.1.ffn.experts'; see docs/quantization.md)")
         chosen |= picked
-    # Leaves never nest (a TP linear's inner megatron module is not an nn.Linear).
+    # Leaves never nest (a TP linear's inner megatron or TE module is not a leaf).
     return {g: local_of[g] for g in local_of if g in chosen}
 
 
@@ -202,6 +203,67 @@ def _apply_fp8(model: nn.Module, targets: dict[str, str], config=None, *, skip_u
     return done
 
 
+def te_targets(model: nn.Module, targets: dict[str, str], *, skip_unfit: bool = False) -> dict[str, str]:
+    """The in-scope linears the TE backend replaces: ``{global name: checkpoint key of its
+    weight}`` (``te_backend.checkpoint_key``), in model order; the same modules, and the same
+    widths left out under ``skip_unfit``, as ``_apply_fp8`` converts. Routed experts are not
+    TE's (see ``_apply_te``). Raises, as ``_apply_fp8``, for an unfit or tensor-parallel linear
+    an explicit scope names, and for a module kind TE does not replace."""
+    out = {}
+    for name, local in targets.items():
+        mod = model.get_submodule(local)
+        if isinstance(mod, GroupedExperts):
+            continue
+        if te_backend.is_te_linear(mod):
+            out[name] = te_backend.checkpoint_key(local, mod)   # applied already (idempotent)
+            continue
+        if not isinstance(mod, (ColumnLinear, RowLinear)) and type(mod) is not nn.Linear:
+            raise UsageError(f"precision.fp8_backend=te replaces nn.Linear and tensor-parallel linears; "
+                             f"precision.scope selects {name}, a {type(mod).__name__}")
+        if not te_backend.fits_fp8(mod.weight.shape):
+            if skip_unfit:
+                continue
+            raise UsageError(f"fp8 GEMMs need both dims of {name} to be multiples of 16; got "
+                             f"{mod.weight.shape[1]}x{mod.weight.shape[0]}")
+        if isinstance(mod, (ColumnLinear, RowLinear)) and tp_size() > 1:
+            raise UsageError(f"precision.scope selects {name}, a tensor-parallel linear; fp8 "
+                             f"supports those at parallel.tp=1 only (tp is {tp_size()})")
+        if getattr(mod, "bias", None) is not None:
+            raise UsageError(f"precision.fp8_backend=te replaces bias-free linears; {name} has a bias")
+        out[name] = te_backend.checkpoint_key(local, mod)
+    return out
+
+
+def _apply_te(model: nn.Module, targets: dict[str, str], recipe_name: str, *, skip_unfit: bool = False) -> list[str]:
+    """Transformer Engine linears on ``targets`` (``te_targets``), sharing their weights;
+    returns the names converted. Routed experts in the scope go to torchao's grouped path
+    (``_apply_fp8``): TE's ``GroupedLinear`` is not wired in (docs/quantization.md)."""
+    experts = {n: loc for n, loc in targets.items() if isinstance(model.get_submodule(loc), GroupedExperts)}
+    done = _apply_fp8(model, experts, skip_unfit=skip_unfit) if experts else []
+    recipe = te_backend.te_recipe(recipe_name)
+    for name in te_targets(model, targets, skip_unfit=skip_unfit):
+        local = targets[name]
+        mod = model.get_submodule(local)
+        if te_backend.is_te_linear(mod) or te_backend.is_te_linear(getattr(mod, "inner", None)):
+            pass   # applied already
+        elif isinstance(mod, (ColumnLinear, RowLinear)):
+            mod.quant = None
+            mod.inner = te_backend.te_linear(mod.inner.weight, recipe, inner=True)
+        else:
+            _set_child(model, local, te_backend.te_linear(mod.weight, recipe))
+        done.append(name)
+    return [n for n in targets if n in set(done)]
+
+
+def fp8_region(precision: PrecisionConfig):
+    """A zero-argument factory of the context the model's forward runs in: TE's autocast with
+    ``precision.fp8_recipe`` under ``recipe=fp8, fp8_backend=te`` (``te_backend.fp8_region``),
+    else ``contextlib.nullcontext``."""
+    if precision.recipe == "fp8" and precision.fp8_backend == "te":
+        return te_backend.fp8_region(precision.fp8_recipe)
+    return contextlib.nullcontext
+
+
 def fp8_gemm_shapes(model: nn.Module, precision: PrecisionConfig) -> dict[tuple[int, int], int]:
     """The GEMMs ``precision.recipe=fp8`` runs in float8 on ``model``: ``{(in_features,
     out_features): how many modules}``, as ``apply_precision`` would convert them (the
@@ -231,6 +293,8 @@ def apply_precision(model: nn.Module, precision: PrecisionConfig, device: str | 
     if precision.recipe in ("bf16", "fp32"):   # plain layers; fp32 differs only in the trainer's autocast
         return []
     targets = select_scope(model, scope_patterns(precision), layer_offset, require_match)
+    if precision.recipe == "fp8" and precision.fp8_backend == "te":
+        return _apply_te(model, targets, precision.fp8_recipe, skip_unfit=precision.scope is None)
     if precision.recipe == "fp8":
         return _apply_fp8(model, targets, skip_unfit=precision.scope is None)
     else:

@@ -131,11 +131,13 @@ def test_layer_pattern_refuses_a_zero_repeat():
 
 
 def test_fp8_recipe_offers_only_what_runs():
-    """Only torchao's dynamic (current) scaling runs; TE's delayed/block need TE layers."""
+    """torchao runs only dynamic (current) scaling; TE's delayed/blockwise need fp8_backend=te
+    (tests/quant/test_te_backend.py)."""
     assert load_config("configs/k3_tiny.yaml", ["precision.fp8_recipe=current"]).precision.fp8_recipe == "current"
-    for other in ("delayed", "block"):
-        with pytest.raises(ConfigError, match=r"precision.fp8_recipe: Input should be 'current'"):
-            load_config("configs/k3_tiny.yaml", [f"precision.fp8_recipe={other}"])
+    with pytest.raises(ConfigError, match=r"precision.fp8_recipe=delayed needs precision.fp8_backend=te"):
+        load_config("configs/k3_tiny.yaml", ["precision.fp8_recipe=delayed"])
+    with pytest.raises(ConfigError, match=r"precision.fp8_recipe: Input should be 'current', 'delayed' or 'blockwise'"):
+        load_config("configs/k3_tiny.yaml", ["precision.fp8_recipe=block"])
 
 
 # Layout rules: refused when the config loads, each as one line that names the field, what is
