@@ -225,8 +225,7 @@ class TrainState:
         self.model.train()
         if self.engine is not None:
             with self.autocast:
-                total = self.engine.train_step([(mb[:, :-1], self.targets(mb), self.documents(mb))
-                                                for mb in batch.chunk(m)])
+                total = self.engine.train_step([_engine_microbatch(self, mb) for mb in batch.chunk(m)])
             total = total * float("nan") if poison else total
         else:
             total = torch.zeros((), device=self.device)
