@@ -74,7 +74,7 @@ def _window_loss(state, windows: torch.Tensor) -> torch.Tensor:
     return state.model(inputs, targets, **_segments(segments))
 
 
-def _engine_microbatch(state, windows: torch.Tensor) -> tuple:
+def engine_microbatch(state, windows: torch.Tensor) -> tuple:
     """The pipeline engine's microbatch for ``windows`` [B, T+1] (``PipelineEngine.train_step``):
     ``(inputs, targets, segments)``, or under context parallelism this rank's slice of them and
     the loss divisor (``_cp_slice``): every stage slices alike, so each hop carries one CP
@@ -225,7 +225,7 @@ class TrainState:
         self.model.train()
         if self.engine is not None:
             with self.autocast:
-                total = self.engine.train_step([_engine_microbatch(self, mb) for mb in batch.chunk(m)])
+                total = self.engine.train_step([engine_microbatch(self, mb) for mb in batch.chunk(m)])
             total = total * float("nan") if poison else total
         else:
             total = torch.zeros((), device=self.device)
@@ -328,7 +328,7 @@ class TrainState:
         self.model.eval()
         if self.engine is not None:
             with self.autocast:
-                loss = self.engine.eval_step([_engine_microbatch(self, b.to(self.device)) for b in batches])
+                loss = self.engine.eval_step([engine_microbatch(self, b.to(self.device)) for b in batches])
         else:
             losses = []
             for b in batches:

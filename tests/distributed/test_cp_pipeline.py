@@ -3,7 +3,7 @@ ranks) against the whole model in one process.
 
 The trainer's own path runs: ``TrainState`` builds the chunks (``build_parts``: every chunk's
 mixers on the CP group, the hops to the same CP rank of the next stage), slices every window
-(``_engine_microbatch``: ``seq_len / cp`` tokens, the whole windows' document boundaries, the
+(``engine_microbatch``: ``seq_len / cp`` tokens, the whole windows' document boundaries, the
 loss divisor the engine hands to the last chunk), and reduces the gradients over DP x CP. The
 model is the tiny hybrid, four layers ``K M K M`` (one per chunk: rank 0 holds the KDA layers,
 rank 1 the MLA ones), the first dense and the rest MoE, AttnRes blocks of two layers (block 0,
@@ -21,6 +21,9 @@ CP rank 1 of the other (the wrong tokens' activations and blocks arrive) and mus
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -35,7 +38,7 @@ from k3train.runtime.distributed import init_distributed
 from k3train.trainer.parts import _check_cp_pairing
 from k3train.trainer.state import TrainState
 from pipeline import PipelineEngine, PipelineLayout
-from tests.helpers import tiny_cfg
+from tests.helpers import SMALL, read_records, tiny_cfg
 from tests.multiproc import run_multiprocess
 
 TOL = dict(rtol=0, atol=1e-10)
@@ -194,10 +197,39 @@ def _body(rank, world, recompute):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_cp_pipeline_step_equals_one_process(recompute):
     """PP=2 x V=2 x CP=2 in four processes: loss and every gradient to 1e-10 (fp64)."""
     run_multiprocess(_body, PP * CP, recompute)
+
+
+def _train(run_dir, nproc: int, *overrides: str, resume: bool = False) -> None:
+    """``k3train train`` on configs/k3_tiny.yaml (small, four layers) in ``nproc`` processes."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    cmd = [*(launcher if nproc > 1 else [sys.executable]), "-m", "k3train", "train", "--config",
+           "configs/k3_tiny.yaml", "--run-dir", str(run_dir), *(["--resume"] if resume else []), *SMALL,
+           "model.num_layers=4", "train.microbatches=2", "train.log_interval=1", *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_cli_pp2_vpp2_cp2_trains_and_resumes_as_one_process(tmp_path):
+    """torchrun, four CPU processes, pp=2 x vpp=2 x cp=2 on document-masked windows (the
+    default): 3 steps, a checkpoint, a resume to step 5 (validation at steps 3 and 5, the
+    end-of-run plots on the slices); every logged loss and validation loss equals the
+    one-process run's to fp32 rounding (the ranks sum their shares in another order)."""
+    for run, nproc, extra in (("one", 1, []), ("pp-cp", 4, LAYOUT)):
+        _train(tmp_path / run, nproc, *extra, "train.steps=3")
+        _train(tmp_path / run, nproc, *extra, "train.steps=5", resume=True)
+    one, got = (read_records(tmp_path / run) for run in ("one", "pp-cp"))
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
+    for key in ("loss", "val_loss"):
+        want = [r[key] for r in one if key in r]
+        assert len(want) >= 2 and [r[key] for r in got if key in r] == pytest.approx(want, rel=2e-5), key
+    assert (tmp_path / "pp-cp" / "attnres_depth.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_cp_pipeline_layouts_load_and_cuda_graphs_are_refused():
