@@ -5,18 +5,20 @@ The trainer's own path runs: ``TrainState`` builds the chunks (``build_parts``: 
 mixers on the CP group, the hops to the same CP rank of the next stage), slices every window
 (``engine_microbatch``: ``seq_len / cp`` tokens, the whole windows' document boundaries, the
 loss divisor the engine hands to the last chunk), and reduces the gradients over DP x CP. The
-model is the tiny hybrid, four layers ``K M K M`` (one per chunk: rank 0 holds the KDA layers,
-rank 1 the MLA ones), the first dense and the rest MoE, AttnRes blocks of two layers (block 0,
-the embedding, crosses a hop and is read again from rank 1's block cache by chunk 3). Windows
-of 16 tokens with documents that cross the CP boundary (token 8), start on it, start inside the
-conv halo, and most targets ignored, unevenly between the two CP slices.
+model is the tiny hybrid, four layers ``K M K M`` (one per chunk: pipeline stage 0 holds the
+KDA layers, stage 1 the MLA ones), the first dense and the rest MoE, AttnRes blocks of two
+layers (block 0, the embedding, crosses hop 0 and chunk 3 reads it from stage 1's block
+cache). Windows of 16 tokens with documents that cross the CP boundary (token 8), start on
+it, start inside the conv halo, and most targets ignored, unevenly between the two CP slices.
 
 Exactness (fp64 weights and activations): the model's own cross-entropy runs in fp32
 (``logits.float()``), so the last chunk's loss is replaced by the same sum in fp64 over the
 loss divisor the engine passes (``loss_tokens``); then the loss of every microbatch and every
-parameter gradient equal the one-process run's to ``1e-10``, under recompute none and full. A
-negative control runs the same step with pipeline groups that pair CP rank 0 of one stage with
-CP rank 1 of the other (the wrong tokens' activations and blocks arrive) and must differ.
+parameter gradient equal the one-process run's to ``1e-10``, under recompute none, selective
+and full; the step's returned loss (cast to fp32 by the engine) and the validation loss to
+fp32 rounding. A negative control runs the same step with pipeline groups that pair CP rank 0
+of one stage with CP rank 1 of the other (the wrong tokens' activations and blocks arrive):
+its loss must differ. The CLI test runs the whole trainer under torchrun (fp32, ``2e-5``).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from k3train.config import load_config
 from k3train.errors import ConfigError, LayoutError
 from k3train.model.model import build_model, produced_blocks
 from k3train.ops.context_parallel import cp_bytes_per_rank
+from k3train.profiling.predict import layout_messages
 from k3train.runtime.distributed import init_distributed
 from k3train.trainer.parts import _check_cp_pairing
 from k3train.trainer.state import TrainState
@@ -242,3 +245,12 @@ def test_cp_pipeline_layouts_load_and_cuda_graphs_are_refused():
     assert "\n" not in message
     assert "parallel.cp=2 with train.cuda_graph=true: not wired yet" in message
     assert "use parallel.cp=1" in message
+
+
+def test_predicted_hop_messages_carry_one_cp_slice():
+    """The pipeline predictor's hop messages are one CP rank's tokens, as the engine sends them:
+    every message of cp = 2 is half the cp = 1 one (hidden and blocks ``[B, seq_len / cp, D]``)."""
+    whole, sliced = (layout_messages(tiny_cfg(*BASE, f"parallel.pp={PP}", "parallel.vpp=2", f"parallel.cp={cp}"),
+                                     PP, 2) for cp in (1, CP))
+    assert len(whole) == len(sliced) > 0 and all(m.nbytes > 0 for m in whole)
+    assert [(m.nbytes, m.tensors) for m in sliced] == [(m.nbytes // CP, m.tensors) for m in whole]
