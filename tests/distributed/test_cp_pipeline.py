@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from k3train.config import load_config
 from k3train.errors import ConfigError, LayoutError
-from k3train.model.model import build_model, produced_blocks
+from k3train.model.model import K3Chunk, build_model, produced_blocks
 from k3train.ops.context_parallel import cp_bytes_per_rank
 from k3train.profiling.predict import layout_messages
 from k3train.runtime.distributed import init_distributed
@@ -254,3 +254,29 @@ def test_predicted_hop_messages_carry_one_cp_slice():
                                      PP, 2) for cp in (1, CP))
     assert len(whole) == len(sliced) > 0 and all(m.nbytes > 0 for m in whole)
     assert [(m.nbytes, m.tensors) for m in sliced] == [(m.nbytes // CP, m.tensors) for m in whole]
+
+
+@pytest.mark.parametrize("num_chunks", [1, 2])
+def test_engine_hands_the_loss_divisor_to_the_last_chunk(num_chunks, world1):
+    """One process, the engine over 1 chunk (first and last) or 2 (local hand-over): with a
+    fourth microbatch element the last chunk returns its summed token losses over that divisor,
+    as the whole model does with ``loss_tokens=``; the gradients follow (fp64, 1e-12)."""
+    cfg = tiny_cfg(*BASE)
+    layout = PipelineLayout(cfg.model.num_layers, 1, num_chunks)
+    ranges = [(r.start, r.stop) for r in map(layout.layer_range, range(num_chunks))]
+    chunks = {c: K3Chunk(cfg, *ranges[c], first=c == 0, last=c == num_chunks - 1).double()
+              for c in range(num_chunks)}
+    engine = PipelineEngine(local_chunks=chunks, num_chunks=num_chunks,
+                            produced_blocks=produced_blocks(cfg, ranges))
+    ref = build_model(cfg).double()
+    batch = _batch(cfg.model.vocab_size)
+    mbs = [(mb[:, :-1], _targets(mb), _documents(mb), torch.tensor(3.5, dtype=torch.float64))
+           for mb in batch.chunk(M)]
+    loss = engine.train_step(mbs)
+    want = sum(ref(x, t, segments=s, loss_tokens=d) for x, t, s, d in mbs) / M
+    want.backward()
+    assert loss.item() == pytest.approx(want.item(), rel=1e-6)   # the engine returns fp32
+    got = {_global_name(ch, n): p.grad for ch in chunks.values() for n, p in ch.named_parameters()}
+    assert got.keys() == dict(ref.named_parameters()).keys()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=0, atol=1e-12, msg=lambda m: f"{name}: {m}")
