@@ -181,9 +181,13 @@ class PipelineEngine:
     def train_step(self, microbatches: list[tuple]) -> torch.Tensor:
         """Forward and backward of all microbatches; returns the mean loss (same on every rank).
 
-        Each microbatch is ``(inputs [B, T], targets [B, T])`` or ``(inputs, targets, segments)``
+        Each microbatch is ``(inputs [B, T], targets [B, T])``, ``(inputs, targets, segments)``
         with ``segments`` the document boundaries every chunk reads (``StageIO.segments``;
-        chunk 0 gets them as ``segments=``); each rank attaches its own, they are never sent.
+        chunk 0 gets them as ``segments=``; None: none), or ``(inputs, targets, segments,
+        loss_tokens)`` with ``loss_tokens`` the divisor the last chunk gets as ``loss_tokens=``
+        (context parallelism: each rank's inputs are its slice of every window, and its loss
+        is its tokens' summed loss over the whole windows' count). Each rank attaches its own;
+        neither is ever sent.
 
         Parameter ``.grad`` is accumulated as ``d(mean_mb loss_mb)/d param``, as in the
         single-process run; zero the grads before calling.
@@ -272,6 +276,7 @@ class PipelineEngine:
         inputs, targets, *rest = batch
         segments = rest[0] if rest else None
         seg_kw = {} if segments is None else {"segments": segments}
+        loss_kw = {"loss_tokens": rest[1]} if len(rest) > 1 and rest[1] is not None else {}
         chunk = self.chunks[c]
         saved = _SavedStorages()
         # Which sent outputs autograd saves is a property of the chunk's code, not of the data:
@@ -280,7 +285,8 @@ class PipelineEngine:
         with saved.ctx() if learn else nullcontext():
             if c == 0:
                 # One chunk (P = V = 1) is first and last: it takes the tokens and the targets.
-                out = self._call(chunk, c, mb, (inputs, targets) if self.C == 1 else (inputs,), seg_kw)
+                out = (self._call(chunk, c, mb, (inputs, targets), {**seg_kw, **loss_kw}) if self.C == 1
+                       else self._call(chunk, c, mb, (inputs,), seg_kw))
             else:
                 tensors = self.comm.recv(MsgKey("fwd", c - 1, mb), c)
                 has_hidden = self.comm.has_hidden[c - 1]
@@ -300,7 +306,8 @@ class PipelineEngine:
                 if training:
                     self._inputs[(c, mb)] = (hidden, hop_blocks)
                 io = StageIO(hidden, blocks, segments)
-                out = self._call(chunk, c, mb, (io, targets) if c == self.C - 1 else (io,))
+                last = c == self.C - 1
+                out = self._call(chunk, c, mb, (io, targets) if last else (io,), loss_kw if last else None)
         if c == self.C - 1:
             self._losses[mb] = out.detach()
             if training:
@@ -312,11 +319,12 @@ class PipelineEngine:
 
     def _call(self, chunk: nn.Module, c: int, mb: int, args: tuple, kwargs: dict | None = None):
         """The chunk's forward: replayed from its slot's graph in a graphed training step.
-        ``kwargs``: chunk 0's document segments (graphs are never on with document masking:
-        ``RunConfig.cuda_graph_blockers``)."""
+        ``kwargs``: chunk 0's document segments, the last chunk's loss divisor (graphs are never
+        on with document masking or context parallelism: ``RunConfig.cuda_graph_blockers``)."""
         if self._graphed:
             if kwargs:
-                raise ValueError("chunk graphs cannot replay document segments (they change per batch)")
+                raise ValueError("chunk graphs cannot replay document segments or a loss divisor "
+                                 "(they change per batch)")
             return self.graphs.forward(c, mb, args)
         return chunk(*args, **(kwargs or {}))
 

@@ -19,7 +19,9 @@ class StageIO:
     segments: the microbatch's document boundaries (``cu_seqlens`` ``[N+1]`` over the ``B*T``
         tokens flattened row by row), or None for one sequence per row. Metadata, not an
         activation: it never travels between ranks; every rank's engine attaches its own copy
-        from the microbatch (``PipelineEngine`` batches of three).
+        from the microbatch (its third element, ``PipelineEngine.train_step``). Under context
+        parallelism they are the whole windows' boundaries while ``hidden`` and ``blocks`` hold
+        this rank's slice of each row (the mixers map them, ``k3train.model.cp_documents``).
     """
 
     hidden: torch.Tensor | None

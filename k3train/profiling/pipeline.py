@@ -46,7 +46,7 @@ def profile_pipeline(cfg: RunConfig, json_path: str | Path, steps: int = 3) -> d
     if p.pp * p.vpp < 2:
         raise LayoutError("profile-pipeline needs parallel.pp * parallel.vpp >= 2 (e.g. parallel.pp=2)")
     device_name = resolve_device(cfg.train.device).type
-    info = init_distributed(p.tp, p.pp, p.vpp, p.ep, device_name)
+    info = init_distributed(p.tp, p.pp, p.vpp, p.ep, device_name, cp=p.cp)
     device = torch.device("cuda", info.local_rank) if device_name == "cuda" else torch.device("cpu")
     out_dir = Path(json_path).parent
     report: dict = {}

@@ -281,12 +281,13 @@ def chunk_costs(layer_costs: dict, num_layers: int, num_chunks: int, **overheads
 
 
 def layout_messages(cfg: RunConfig, P: int, V: int, wire_bytes: int = 4):
-    """Per-hop messages of one microbatch: hidden and blocks are [B, T, D] at ``wire_bytes``."""
+    """Per-hop messages of one microbatch: hidden and blocks are [B, T, D] at ``wire_bytes``,
+    ``T = seq_len / cp`` (under context parallelism each CP rank sends its own slice)."""
     counts = split_layers(cfg.model.num_layers, P * V)
     starts = [sum(counts[:c]) for c in range(P * V)]
     ranges = [(s, s + n) for s, n in zip(starts, counts)]
     plan = build_plan(produced_blocks(cfg, ranges), P, cfg.pipeline.attnres_transport)
-    d = cfg.train.micro_batch_size * cfg.train.seq_len * cfg.model.hidden_size * wire_bytes
+    d = cfg.train.micro_batch_size * (cfg.train.seq_len // cfg.parallel.cp) * cfg.model.hidden_size * wire_bytes
     return hop_messages(plan, d, d)
 
 

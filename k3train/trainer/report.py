@@ -13,6 +13,7 @@ from k3train.model.flops import datasheet_peak_flops
 from k3train.model.layer import K3Layer
 from k3train.model.model import K3Chunk
 from k3train.trainer.plots import plot_attnres_depth_heatmap, plot_expert_load_heatmap, write_run_plots
+from k3train.trainer.state import engine_microbatch
 
 
 def datasheet_peak(device: torch.device) -> tuple[float | None, str]:
@@ -78,7 +79,9 @@ def depth_attention_weights(state, batch: torch.Tensor, targets) -> list[torch.T
             # The interleaved schedule (vpp > 1) needs at least P microbatches: run the same one
             # P times, so every recorded weight is still this batch's.
             copies = state.engine.P if state.engine.V > 1 else 1
-            state.engine.eval_step([(batch[:, :-1], targets(batch))] * copies)
+            # Under CP each rank runs its slice (the hops' shapes are the training step's).
+            mb = engine_microbatch(state, batch) if state.cp > 1 else (batch[:, :-1], targets(batch))
+            state.engine.eval_step([mb] * copies)
         else:
             state.model(batch[:, :-1], targets(batch))
     mine = {key: rec.weights[m].float().cpu() for key, m in modules.items()}

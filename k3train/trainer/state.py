@@ -74,6 +74,18 @@ def _window_loss(state, windows: torch.Tensor) -> torch.Tensor:
     return state.model(inputs, targets, **_segments(segments))
 
 
+def engine_microbatch(state, windows: torch.Tensor) -> tuple:
+    """The pipeline engine's microbatch for ``windows`` [B, T+1] (``PipelineEngine.train_step``):
+    ``(inputs, targets, segments)``, or under context parallelism this rank's slice of them and
+    the loss divisor (``_cp_slice``): every stage slices alike, so each hop carries one CP
+    rank's tokens to the same CP rank of the next stage. Reads ``state.targets``,
+    ``documents``, ``cp`` and ``cp_rank``."""
+    inputs, targets, segments = windows[:, :-1], state.targets(windows), state.documents(windows)
+    if state.cp > 1:
+        return _cp_slice(inputs, targets, segments, state.cp, state.cp_rank)
+    return inputs, targets, segments
+
+
 def _cp_slice(inputs: torch.Tensor, targets: torch.Tensor, segments, cp: int, rank: int) -> tuple:
     """CP rank ``rank``'s contiguous slice of every window, ``[B, T / cp]`` inputs and targets,
     the whole windows' document boundaries (``segments``, unchanged: the mixers map them to the
@@ -213,8 +225,7 @@ class TrainState:
         self.model.train()
         if self.engine is not None:
             with self.autocast:
-                total = self.engine.train_step([(mb[:, :-1], self.targets(mb), self.documents(mb))
-                                                for mb in batch.chunk(m)])
+                total = self.engine.train_step([engine_microbatch(self, mb) for mb in batch.chunk(m)])
             total = total * float("nan") if poison else total
         else:
             total = torch.zeros((), device=self.device)
@@ -317,15 +328,14 @@ class TrainState:
         self.model.eval()
         if self.engine is not None:
             with self.autocast:
-                on_device = [b.to(self.device) for b in batches]
-                mbs = [(b[:, :-1], self.targets(b), self.documents(b)) for b in on_device]
-                return float(self.engine.eval_step(mbs))
-        losses = []
-        for b in batches:
-            b = b.to(self.device)
-            with self.autocast:
-                losses.append(_window_loss(self, b).float())
-        loss = torch.stack(losses).mean()
+                loss = self.engine.eval_step([engine_microbatch(self, b.to(self.device)) for b in batches])
+        else:
+            losses = []
+            for b in batches:
+                b = b.to(self.device)
+                with self.autocast:
+                    losses.append(_window_loss(self, b).float())
+            loss = torch.stack(losses).mean()
         if self.cp > 1:  # each CP rank holds its share of every window's loss (``_cp_slice``)
             dist.all_reduce(loss, group=self.parallel.cp_group)
             loss = loss / self.cp

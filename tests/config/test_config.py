@@ -144,8 +144,6 @@ def test_fp8_recipe_offers_only_what_runs():
 # wrong and what is allowed (k3train.config.layout_rules.layout_refusal; the rules needing the world size are in
 # k3train.runtime.distributed.check_layout).
 LAYOUT_REFUSALS = {
-    "cp-with-pp": (["parallel.cp=2", "parallel.pp=2"], "parallel.cp",
-                   "parallel.cp=2 with parallel.pp=2: not wired yet", "change parallel.pp or use parallel.cp=1"),
     "cp-with-ep": (["parallel.cp=2", "parallel.ep=2"], "parallel.cp",
                    "parallel.cp=2 with parallel.ep=2: not wired yet", "change parallel.ep or use parallel.cp=1"),
     "cp-seq-len": (["parallel.cp=3", "train.seq_len=64"], "train.seq_len",
