@@ -82,6 +82,9 @@ def depth_attention_weights(state, batch: torch.Tensor, targets) -> list[torch.T
             # Under CP each rank runs its slice (the hops' shapes are the training step's).
             mb = engine_microbatch(state, batch) if state.cp > 1 else (batch[:, :-1], targets(batch))
             state.engine.eval_step([mb] * copies)
+        elif state.cp > 1:  # this rank's slice, as the training step's (the mixers exchange)
+            x, t, seg, divisor = engine_microbatch(state, batch)
+            state.model(x, t, segments=seg, loss_tokens=divisor)
         else:
             state.model(batch[:, :-1], targets(batch))
     mine = {key: rec.weights[m].float().cpu() for key, m in modules.items()}
