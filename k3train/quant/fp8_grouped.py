@@ -25,7 +25,8 @@ Two implementations of the same arithmetic:
     accumulation, bf16 output). Its layout rules: x row-major with K a multiple of 16, the
     weight column-major ``[G, K, N]`` (strides ``(K*N, 1, K)``) with K and N multiples of 16,
     and every group's row count a multiple of 16 (torchao's own padding is not implemented in
-    0.18), so ``group_alignment = 16`` and ``GroupedExperts`` pads the groups with zero rows.
+    0.18), so ``group_alignment = 16`` and ``GroupedExperts`` pads the groups with zero rows
+    (``moe.group_pad``: no host sync, no empty group).
     The weight is cast to x's dtype and made column-major in one copy (the copy autocast
     makes anyway).
   * ``emulate=True`` (any device; CPU tests, and on GPU a reference for the kernel): the same
@@ -132,8 +133,10 @@ class EmulatedFp8GroupedMM(torch.autograd.Function):
 
 
 def _column_major(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """w ``[G, K, N]`` -> the same values in ``dtype`` with strides ``(K*N, 1, K)``: one copy."""
-    return w.mT.to(dtype, memory_format=torch.contiguous_format).mT
+    """w ``[G, K, N]`` -> the same values in ``dtype`` with strides ``(K*N, 1, K)``: one copy.
+    (``to`` casts and transposes in one pass; when the dtype already matches it returns the
+    view unchanged, and ``contiguous`` makes the copy instead.)"""
+    return w.mT.to(dtype, memory_format=torch.contiguous_format).contiguous().mT
 
 
 class Fp8GroupedGemm:
@@ -152,9 +155,10 @@ class Fp8GroupedGemm:
     def __call__(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         if self.emulate:
             return EmulatedFp8GroupedMM.apply(x, w.to(x.dtype), offs)
-        # bf16 out (the kernel's only output dtype that every torch build accepts) unless x is fp32.
-        return self._kernel(x, _column_major(w, x.dtype), offs, out_dtype=x.dtype,
-                            pad_token_groups_for_grouped_mm=False)
+        w_t = _column_major(w, x.dtype)
+        # Every dtype is explicit (float8 operands, x's dtype out); autocast must not recast them.
+        with torch.autocast(x.device.type, enabled=False):
+            return self._kernel(x, w_t, offs, out_dtype=x.dtype, pad_token_groups_for_grouped_mm=False)
 
     def __repr__(self) -> str:
         return f"Fp8GroupedGemm(emulate={self.emulate})"

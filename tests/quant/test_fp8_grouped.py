@@ -19,7 +19,8 @@ import torch
 
 from k3train.config import load_config
 from k3train.model.model import build_model
-from k3train.quant.fp8_grouped import Fp8GroupedGemm, fake_quant_e4m3, pow2_scale
+from k3train.quant import fp8_grouped
+from k3train.quant.fp8_grouped import EmulatedFp8GroupedMM, Fp8GroupedGemm, fake_quant_e4m3, pow2_scale
 from k3train.quant.mx import elem_code_table
 from k3train.quant.recipes import DEFAULT_SCOPES, _apply_fp8, _apply_mx, fp8_linear_config, select_scope
 from k3train.quant.spec import MX_SPECS
@@ -140,7 +141,8 @@ def test_padding_groups_to_16_rows_changes_nothing():
     counts = torch.tensor([5, 0, 17, 3])
     x = torch.randn(int(counts.sum()), K)
     xp, offs, rows = pad_groups(x, counts, 16)
-    assert offs.tolist() == [16, 16, 48, 64] and xp.shape[0] == 25 + 4 * 15
+    # Every group a positive multiple of 16 rows (the empty one too), the buffer a multiple of 16.
+    assert offs.tolist() == [16, 32, 64, 80] and xp.shape[0] == 32 + 4 * 16
     assert torch.equal(xp[rows], x) and xp.abs().sum() == x.abs().sum()
     results = []
     for align in (1, 16):
@@ -214,3 +216,38 @@ def test_a_tiny_model_trains_under_the_emulated_fp8_recipe(world1, monkeypatch):
     # Step 1 is the same weights (float8 rounding only); later steps drift, within 3%.
     assert got[0] != ref[0] and got[0] == pytest.approx(ref[0], rel=1e-2)
     assert all(g == pytest.approx(r, rel=3e-2) for g, r in zip(got, ref))
+
+
+def test_the_kernel_path_hands_torchao_what_its_layout_rules_ask(monkeypatch):
+    """The CUDA path on CPU with torchao's kernel replaced by a stand-in that checks its inputs
+    (x row-major, K a multiple of 16; the weight column-major [G, K, N] in x's dtype; every
+    group a positive multiple of 16 rows; autocast off; torchao's padding off) and computes the
+    emulation: the experts under bf16 autocast then equal the emulated path."""
+    seen = []
+
+    def kernel(x, w_t, offs, *, out_dtype, pad_token_groups_for_grouped_mm):
+        assert x.stride(1) == 1 and x.shape[1] % 16 == 0 and x.shape[0] % 16 == 0
+        assert w_t.dtype == x.dtype == out_dtype and w_t.stride(1) == 1 and w_t.stride(2) == w_t.shape[1]
+        sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+        assert (sizes > 0).all() and (sizes % 16 == 0).all() and offs.dtype == torch.int32
+        assert not torch.is_autocast_enabled("cpu") and pad_token_groups_for_grouped_mm is False
+        seen.append(tuple(w_t.shape))
+        return EmulatedFp8GroupedMM.apply(x, w_t, offs)
+
+    monkeypatch.setattr(fp8_grouped, "_torchao_kernel", lambda: kernel)
+    F = 48  # the kernel's widths are multiples of 16
+    counts = torch.tensor([5, 0, 17, 3])
+    x = torch.randn(int(counts.sum()), K)
+    results = []
+    for emulate in (True, False):
+        torch.manual_seed(0)
+        experts = GroupedExperts(4, K, F, init_std=0.1, grouped_gemm=Fp8GroupedGemm(emulate=emulate))
+        xin = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = experts(xin, counts)
+        assert y.dtype == torch.bfloat16
+        y.float().sum().backward()
+        results.append([y, xin.grad, experts.w_gate.grad, experts.w_down.grad])
+    assert seen == [(4, K, F), (4, K, F), (4, F, K)]
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
