@@ -190,7 +190,7 @@ def train(run_dir: Path, steps: int, overrides: list[str]) -> dict:
            "logging.wandb.mode=disabled", "logging.progress_bar=false", "checkpoint.interval=0", *overrides]
     t0 = time.monotonic()
     with open(run_dir.with_suffix(".log"), "w") as log:
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=200).returncode
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=240).returncode
     if rc:
         tail = run_dir.with_suffix(".log").read_text().splitlines()[-12:]
         raise RuntimeError(f"{' '.join(cmd[2:])} failed ({rc}):\n" + "\n".join(tail))
