@@ -22,7 +22,7 @@ Two implementations of the same arithmetic:
   * ``emulate=False`` (CUDA, compute capability >= 8.9): torchao's
     ``_to_fp8_rowwise_then_scaled_grouped_mm``: Triton quantisation kernels and
     ``torch._scaled_grouped_mm`` (CUTLASS, fp32 accumulation with Hopper's fast fp8
-    accumulation, bf16 output). Its layout rules: x row-major with K a multiple of 16, the
+    accumulation, bf16 output: the only output dtype torch allows; cast to x's dtype). Its layout rules: x row-major with K a multiple of 16, the
     weight column-major ``[G, K, N]`` (strides ``(K*N, 1, K)``) with K and N multiples of 16,
     and every group's row count a multiple of 16 (torchao's own padding is not implemented in
     0.18), so ``group_alignment = 16`` and ``GroupedExperts`` pads the groups with zero rows
@@ -143,7 +143,7 @@ class Fp8GroupedGemm:
     """The FP8 grouped GEMM as ``GroupedExperts``' ``grouped_gemm`` hook:
     ``(x [M, K], w [G, K, N], offs [G] int32) -> [M, N]`` in x's dtype, differentiable in x and
     w. ``emulate``: the exact emulation (any device) instead of torchao's kernel (CUDA, x in
-    bf16 or fp32, K and N multiples of 16). Not an ``nn.Module``: it holds no state, so the
+    bf16 or fp32, K and N multiples of 16, rows grouped in multiples of 16). Not an ``nn.Module``: it holds no state, so the
     experts keep their state dict."""
 
     def __init__(self, *, emulate: bool = False):
@@ -158,7 +158,10 @@ class Fp8GroupedGemm:
         w_t = _column_major(w, x.dtype)
         # Every dtype is explicit (float8 operands, x's dtype out); autocast must not recast them.
         with torch.autocast(x.device.type, enabled=False):
-            return self._kernel(x, w_t, offs, out_dtype=x.dtype, pad_token_groups_for_grouped_mm=False)
+            # torch._scaled_grouped_mm writes bf16 only; an fp32 x (no autocast) gets its
+            # output cast back, and autograd casts the bf16 input gradient to x's dtype.
+            y = self._kernel(x, w_t, offs, out_dtype=torch.bfloat16, pad_token_groups_for_grouped_mm=False)
+        return y.to(x.dtype)
 
     def __repr__(self) -> str:
         return f"Fp8GroupedGemm(emulate={self.emulate})"
