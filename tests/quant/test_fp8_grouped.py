@@ -213,9 +213,10 @@ def test_a_tiny_model_trains_under_the_emulated_fp8_recipe(world1, monkeypatch):
     assert len(calls) == 8 * 3 * n_experts  # three grouped GEMMs per expert block per step
     ref, got = curves
     assert all(math.isfinite(v) for v in got) and got[-1] < got[0] - 1.0
-    # Step 1 is the same weights (float8 rounding only); later steps drift, within 3%.
-    assert got[0] != ref[0] and got[0] == pytest.approx(ref[0], rel=1e-2)
-    assert all(g == pytest.approx(r, rel=3e-2) for g, r in zip(got, ref))
+    # Step 1 is the same weights (float8 rounding only: measured 7e-4 relative); later steps
+    # drift (measured up to 3e-3 over 8 steps), within 1%.
+    assert got[0] != ref[0] and got[0] == pytest.approx(ref[0], rel=2e-3)
+    assert all(g == pytest.approx(r, rel=1e-2) for g, r in zip(got, ref))
 
 
 def test_the_kernel_path_hands_torchao_what_its_layout_rules_ask(monkeypatch):
