@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from k3train.config import load_config
+from k3train.errors import UsageError
 from k3train.model.model import build_model
 from k3train.quant import fp8_grouped
 from k3train.quant.fp8_grouped import EmulatedFp8GroupedMM, Fp8GroupedGemm, fake_quant_e4m3, pow2_scale
@@ -253,3 +254,16 @@ def test_the_kernel_path_hands_torchao_what_its_layout_rules_ask(monkeypatch):
     assert seen == [(4, K, F), (4, K, F), (4, F, K)]
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_experts_whose_widths_the_kernel_cannot_take_are_refused_or_left_out():
+    """An explicit scope naming experts of width 24 (not a multiple of 16) is one clear error;
+    the default scope leaves them in bf16 (a small model's odd width is not an error)."""
+    model = torch.nn.Module()
+    model.ffn = torch.nn.Module()
+    model.ffn.experts = GroupedExperts(2, 24, 32)
+    targets = select_scope(model, [r"\.?ffn\.experts$"])
+    with pytest.raises(UsageError, match=r"ffn\.experts.*multiples of 16.*in 24, ffn 32"):
+        _apply_fp8(model, targets, config=fp8_linear_config(emulate=True))
+    assert _apply_fp8(model, targets, config=fp8_linear_config(emulate=True), skip_unfit=True) == []
+    assert model.ffn.experts.grouped_gemm is None
