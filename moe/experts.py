@@ -159,7 +159,7 @@ class GroupedExperts(nn.Module):
         """``forward`` through ``self.grouped_gemm``; x: ``[M, in]`` in the compute dtype."""
         gemm, (w_gate, w_up, w_down) = self.grouped_gemm, weights
         align = getattr(gemm, "group_alignment", 1)
-        if align > 1:
+        if align > 1:  # once for all three GEMMs: the zero rows stay zero through SiTU-GLU
             x, offs, rows = pad_groups(x, tokens_per_expert, align)
         else:
             offs = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
@@ -170,7 +170,8 @@ class GroupedExperts(nn.Module):
     def forward_loop(self, x_sorted: torch.Tensor,
                      tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Per-expert loop with the same contract as ``forward``; the reference path and the
-        fallback for operands ``torch._grouped_mm`` rejects. Reads the counts on the host."""
+        fallback for operands ``torch._grouped_mm`` rejects. Reads the counts on the host.
+        Applies ``weight_quant``/``act_quant`` but not ``grouped_gemm``."""
         w_gate, w_up, w_down = self._weights()
         # Activation blocks are per row, so quantising before the split equals quantising per expert.
         chunks = torch.split(self._act(x_sorted), tokens_per_expert.tolist(), dim=0)
