@@ -22,13 +22,13 @@ Two implementations of the same arithmetic:
   * ``emulate=False`` (CUDA, compute capability >= 8.9): torchao's
     ``_to_fp8_rowwise_then_scaled_grouped_mm``: Triton quantisation kernels and
     ``torch._scaled_grouped_mm`` (CUTLASS, fp32 accumulation with Hopper's fast fp8
-    accumulation, bf16 output: the only output dtype torch allows; cast to x's dtype). Its layout rules: x row-major with K a multiple of 16, the
-    weight column-major ``[G, K, N]`` (strides ``(K*N, 1, K)``) with K and N multiples of 16,
-    and every group's row count a multiple of 16 (torchao's own padding is not implemented in
-    0.18), so ``group_alignment = 16`` and ``GroupedExperts`` pads the groups with zero rows
-    (``moe.group_pad``: no host sync, no empty group).
-    The weight is cast to x's dtype and made column-major in one copy (the copy autocast
-    makes anyway).
+    accumulation, bf16 output: the only output dtype torch allows; cast to x's dtype). Its
+    layout rules: x row-major with K a multiple of 16, the weight column-major ``[G, K, N]``
+    (strides ``(K*N, 1, K)``) with K and N multiples of 16, and every group's row count a
+    multiple of 16 (torchao's own padding is not implemented in 0.18), so
+    ``group_alignment = 16`` and ``GroupedExperts`` pads the groups with zero rows
+    (``moe.group_pad``: no host sync, no empty group). The weight is cast to x's dtype and
+    made column-major in one copy (the copy autocast makes anyway).
   * ``emulate=True`` (any device; CPU tests, and on GPU a reference for the kernel): the same
     scales and E4M3 rounding (torch's ``float8_e4m3fn`` cast), dequantised, and the GEMMs in
     fp32 per expert. It reads the group offsets on the host.
@@ -143,8 +143,8 @@ class Fp8GroupedGemm:
     """The FP8 grouped GEMM as ``GroupedExperts``' ``grouped_gemm`` hook:
     ``(x [M, K], w [G, K, N], offs [G] int32) -> [M, N]`` in x's dtype, differentiable in x and
     w. ``emulate``: the exact emulation (any device) instead of torchao's kernel (CUDA, x in
-    bf16 or fp32, K and N multiples of 16, rows grouped in multiples of 16). Not an ``nn.Module``: it holds no state, so the
-    experts keep their state dict."""
+    bf16 or fp32, K and N multiples of 16, rows grouped in multiples of 16). Not an
+    ``nn.Module``: it holds no state, so the experts keep their state dict."""
 
     def __init__(self, *, emulate: bool = False):
         self.emulate = emulate
@@ -156,7 +156,7 @@ class Fp8GroupedGemm:
         if self.emulate:
             return EmulatedFp8GroupedMM.apply(x, w.to(x.dtype), offs)
         w_t = _column_major(w, x.dtype)
-        # Every dtype is explicit (float8 operands, x's dtype out); autocast must not recast them.
+        # Every dtype is explicit (float8 operands, bf16 out); autocast must not recast them.
         with torch.autocast(x.device.type, enabled=False):
             # torch._scaled_grouped_mm writes bf16 only; an fp32 x (no autocast) gets its
             # output cast back, and autograd casts the bf16 input gradient to x's dtype.
