@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .activations import DEFAULT_BETA, DEFAULT_BETA_LIN, situ_glu
+from .group_pad import pad_groups
 from .norm import autocast_dtype
 
 _GMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -72,6 +73,12 @@ class GroupedExperts(nn.Module):
       * ``act_quant(x [M, K]) -> [M, K]``: applied to the input of each grouped GEMM (the
         expert input and the SiTU-GLU output); blocks run along the last (reduction) dim.
     Both must be differentiable (e.g. straight-through) when training.
+      * ``grouped_gemm(x [M, K], w [G, K, N], offs [G] int32) -> [M, N]``: replaces
+        ``torch._grouped_mm`` for the three expert GEMMs (e.g. an FP8 grouped GEMM). It gets
+        x in the compute dtype (the autocast dtype under autocast) and the weight as stored, and
+        casts the weight itself (so a cast and a layout change can be one copy). An attribute
+        ``group_alignment`` (default 1) asks for every group padded with zero rows to a
+        multiple of that many rows (``moe.group_pad``, no host sync).
     """
 
     def __init__(self, num_experts: int, in_size: int, ffn_size: int, *,
@@ -79,6 +86,7 @@ class GroupedExperts(nn.Module):
                  beta: float = DEFAULT_BETA, beta_lin: float = DEFAULT_BETA_LIN,
                  weight_quant: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  act_quant: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 grouped_gemm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                  expert_offset: int = 0, total_experts: int | None = None):
         super().__init__()
         # Expert parallelism: this module holds experts [offset, offset + num_experts) of
@@ -86,6 +94,7 @@ class GroupedExperts(nn.Module):
         self.expert_offset = expert_offset
         self.total_experts = num_experts if total_experts is None else total_experts
         self.weight_quant, self.act_quant = weight_quant, act_quant
+        self.grouped_gemm = grouped_gemm
         self.num_experts, self.in_size, self.ffn_size = num_experts, in_size, ffn_size
         self.init_std = init_std
         self.down_std = init_std if down_std is None else down_std
@@ -128,6 +137,9 @@ class GroupedExperts(nn.Module):
         w_gate, w_up, w_down = self._weights()
         x = self._act(x_sorted)
         cast = autocast_dtype(x)
+        if self.grouped_gemm is not None:
+            return self._forward_hook(x if cast is None else x.to(cast), (w_gate, w_up, w_down),
+                                      tokens_per_expert)
         if cast is not None:
             # torch._grouped_mm has no autocast rule: cast both operands as autocast casts a
             # Linear's, else bf16 activations meet fp32 master weights and every step takes the
@@ -142,10 +154,24 @@ class GroupedExperts(nn.Module):
         h = self._act(situ_glu(gate, up, self.beta, self.beta_lin))
         return _ContiguousGrad.apply(torch._grouped_mm(h, w_down, offs=offs))
 
+    def _forward_hook(self, x: torch.Tensor, weights: tuple[torch.Tensor, ...],
+                      tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """``forward`` through ``self.grouped_gemm``; x: ``[M, in]`` in the compute dtype."""
+        gemm, (w_gate, w_up, w_down) = self.grouped_gemm, weights
+        align = getattr(gemm, "group_alignment", 1)
+        if align > 1:  # once for all three GEMMs: the zero rows stay zero through SiTU-GLU
+            x, offs, rows = pad_groups(x, tokens_per_expert, align)
+        else:
+            offs = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
+        h = self._act(situ_glu(gemm(x, w_gate, offs), gemm(x, w_up, offs), self.beta, self.beta_lin))
+        y = _ContiguousGrad.apply(gemm(h, w_down, offs))
+        return y.index_select(0, rows) if align > 1 else y
+
     def forward_loop(self, x_sorted: torch.Tensor,
                      tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Per-expert loop with the same contract as ``forward``; the reference path and the
-        fallback for operands ``torch._grouped_mm`` rejects. Reads the counts on the host."""
+        fallback for operands ``torch._grouped_mm`` rejects. Reads the counts on the host.
+        Applies ``weight_quant``/``act_quant`` but not ``grouped_gemm``."""
         w_gate, w_up, w_down = self._weights()
         # Activation blocks are per row, so quantising before the split equals quantising per expert.
         chunks = torch.split(self._act(x_sorted), tokens_per_expert.tolist(), dim=0)

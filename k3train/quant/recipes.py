@@ -9,10 +9,12 @@ quantisation hook, the configuration its constructor also accepts:
     ``parallel.tp == 1`` only (the fake-quantised product is the unsharded one); tp > 1 is refused.
 fp8 converts in-scope ``nn.Linear`` modules with torchao's ``convert_to_float8_training`` and
 gives in-scope ``ColumnLinear`` / ``RowLinear`` (tp == 1) torchao's float8 matmul as their
-``quant`` hook (``k3train.quant.fp8``); routed experts have no fp8 path (use mxfp8).
-``precision.fp8_backend=te`` instead gives the same modules Transformer Engine linears sharing
+``quant`` hook (``k3train.quant.fp8``), and in-scope ``GroupedExperts`` the FP8 grouped GEMM as
+their ``grouped_gemm`` hook (``k3train.quant.fp8_grouped``: torchao's rowwise-scaled grouped
+GEMM on CUDA, its exact emulation under ``Float8LinearConfig(emulate=True)``).
+``precision.fp8_backend=te`` instead gives the same linears Transformer Engine linears sharing
 their weights (``k3train.quant.te_backend``), and ``fp8_region`` TE's autocast for the model's
-forward.
+forward; the routed experts keep the grouped GEMM hook under either backend.
 
 Scope names use global layer indices (``layers.<i>.``) even inside a pipeline chunk, so a
 pattern means the same layers whatever the pipeline split.
@@ -30,6 +32,7 @@ from k3train.errors import UsageError
 from k3train.ops.layers import ColumnLinear, RowLinear, tp_size
 from k3train.quant.fp8 import Float8Matmul, float8_linear_class
 from k3train.quant import te_backend
+from k3train.quant.fp8_grouped import Fp8GroupedGemm
 from k3train.quant.spec import MX_SPECS, MXLinear, QuantSpec
 from k3train.runtime import device as runtime_device
 from moe import GroupedExperts
@@ -41,8 +44,10 @@ DEFAULT_SCOPES = {
     # attention projections (KDA q/k/v/g/o, MLA q/kv down and up, gate, o). Not KDA's
     # low-rank forget-gate pair (rank 128) or beta projection (one column per head): GEMMs that
     # thin lose more to the casts than float8 saves.
+    # The routed experts too (their three grouped GEMMs, k3train.quant.fp8_grouped); never the
+    # router, which select_scope never selects.
     "fp8": [r"\.ffn\.(down|up)$", r"\.ffn\.shared$", r"\.mixer\.(q|k|v|g|o|gate)_proj$",
-            r"\.mixer\.(q|kv)_(down|up)$"],
+            r"\.mixer\.(q|kv)_(down|up)$", r"\.ffn\.experts$"],
 }
 _LEAVES = (GroupedExperts, nn.Linear, ColumnLinear, RowLinear)
 _FP8_INSTALL = ('precision.recipe=fp8 needs a CUDA GPU with compute capability >= 8.9 (Ada/Hopper) '
@@ -176,9 +181,17 @@ def _apply_fp8(model: nn.Module, targets: dict[str, str], config=None, *, skip_u
             done.append(name)
             continue
         if isinstance(mod, GroupedExperts):
-            raise UsageError(f"precision.recipe=fp8 has no grouped float8 GEMM for routed experts; "
-                             f"precision.scope selects {name}. Drop it from the scope, or use "
-                             f"precision.recipe=mxfp8 for the experts")
+            if isinstance(mod.grouped_gemm, Fp8GroupedGemm):
+                done.append(name)
+                continue
+            if (mod.in_size % 16 or mod.ffn_size % 16) and skip_unfit:
+                continue
+            if mod.in_size % 16 or mod.ffn_size % 16:
+                raise UsageError(f"fp8 grouped GEMMs need the expert widths of {name} to be multiples of "
+                                 f"16; got in {mod.in_size}, ffn {mod.ffn_size}")
+            mod.grouped_gemm = Fp8GroupedGemm(emulate=config.emulate)
+            done.append(name)
+            continue
         out_f, in_f = mod.weight.shape
         if (in_f % 16 or out_f % 16) and skip_unfit:
             continue
@@ -265,8 +278,9 @@ def fp8_region(precision: PrecisionConfig):
 
 
 def fp8_gemm_shapes(model: nn.Module, precision: PrecisionConfig) -> dict[tuple[int, int], int]:
-    """The GEMMs ``precision.recipe=fp8`` runs in float8 on ``model``: ``{(in_features,
-    out_features): how many modules}``, as ``apply_precision`` would convert them (the
+    """The linear GEMMs ``precision.recipe=fp8`` runs in float8 on ``model``: ``{(in_features,
+    out_features): how many modules}`` (the routed experts' grouped GEMMs are not linears and
+    are not counted), as ``apply_precision`` would convert them (the
     configured or default scope; under the default, widths not multiples of 16 left out).
     Reads weight shapes only, so a model built on the meta device will do."""
     targets = select_scope(model, scope_patterns(precision))
@@ -274,7 +288,7 @@ def fp8_gemm_shapes(model: nn.Module, precision: PrecisionConfig) -> dict[tuple[
     for local in targets.values():
         mod = model.get_submodule(local)
         if isinstance(mod, GroupedExperts):
-            continue  # refused by apply_precision: no grouped float8 GEMM
+            continue  # grouped GEMMs, not (in, out) linears: k3train.quant.fp8_grouped
         out_f, in_f = mod.weight.shape
         if precision.scope is None and (in_f % 16 or out_f % 16):
             continue

@@ -12,7 +12,9 @@ from torch import nn
 from k3train.config import load_config
 from k3train.ops.layers import ColumnLinear, RowLinear
 from k3train.model.model import build_model
+from k3train.quant.fp8_grouped import Fp8GroupedGemm
 from k3train.quant.recipes import DEFAULT_SCOPES, _apply_fp8, fp8_linear_config, select_scope
+from moe import GroupedExperts
 
 from tests.helpers import SMALL
 
@@ -36,11 +38,10 @@ def test_default_fp8_scope_covers_the_attention_projections(world1):
     chosen = select_scope(model, DEFAULT_SCOPES["fp8"])
     kda = [f"layers.0.mixer.{p}_proj" for p in "qkvgo"]
     mla = [f"layers.3.mixer.{p}" for p in ("q_down", "q_up", "kv_down", "kv_up", "gate_proj", "o_proj")]
-    ffn = ["layers.1.ffn.down", "layers.1.ffn.up", "layers.1.ffn.shared.gate_proj"]
+    ffn = ["layers.1.ffn.down", "layers.1.ffn.up", "layers.1.ffn.shared.gate_proj", "layers.1.ffn.experts"]
     assert set(kda + mla + ffn) <= set(chosen)
-    # Not the thin GEMMs (KDA's rank-128 forget gate, one-column-per-head beta), the router or
-    # the routed experts.
-    assert not [n for n in chosen if re.search(r"f_down|f_up|b_proj|router|experts", n)]
+    # Not the thin GEMMs (KDA's rank-128 forget gate, one-column-per-head beta) or the router.
+    assert not [n for n in chosen if re.search(r"f_down|f_up|b_proj|router", n)]
     names_before = list(model.state_dict())
     tokens = torch.randint(0, 320, (2, 33), generator=torch.Generator().manual_seed(1))
     want = model(tokens[:, :-1], tokens[:, 1:]).item()
@@ -50,17 +51,20 @@ def test_default_fp8_scope_covers_the_attention_projections(world1):
         mod = modules[name]
         if isinstance(mod, (ColumnLinear, RowLinear)):
             assert isinstance(mod.quant, Float8Matmul), name
+        elif isinstance(mod, GroupedExperts):  # the emulated FP8 grouped GEMM (config.emulate)
+            assert isinstance(mod.grouped_gemm, Fp8GroupedGemm) and mod.grouped_gemm.emulate, name
         else:  # torchao's module, with its product through k3train.quant.fp8.float8_matmul
             assert type(mod) is float8_linear_class() and isinstance(mod, Float8Linear), name
     assert list(model.state_dict()) == names_before  # checkpoints keep their layout
     # The whole model's loss moves by float8 rounding only (measured: ~1e-3 relative).
     got = model(tokens[:, :-1], tokens[:, 1:]).item()
     assert got != want and got == pytest.approx(want, rel=2e-2)
-    hooks = {n: getattr(modules[n], "quant", None) for n in chosen}
+    hooks = {n: getattr(modules[n], "quant", getattr(modules[n], "grouped_gemm", None)) for n in chosen}
     _apply_fp8(model, chosen, config=fp8_linear_config(emulate=True))  # idempotent
     modules = dict(model.named_modules())
-    assert {n: getattr(modules[n], "quant", None) for n in chosen} == hooks
-    assert all(type(modules[n]) in (float8_linear_class(), ColumnLinear, RowLinear) for n in chosen)
+    assert {n: getattr(modules[n], "quant", getattr(modules[n], "grouped_gemm", None)) for n in chosen} == hooks
+    assert all(type(modules[n]) in (float8_linear_class(), ColumnLinear, RowLinear, GroupedExperts)
+               for n in chosen)
 
 
 @pytest.mark.parametrize("cls", [ColumnLinear, RowLinear])
@@ -176,8 +180,9 @@ def test_fp8_gemm_shapes_of_a_meta_model_are_what_conversion_converts(world1):
         real = build_model(cfg)
         done = _apply_fp8(real, select_scope(real, DEFAULT_SCOPES["fp8"]), config=fp8_linear_config(emulate=True),
                           skip_unfit=True)
+        linears = [n for n in done if not isinstance(real.get_submodule(n), GroupedExperts)]
         want: dict = {}
-        for name in done:
+        for name in linears:
             out_f, in_f = real.get_submodule(name).weight.shape
             want[(in_f, out_f)] = want.get((in_f, out_f), 0) + 1
-        assert got == want and sum(got.values()) == len(done) > 0
+        assert got == want and sum(got.values()) == len(linears) > 0

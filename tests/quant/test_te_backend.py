@@ -82,7 +82,8 @@ def test_te_selects_the_modules_torchao_converts(world1):
         targets = select_scope(model, DEFAULT_SCOPES["fp8"])
         plan = te_targets(model, targets, skip_unfit=True)
         converted = _apply_fp8(_model(*extra), targets, config=fp8_linear_config(emulate=True), skip_unfit=True)
-        assert list(plan) == converted and len(plan) >= 14
+        # The routed experts take the fp8 grouped GEMM under either backend: not TE's linears.
+        assert list(plan) == [n for n in converted if not n.endswith(".ffn.experts")] and len(plan) >= 14
     assert "layers.3.mixer.kv_down" not in plan and "layers.3.mixer.kv_down" in targets
 
 
@@ -99,7 +100,8 @@ def test_te_weights_keep_their_checkpoint_keys_and_shapes(world1):
     modules = dict(model.named_modules())
     for name, key in plan.items():
         assert state[key].shape == modules[name].weight.shape and state[key].data_ptr() == modules[name].weight.data_ptr()
-    in_scope = {k for k in state for n in targets if k.startswith(n + ".")}
+    # The routed experts are in fp8's scope but not TE's (the grouped GEMM hook under either backend).
+    in_scope = {k for k in state for n in targets if k.startswith(n + ".") and not n.endswith(".ffn.experts")}
     # megatron-core's linears also save an ``_extra_state`` entry, always None: TEInnerLinear
     # keeps it (the GPU test below compares the whole state dicts).
     extra = {k for k in in_scope if k.endswith("._extra_state")}
