@@ -28,8 +28,8 @@
    Reported, not gated (PASS line states the ratio).
 3. Training: ``k3train train`` on configs/k3_slice.yaml, ``--steps`` steps at 2 x 4096 tokens
    per step (``train.microbatches=2``, so the runs fit the time), under fp8 with the pre-experts
-   scope (attention, latent and shared-expert linears) and fp8 with the default scope (the
-   routed experts too); ``--bf16`` adds a bf16 run. Losses side by side and tokens/s (median
+   scope (attention, latent and shared-expert linears) and fp8 with ``precision.fp8_experts=true``
+   (the routed experts too); ``--bf16`` adds a bf16 run. Losses side by side and tokens/s (median
    after step 5).
    Gate: every loss finite, step-1 loss of fp8+experts within 0.05 of fp8 without experts, and
    mean |difference| over the run within 0.1 (float8 rounding and training chaos; measured
@@ -226,7 +226,7 @@ def train(run_dir: Path, steps: int, overrides: list[str]) -> dict:
 
 def check_training(out: Path, steps: int, with_bf16: bool) -> None:
     scope = "precision.scope=[" + ",".join(f"'{p}'" for p in SLICE_PRE_EXPERT_SCOPE) + "]"
-    runs = {"fp8_no_experts": ["precision.recipe=fp8", scope], "fp8_experts": ["precision.recipe=fp8"]}
+    runs = {"fp8_no_experts": ["precision.recipe=fp8", scope], "fp8_experts": ["precision.recipe=fp8", "precision.fp8_experts=true"]}
     if with_bf16:
         runs = {"bf16": ["precision.recipe=bf16"], **runs}
     got = {}

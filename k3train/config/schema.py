@@ -393,15 +393,22 @@ class PrecisionConfig(_Strict):
     runs: parallel GPU runs then agree with one GPU to fp32 rounding, not bf16's). mxfp4_qat:
     MXFP4 (E2M1) weights + MXFP8 (E4M3) activations, fake-quantised with straight-through
     gradients (K3). mxfp8: E4M3 weights and activations, same mechanism. fp8: torchao float8
-    training on CUDA (compute capability >= 8.9), the routed experts through an FP8 grouped GEMM."""
+    training on CUDA (compute capability >= 8.9), the routed experts through an FP8 grouped GEMM
+    under ``fp8_experts``."""
     scope: list[str] | None = None
     """Regexes searched (``re.search``) in module names with global layer indices, e.g.
     ``layers.3.ffn.experts``. A matched container quantises every quantisable module inside it
     (grouped experts, nn.Linear, tensor-parallel linears; never the router). None: the recipe's
     default, routed experts (``\\.ffn\\.experts$``) for mxfp4_qat/mxfp8; for fp8 the latent
-    projections, shared experts, attention projections and routed experts (docs/k3_slice.md#what-fp8-covers). Other names: ``\\.ffn\\.shared$`` shared experts,
+    projections, shared experts and attention projections, and the routed experts under
+    ``fp8_experts`` (docs/k3_slice.md#what-fp8-covers). Other names: ``\\.ffn\\.shared$`` shared experts,
     ``\\.ffn\\.(down|up)$`` latent projections, ``\\.ffn\\.(gate|up|down)_proj$`` dense FFN,
     ``\\.mixer\\.`` attention projections. A pattern that selects nothing is an error."""
+    fp8_experts: bool = False
+    """fp8 only, with the default scope: the routed experts' three grouped GEMMs in float8 too
+    (E4M3, rowwise power-of-two scales: torchao's grouped GEMM on CUDA, its exact emulation
+    elsewhere; docs/quantization.md#fp8-routed-experts). Off by default until the CUDA path has
+    been checked on an H200 against its emulation (``scripts/gpu_check_fp8_experts.py``)."""
     fp8_backend: Literal["torchao", "te"] = "torchao"
     """Who runs recipe fp8's GEMMs: ``torchao`` (its float8 training matmul; the ``gpu`` extra) or
     ``te`` (Transformer Engine linears in the scope under TE's autocast; the ``te`` extra,

@@ -23,7 +23,7 @@ from k3train.model.model import build_model
 from k3train.quant import fp8_grouped
 from k3train.quant.fp8_grouped import EmulatedFp8GroupedMM, Fp8GroupedGemm, fake_quant_e4m3, pow2_scale
 from k3train.quant.mx import elem_code_table
-from k3train.quant.recipes import DEFAULT_SCOPES, _apply_fp8, _apply_mx, fp8_linear_config, select_scope
+from k3train.quant.recipes import DEFAULT_SCOPES, FP8_EXPERTS_SCOPE, scope_patterns, _apply_fp8, _apply_mx, fp8_linear_config, select_scope
 from k3train.quant.spec import MX_SPECS
 from moe import GroupedExperts
 from moe.group_pad import pad_groups
@@ -159,17 +159,32 @@ def test_padding_groups_to_16_rows_changes_nothing():
         assert torch.equal(a, b)
 
 
+# fp8's default scope with precision.fp8_experts=true.
+FP8_WITH_EXPERTS = [*DEFAULT_SCOPES["fp8"], FP8_EXPERTS_SCOPE]
+
+
 def _model(*extra):
     torch.manual_seed(0)
     return build_model(load_config("configs/k3_tiny.yaml", [*SMALL, "model.mla.qk_rope_head_dim=16",
                                                             "train.device=cpu", *extra]))
 
 
+def test_fp8_experts_field_adds_the_experts_to_the_default_scope():
+    """precision.fp8_experts (default off) puts the routed experts in fp8's default scope; an
+    explicit scope is taken as given."""
+    from k3train.config.schema import PrecisionConfig
+
+    assert FP8_EXPERTS_SCOPE not in scope_patterns(PrecisionConfig(recipe="fp8"))
+    assert scope_patterns(PrecisionConfig(recipe="fp8", fp8_experts=True)) == FP8_WITH_EXPERTS
+    assert scope_patterns(PrecisionConfig(recipe="fp8", fp8_experts=True, scope=["^head$"])) == ["^head$"]
+    assert scope_patterns(PrecisionConfig(recipe="mxfp8", fp8_experts=True)) == DEFAULT_SCOPES["mxfp8"]
+
+
 def test_fp8_scope_selects_the_routed_experts_and_never_the_router(world1):
     model = _model()
     experts = [n for n, m in model.named_modules() if isinstance(m, GroupedExperts)]
     routers = [n for n, _ in model.named_modules() if n.endswith("router")]
-    chosen = select_scope(model, DEFAULT_SCOPES["fp8"])
+    chosen = select_scope(model, FP8_WITH_EXPERTS)
     assert experts and routers and set(experts) <= set(chosen)
     assert not [n for n in chosen for r in routers if n == r or n.startswith(r + ".")]
     names = list(model.state_dict())  # megatron's linears add non-tensor extra state
@@ -200,7 +215,7 @@ def test_a_tiny_model_trains_under_the_emulated_fp8_recipe(world1, monkeypatch):
     for fp8 in (False, True):
         model = _model()
         if fp8:
-            _apply_fp8(model, select_scope(model, DEFAULT_SCOPES["fp8"]), config=fp8_linear_config(emulate=True))
+            _apply_fp8(model, select_scope(model, FP8_WITH_EXPERTS), config=fp8_linear_config(emulate=True))
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         losses = []
         for _ in range(8):

@@ -38,8 +38,9 @@ def test_default_fp8_scope_covers_the_attention_projections(world1):
     chosen = select_scope(model, DEFAULT_SCOPES["fp8"])
     kda = [f"layers.0.mixer.{p}_proj" for p in "qkvgo"]
     mla = [f"layers.3.mixer.{p}" for p in ("q_down", "q_up", "kv_down", "kv_up", "gate_proj", "o_proj")]
-    ffn = ["layers.1.ffn.down", "layers.1.ffn.up", "layers.1.ffn.shared.gate_proj", "layers.1.ffn.experts"]
+    ffn = ["layers.1.ffn.down", "layers.1.ffn.up", "layers.1.ffn.shared.gate_proj"]
     assert set(kda + mla + ffn) <= set(chosen)
+    assert "layers.1.ffn.experts" not in chosen   # only under precision.fp8_experts
     # Not the thin GEMMs (KDA's rank-128 forget gate, one-column-per-head beta) or the router.
     assert not [n for n in chosen if re.search(r"f_down|f_up|b_proj|router", n)]
     names_before = list(model.state_dict())
