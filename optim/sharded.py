@@ -132,6 +132,7 @@ class ShardedOptimizer:
                  param_dtype: torch.dtype | None = None, state_dtype: torch.dtype | None = None) -> None:
         plans = plan_param_groups(table, name, lr=lr, weight_decay=weight_decay, muon_lr=muon_lr)
         self.param_dtype, self.state_dtype = param_dtype, state_dtype or torch.float32
+        self._state_dtype_given = state_dtype
         self.main = param_dtype is not None
         self.name, self.table, self.groups = name, list(table), groups
         self.betas, self.eps, self.muon_momentum, self.ns_steps = betas, eps, muon_momentum, ns_steps
@@ -161,8 +162,7 @@ class ShardedOptimizer:
             for e, _ in d.owned_muon():
                 if self.main:  # taken before the cast: an fp32 initialisation survives whole
                     d.mains[e.name] = e.param.detach().to(torch.float32, copy=True)
-                d.momentum[e.name] = torch.zeros_like(
-                    e.param, dtype=state_dtype or (torch.float32 if self.main else e.param.dtype))
+                d.momentum[e.name] = torch.zeros_like(e.param, dtype=self.momentum_dtype(e.param))
             adamw = [i for i in picked if not use_muon[i]]
             dtype_of = {i: param_dtype or self.table[i].param.dtype for i in adamw}
             for dtype in dict.fromkeys(dtype_of.values()):
@@ -173,6 +173,13 @@ class ShardedOptimizer:
         if self.main:
             cast_params_([e.param for e in self.table], param_dtype)
             self.main_grads = MainGrads(params=[e.param for e in self.table])
+
+    def momentum_dtype(self, p: torch.Tensor) -> torch.dtype:
+        """The dtype of a Muon momentum (the same on every rank, owner or not): ``state_dtype``
+        if given, else fp32 with low-precision weights, else the parameter's."""
+        if self._state_dtype_given is not None:
+            return self._state_dtype_given
+        return torch.float32 if self.main else p.dtype
 
     def _bucket(self, idx: list[int], group_of: list[int], world: int, rank: int) -> _Bucket:
         params = [self.table[i].param for i in idx]

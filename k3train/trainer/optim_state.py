@@ -49,7 +49,8 @@ def _sharded_per_param(opt: ShardedOptimizer) -> tuple[dict[int, dict[str, torch
                     {k: v[off:off + p.numel()].view_as(p).clone() for k, v in moments.items()})
                 off += p.numel()
         for e, _, owner in d.muon:
-            buf = d.momentum[e.name] if owner == d.rank else torch.empty_like(e.param)
+            buf = (d.momentum[e.name] if owner == d.rank else
+                   torch.empty(e.param.shape, dtype=opt.momentum_dtype(e.param), device=e.param.device))
             if d.world > 1:
                 dist.broadcast(buf, group_src=owner, group=d.group)
             out.setdefault(id(e.param), {})["momentum_buffer"] = _wide(buf).clone()
@@ -92,8 +93,10 @@ def main_param_values(opt) -> dict[int, torch.Tensor]:
     """{id(model parameter): its fp32 main parameter, whole ``[*p.shape]``} where the optimizer
     keeps main parameters (low-precision weights), else {}. Collective for ZeRO-1 (each rank
     holds the main parameters of its shards and Muon matrices: gathered / broadcast)."""
+    # The live tensors or views of one gathered buffer, not copies: a checkpoint copies them to
+    # the host (``rank_state``), and a second device copy of 4 bytes per parameter is not needed.
     if isinstance(opt, MainParamOptimizer):
-        return {k: v.detach().clone() for k, v in opt.main_params().items()}
+        return {k: v.detach() for k, v in opt.main_params().items()}
     if not (isinstance(opt, ShardedOptimizer) and opt.main):
         return {}
     out: dict[int, torch.Tensor] = {}
@@ -105,14 +108,14 @@ def main_param_values(opt) -> dict[int, torch.Tensor]:
                 dist.all_gather_into_tensor(full, b.main.contiguous(), group=d.group)
             off = 0
             for p in b.params:
-                out[id(p)] = full[off:off + p.numel()].view(p.shape).clone()
+                out[id(p)] = full[off:off + p.numel()].view(p.shape)
                 off += p.numel()
         for e, _, owner in d.muon:
             main = (d.mains[e.name] if owner == d.rank else
                     torch.empty(e.param.shape, dtype=torch.float32, device=e.param.device))
             if d.world > 1:
                 dist.broadcast(main, group_src=owner, group=d.group)
-            out[id(e.param)] = main.clone()
+            out[id(e.param)] = main
     return out
 
 
