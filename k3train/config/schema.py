@@ -419,6 +419,11 @@ class PrecisionConfig(_Strict):
 
     @model_validator(mode="after")
     def _scope_compiles(self) -> "PrecisionConfig":
+        if self.recipe == "fp32" and self.param_dtype != "fp32":
+            # recipe fp32 is the reference run (fp32 math everywhere); bf16 weights would make
+            # every matmul a bf16 one without autocast's fp32 reductions.
+            raise ValueError(f"precision.param_dtype={self.param_dtype} with precision.recipe=fp32: the fp32 "
+                             f"reference recipe needs fp32 weights; use param_dtype=fp32 or another recipe")
         for pattern in self.scope or []:
             try:
                 re.compile(pattern)

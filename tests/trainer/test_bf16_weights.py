@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from k3train.config import ConfigError
 from k3train.runtime.distributed import shutdown_distributed
 from k3train.trainer.checkpoint import latest_checkpoint
 from k3train.trainer.loop import Trainer, train
@@ -94,3 +95,13 @@ def test_bf16_weights_distributed_training_matches_single_process(tmp_path, over
     run_multiprocess(train_rank, world, tmp_path / "dist", [*overrides, *bf16])
     ref, got = read_losses(tmp_path / "ref"), read_losses(tmp_path / "dist")
     assert got == pytest.approx(ref, rel=2e-3), (got, ref)
+
+
+def test_bf16_weights_are_refused_with_the_fp32_recipe_and_cuda_graphs():
+    with pytest.raises(ConfigError, match="param_dtype=bf16 with precision.recipe=fp32"):
+        small_cfg("precision.param_dtype=bf16", "precision.recipe=fp32")
+    with pytest.raises(ConfigError, match="cannot capture precision.param_dtype=bf16"):
+        small_cfg("precision.param_dtype=bf16", "train.cuda_graph=true", "train.device=cuda",
+                  "data.document_mask=false")
+    assert "precision.param_dtype" in small_cfg("precision.param_dtype=bf16").cuda_graph_blockers(device="cuda")
+    assert "precision.param_dtype" not in small_cfg().cuda_graph_blockers(device="cuda")
