@@ -169,7 +169,7 @@ class ShardedOptimizer:
                 d.buckets.append(self._bucket([i for i in adamw if dtype_of[i] == dtype],
                                               group_of, world, rank))
             self.domains.append(d)
-        self.main_grads = None
+        self.main_grads, self._main_slots = None, None
         if self.main:
             cast_params_([e.param for e in self.table], param_dtype)
             self.main_grads = MainGrads(params=[e.param for e in self.table])
@@ -387,18 +387,24 @@ class ShardedOptimizer:
     def load_main_params(self, values: dict[int, torch.Tensor]) -> None:
         """Set the owned main parameters from ``{id(model parameter): whole fp32 value}`` (every
         parameter of the table that has an entry) and the weights (rounded) from the same values;
-        no communication: every rank passes the values of all its parameters."""
-        for d in self.domains:
-            for b in d.buckets:
-                for s in b.segments:
-                    if id(s.param) in values:
-                        b.main[s.lo:s.hi].copy_(values[id(s.param)].reshape(-1)[s.plo:s.plo + s.hi - s.lo])
-            for e, _ in d.owned_muon():
-                if id(e.param) in values:
-                    d.mains[e.name].copy_(values[id(e.param)])
-        for e in self.table:
-            if id(e.param) in values:
-                e.param.detach().copy_(values[id(e.param)])
+        no communication: every rank passes the values of all its parameters (one call for all,
+        or one per parameter as a checkpoint is read: each call touches only its entries)."""
+        if self._main_slots is None:  # {id(param): [(param, main tensor, lo, hi, plo)]}, built once
+            self._main_slots = {id(e.param): [(e.param, None, 0, 0, 0)] for e in self.table}
+            for d in self.domains:
+                for b in d.buckets:
+                    for s in b.segments:
+                        self._main_slots[id(s.param)].append((s.param, b.main, s.lo, s.hi, s.plo))
+                for e, _ in d.owned_muon():
+                    self._main_slots[id(e.param)].append((e.param, d.mains[e.name], 0, None, 0))
+        for pid, value in values.items():
+            for param, main, lo, hi, plo in self._main_slots.get(pid, ()):
+                if main is None:  # the weight itself, rounded
+                    param.detach().copy_(value)
+                elif hi is None:  # an owned Muon matrix, whole
+                    main.copy_(value)
+                else:
+                    main[lo:hi].copy_(value.reshape(-1)[plo:plo + hi - lo])
 
     def _share_params(self) -> None:
         """All-gather the AdamW shards and broadcast each Muon matrix from its owner."""

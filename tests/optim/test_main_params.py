@@ -198,6 +198,15 @@ def _dp2_body(rank: int, world: int) -> None:
                                            msg=f"{name} {e.name} step {step}")
                 # The shared weights are the rounded mains on every rank.
                 assert torch.equal(e.param.detach(), mains[id(e.param)].bfloat16()), e.name
+        # The whole values load back into a fresh DP=2 optimizer's shards and weights.
+        fresh = make_table(1) + make_table(8, shapes)
+        other = ShardedOptimizer(fresh, name=name, param_dtype=torch.bfloat16, is_expert=is_expert,
+                                 groups=GradGroups(dp=dist.group.WORLD, expert_dp=dist.group.WORLD), **HP)
+        other.load_main_params({id(f.param): mains[id(e.param)] for f, e in zip(fresh, table)})
+        loaded = main_param_values(other)
+        for f, e in zip(fresh, table):
+            assert torch.equal(loaded[id(f.param)], mains[id(e.param)]), f.name
+            assert torch.equal(f.param.detach(), e.param.detach()), f.name
         # Each rank holds about half of the fp32 main parameters.
         total = sum(e.param.numel() for e in table) * 4
         assert opt.main_bytes() < 0.75 * total, (opt.main_bytes(), total)
