@@ -161,7 +161,10 @@ class ShardedOptimizer:
                         [(self.table[i], group_of[i], o) for i, o in zip(muon, owners)])
             for e, _ in d.owned_muon():
                 if self.main:  # taken before the cast: an fp32 initialisation survives whole
-                    d.mains[e.name] = e.param.detach().to(torch.float32, copy=True)
+                    # An fp32 weight's own storage (p.data: its own version counter); the
+                    # cast below gives the weight a new bf16 one.
+                    d.mains[e.name] = (e.param.data if e.param.dtype == torch.float32
+                                       else e.param.detach().to(torch.float32))
                 d.momentum[e.name] = torch.zeros_like(e.param, dtype=self.momentum_dtype(e.param))
             adamw = [i for i in picked if not use_muon[i]]
             dtype_of = {i: param_dtype or self.table[i].param.dtype for i in adamw}
