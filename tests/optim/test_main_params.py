@@ -215,3 +215,38 @@ def _dp2_body(rank: int, world: int) -> None:
 @pytest.mark.slow
 def test_zero1_dp2_bf16_weights_equals_dp1():
     run_multiprocess(_dp2_body, 2)
+
+
+# ---- the bytes per parameter docs/memory.md#layouts states (the memory planner's contract) ----
+@pytest.mark.parametrize("zero1", [False, True])
+@pytest.mark.parametrize("state_dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16])
+def test_bytes_per_parameter_are_the_documented_ones(param_dtype, state_dtype, zero1):
+    """weights: 4 or 2 B; gradient buffer: 4 B; main parameters: 4 B with bf16 weights, else 0;
+    moments: AdamW 2 x (4 or 2) B, Muon 1 x (4 or 2) B (one rank: nothing divided)."""
+    table = make_table(0)
+    if zero1:
+        opt = ShardedOptimizer(table, name="muon", param_dtype=param_dtype, state_dtype=state_dtype, **HP)
+    elif param_dtype is not None:
+        opt = MainParamOptimizer(table, param_dtype=param_dtype, name="muon", state_dtype=state_dtype, **HP)
+    else:
+        opt = build_optimizer(table, "muon", state_dtype=state_dtype, **HP)
+    for e, g in zip(table, grads_for(table, 0, 0)):  # a real backward: the hooks allocate main_grad
+        (e.param * g.to(e.param.dtype)).sum().backward()
+    grad_bytes = sum(b.numel() * b.element_size() for b in opt.main_grads.buffers.values()) if param_dtype \
+        else sum(e.param.grad.numel() * e.param.grad.element_size() for e in table)
+    opt.step(max_grad_norm=None) if zero1 else opt.step()
+    weight_bytes = sum(e.param.numel() * e.param.element_size() for e in table)
+    if zero1:
+        main_bytes, moment_bytes = opt.main_bytes(), opt.state_bytes()
+    else:
+        main_bytes = sum(m.numel() * m.element_size() for m in opt.mains) if param_dtype else 0
+        moment_bytes = sum(v.numel() * v.element_size() for inner in opt.optimizers
+                           for st in inner.state.values() for k, v in st.items() if k != "step")
+    n = sum(e.param.numel() for e in table)
+    n_muon = sum(e.param.numel() for e in table if e.optimizer == "muon")
+    w, m = (2 if param_dtype else 4), (2 if state_dtype else 4)
+    assert weight_bytes == w * n
+    assert grad_bytes == 4 * n
+    assert main_bytes == (4 * n if param_dtype else 0)
+    assert moment_bytes == 2 * m * (n - n_muon) + m * n_muon
