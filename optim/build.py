@@ -5,6 +5,7 @@ from typing import Any, Callable
 
 import torch
 
+from .adamw_state import NarrowStateAdamW
 from .muon import Muon
 from .muon_distributed import DistributedMuon
 from .param_groups import OPTIMIZER_NAMES, ParamGroupPlan, plan_param_groups
@@ -102,6 +103,7 @@ def build_optimizer(
     muon_lr: float | None = None,
     muon_momentum: float = 0.95,
     muon_group_of: Callable[[torch.Tensor], Any] | None = None,
+    state_dtype: torch.dtype | None = None,
 ) -> CombinedOptimizer:
     """Build the optimizer named ``name`` ("adamw" or "muon") over a parameter table.
 
@@ -116,6 +118,9 @@ def build_optimizer(
     giving the process group each Muon parameter is replicated over (dense: DP; routed experts:
     expert DP): Muon is then ``DistributedMuon``, which runs Newton-Schulz once per matrix block
     per group and all-gathers the updates (same update, same checkpoint state).
+
+    state_dtype: the dtype of AdamW's moments and Muon's momentum; None: each parameter's own
+    (today's optimizers, unchanged). A narrower one (bf16) gives AdamW as ``NarrowStateAdamW``.
     """
     plans = plan_param_groups(table, name, lr=lr, weight_decay=weight_decay, muon_lr=muon_lr)
     muon_plans = [g for g in plans if g.kind == "muon"]
@@ -124,7 +129,8 @@ def build_optimizer(
     optimizers: list[torch.optim.Optimizer] = []
     if muon_plans:
         mlr = lr if muon_lr is None else muon_lr
-        kw = dict(lr=mlr, weight_decay=weight_decay, momentum=muon_momentum, nesterov=True)
+        kw = dict(lr=mlr, weight_decay=weight_decay, momentum=muon_momentum, nesterov=True,
+                  state_dtype=state_dtype)
         groups = _torch_groups(muon_plans, muon=True)
         optimizers.append(Muon(groups, **kw) if muon_group_of is None else
                           DistributedMuon(groups, group_of=muon_group_of, **kw))
@@ -132,7 +138,10 @@ def build_optimizer(
         # torch's fused CUDA kernel: one launch per few tensors instead of a foreach chain of
         # ~10 passes over the optimizer state, with the same update rule.
         fused = all(e.param.is_cuda for g in adamw_plans for e in g.entries) or None
-        optimizers.append(torch.optim.AdamW(
-            _torch_groups(adamw_plans, muon=False),
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused))
+        groups, hyper = _torch_groups(adamw_plans, muon=False), dict(lr=lr, betas=betas, eps=eps,
+                                                                      weight_decay=weight_decay)
+        if state_dtype is None or all(e.param.dtype == state_dtype for g in adamw_plans for e in g.entries):
+            optimizers.append(torch.optim.AdamW(groups, fused=fused, **hyper))
+        else:
+            optimizers.append(NarrowStateAdamW(groups, state_dtype=state_dtype, **hyper))
     return CombinedOptimizer(optimizers)

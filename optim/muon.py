@@ -283,7 +283,8 @@ class Muon(torch.optim.Optimizer):
     split into that many row blocks) or a list with one entry (None or int) per parameter.
     Parameters may be given as ``(name, tensor)`` pairs (torch keeps them in
     ``group["param_names"]``); names then appear in error messages. State per parameter is
-    ``momentum_buffer`` (same shape and dtype as the parameter).
+    ``momentum_buffer`` (same shape as the parameter; its dtype is ``state_dtype``, None: the
+    parameter's, e.g. ``torch.bfloat16`` for bf16 momentum).
     """
 
     def __init__(
@@ -295,6 +296,7 @@ class Muon(torch.optim.Optimizer):
         nesterov: bool = True,
         ns_steps: int = 5,
         heads: int | None = None,
+        state_dtype: torch.dtype | None = None,
     ) -> None:
         if lr < 0:
             raise ValueError(f"Muon: lr must be >= 0, got {lr}")
@@ -303,7 +305,7 @@ class Muon(torch.optim.Optimizer):
         if ns_steps < 1:
             raise ValueError(f"Muon: ns_steps must be >= 1, got {ns_steps}")
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum,
-                        nesterov=nesterov, ns_steps=ns_steps, heads=heads)
+                        nesterov=nesterov, ns_steps=ns_steps, heads=heads, state_dtype=state_dtype)
         super().__init__(params, defaults)
 
     @staticmethod
@@ -341,13 +343,28 @@ class Muon(torch.optim.Optimizer):
         return [(heads, ps) for (_shape, heads, *_), params in largest_first(same, torch.Tensor.numel)
                 for ps in _batches(params, params[0].numel())]
 
+    def momentum_buffer(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """``p``'s momentum (``[*p.shape]`` in the group's ``state_dtype``), zeros at first use."""
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p, dtype=group.get("state_dtype") or p.dtype,
+                                                        memory_format=torch.preserve_format)
+        return state["momentum_buffer"]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)  # torch casts the state to the parameters' dtype
+        for group in self.param_groups:
+            for p in group["params"]:
+                buf = self.state.get(p, {}).get("momentum_buffer")
+                if buf is not None and group.get("state_dtype") not in (None, buf.dtype):
+                    self.state[p]["momentum_buffer"] = buf.to(group["state_dtype"])
+
     def _step_group(self, group: dict[str, Any], only: set[int] | None = None) -> None:
         """The update of ``group``'s parameters with a gradient (those in ``only``, if given)."""
         lr, wd = group["lr"], group["weight_decay"]
         for heads, ps in self._update_batches(group, only):
             for p in ps:
-                if "momentum_buffer" not in self.state[p]:
-                    self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                self.momentum_buffer(p, group)
             updates = muon_updates(
                 [p.grad for p in ps], [self.state[p]["momentum_buffer"] for p in ps],
                 momentum=group["momentum"], nesterov=group["nesterov"], heads=heads,

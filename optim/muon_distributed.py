@@ -258,11 +258,8 @@ class DistributedMuon(Muon):
         for i in rnd.items:
             it = items[i]
             p, group = it.param, self.param_groups[it.group]
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             u = torch.empty(p.shape, dtype=dtype, device=device)
-            momentum_input(p.grad, state["momentum_buffer"], u, momentum=group["momentum"],
+            momentum_input(p.grad, self.momentum_buffer(p, group), u, momentum=group["momentum"],
                            nesterov=group["nesterov"])
             mine = [b for b, o in enumerate(it.owners) if o == rank]
             if mine:

@@ -12,6 +12,14 @@ copies, divided by the DP size), computes the global grad norm from the owned pa
 (``optim.grads``), updates the owned parts (torch's AdamW; Muon), then all-gathers the AdamW
 shards and broadcasts each Muon matrix from its owner. Ownership, communication volume, memory
 and the expert / pipeline cases are described in ``docs/optim_sharding.md``.
+
+Low-precision weights (``param_dtype``, e.g. bf16; docs/memory.md, "Layouts"): the model's
+weights are cast to ``param_dtype`` and the gradients accumulate in fp32 ``p.main_grad``
+(``optim.main_grads``); this rank keeps fp32 main parameters only for what it owns (its AdamW
+shards ``[S]`` and its Muon matrices), steps them in fp32, writes them rounded into its part of
+the weights, and the all-gather / broadcast then shares the rounded weights.
+``state_dtype`` (bf16) stores the AdamW moments and Muon momenta narrower; they are stepped in
+fp32 and rounded on the store.
 """
 from __future__ import annotations
 
@@ -20,9 +28,11 @@ from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
-from torch.optim.adamw import adamw as torch_adamw
 
+from .adamw_state import adamw_update
 from .grads import GradGroups, clip_grads_, global_grad_norm, group_size, sum_of_squares
+from .main_grads import MainGrads
+from .main_params import cast_params_
 from .muon import _batches, _check_matrix, apply_muon_updates, largest_first, muon_updates, scratch_muon_updates
 from .param_groups import plan_param_groups
 from .param_table import ParamEntry
@@ -63,9 +73,10 @@ class _Bucket:
     params: list[torch.Tensor]
     shard: int  # S
     segments: list[_Segment]
-    exp_avg: torch.Tensor  # [S] fp32, this rank's shard only
-    exp_avg_sq: torch.Tensor  # [S] fp32
+    exp_avg: torch.Tensor  # [S] state dtype (fp32 or bf16), this rank's shard only
+    exp_avg_sq: torch.Tensor  # [S] state dtype
     grad: torch.Tensor | None = None  # [S] averaged gradient of the shard, set by the reduce
+    main: torch.Tensor | None = None  # [S] fp32 main parameters of the shard (low-precision weights)
 
 
 @dataclass
@@ -78,6 +89,7 @@ class _Domain:
     muon: list[tuple[ParamEntry, int, int]]  # (entry, param-group index, owner rank)
     buckets: list[_Bucket] = field(default_factory=list)
     momentum: dict[str, torch.Tensor] = field(default_factory=dict)  # owned Muon matrices only
+    mains: dict[str, torch.Tensor] = field(default_factory=dict)  # their fp32 main parameters
 
     def owned_muon(self) -> Iterable[tuple[ParamEntry, int]]:
         return ((e, g) for e, g, owner in self.muon if owner == self.rank)
@@ -104,6 +116,10 @@ class ShardedOptimizer:
     follow ``optim.grads``' convention: un-scaled per-rank ``p.grad`` in, the gradient of the
     DP-mean loss out (summed over the copies, divided by the DP size, experts included).
     The norm sums TP-shard squares over ``groups.tp`` and the total over ``groups.pp``.
+    ``param_dtype``: None (the weights keep their dtype and are stepped in place), or the dtype
+    the weights are cast to (bf16), with fp32 main parameters for the owned parts and fp32
+    ``main_grad`` accumulation (module docstring). ``state_dtype``: the moments' dtype (None:
+    fp32).
     """
 
     reduces_gradients = True  # the trainer must NOT all-reduce gradients over DP itself
@@ -112,8 +128,12 @@ class ShardedOptimizer:
                  weight_decay: float, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                  muon_lr: float | None = None, muon_momentum: float = 0.95, ns_steps: int = 5,
                  groups: GradGroups = GradGroups(),
-                 is_expert: Callable[[str], bool] | None = None) -> None:
+                 is_expert: Callable[[str], bool] | None = None,
+                 param_dtype: torch.dtype | None = None, state_dtype: torch.dtype | None = None) -> None:
         plans = plan_param_groups(table, name, lr=lr, weight_decay=weight_decay, muon_lr=muon_lr)
+        self.param_dtype, self.state_dtype = param_dtype, state_dtype or torch.float32
+        self._state_dtype_given = state_dtype
+        self.main = param_dtype is not None
         self.name, self.table, self.groups = name, list(table), groups
         self.betas, self.eps, self.muon_momentum, self.ns_steps = betas, eps, muon_momentum, ns_steps
         self._step, self._reduced, self._clipped, self._norm = 0, False, False, None
@@ -140,12 +160,29 @@ class ShardedOptimizer:
             d = _Domain(dname, group, world, rank,
                         [(self.table[i], group_of[i], o) for i, o in zip(muon, owners)])
             for e, _ in d.owned_muon():
-                d.momentum[e.name] = torch.zeros_like(e.param)
+                if self.main:  # taken before the cast: an fp32 initialisation survives whole
+                    # An fp32 weight's own storage (p.data: its own version counter); the
+                    # cast below gives the weight a new bf16 one.
+                    d.mains[e.name] = (e.param.data if e.param.dtype == torch.float32
+                                       else e.param.detach().to(torch.float32))
+                d.momentum[e.name] = torch.zeros_like(e.param, dtype=self.momentum_dtype(e.param))
             adamw = [i for i in picked if not use_muon[i]]
-            for dtype in dict.fromkeys(self.table[i].param.dtype for i in adamw):
-                d.buckets.append(self._bucket([i for i in adamw if self.table[i].param.dtype == dtype],
+            dtype_of = {i: param_dtype or self.table[i].param.dtype for i in adamw}
+            for dtype in dict.fromkeys(dtype_of.values()):
+                d.buckets.append(self._bucket([i for i in adamw if dtype_of[i] == dtype],
                                               group_of, world, rank))
             self.domains.append(d)
+        self.main_grads, self._main_slots = None, None
+        if self.main:
+            cast_params_([e.param for e in self.table], param_dtype)
+            self.main_grads = MainGrads(params=[e.param for e in self.table])
+
+    def momentum_dtype(self, p: torch.Tensor) -> torch.dtype:
+        """The dtype of a Muon momentum (the same on every rank, owner or not): ``state_dtype``
+        if given, else fp32 with low-precision weights, else the parameter's."""
+        if self._state_dtype_given is not None:
+            return self._state_dtype_given
+        return torch.float32 if self.main else p.dtype
 
     def _bucket(self, idx: list[int], group_of: list[int], world: int, rank: int) -> _Bucket:
         params = [self.table[i].param for i in idx]
@@ -156,8 +193,27 @@ class ShardedOptimizer:
             if a < b:
                 segments.append(_Segment(p, group_of[i], a - lo, b - lo, a - off))
             off += p.numel()
-        zeros = torch.zeros(shard, dtype=torch.float32, device=params[0].device)
-        return _Bucket(params, shard, segments, zeros, zeros.clone())
+        zeros = torch.zeros(shard, dtype=self.state_dtype, device=params[0].device)
+        bucket = _Bucket(params, shard, segments, zeros, zeros.clone())
+        if self.main:
+            bucket.main = torch.zeros(shard, dtype=torch.float32, device=params[0].device)
+            for s in segments:
+                bucket.main[s.lo:s.hi].copy_(s.param.detach().reshape(-1)[s.plo:s.plo + s.hi - s.lo])
+        return bucket
+
+    # ---- where a parameter's gradient lives ----------------------------------------------------
+    def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        """``p``'s gradient this step: ``p.grad``, or the fp32 ``p.main_grad`` (low-precision weights)."""
+        return p.main_grad if self.main else p.grad
+
+    def _zero_grad_if_none(self, p: torch.Tensor) -> torch.Tensor:
+        if self.main:
+            if p.main_grad is None:
+                p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            return p.main_grad
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        return p.grad
 
     # ---- gradients (optim.grads' convention and norm) ----------------------------------------
     def reduce_grads(self) -> None:
@@ -170,11 +226,13 @@ class ShardedOptimizer:
         for d in self.domains:
             for b in d.buckets:
                 p0 = b.params[0]
-                flat = torch.zeros(b.shard * d.world, dtype=p0.dtype, device=p0.device)
+                dtype = torch.float32 if self.main else p0.dtype
+                flat = torch.zeros(b.shard * d.world, dtype=dtype, device=p0.device)
                 off = 0
                 for p in b.params:  # a missing grad counts as zero (see the docs' caveats)
-                    if p.grad is not None:
-                        flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
+                    g = self._grad(p)
+                    if g is not None:
+                        flat[off:off + p.numel()].copy_(g.reshape(-1))
                     off += p.numel()
                 if d.world == 1:
                     b.grad = flat
@@ -183,12 +241,10 @@ class ShardedOptimizer:
                 keep.append(flat)  # must outlive the async collective
                 works.append(_reduce_scatter(b.grad, flat, group=d.group, async_op=True))
             for e, _, owner in d.muon:
-                if e.param.grad is None:
-                    e.param.grad = torch.zeros_like(e.param)
+                g = self._zero_grad_if_none(e.param)
                 if d.world > 1:
                     # In place: only the owner's p.grad is meaningful afterwards.
-                    works.append(dist.reduce(e.param.grad, group_dst=owner, group=d.group,
-                                             async_op=True))
+                    works.append(dist.reduce(g, group_dst=owner, group=d.group, async_op=True))
         for w in works:
             w.wait()
         dp = self.groups.loss_ranks  # gloo has no AVG: sum, then divide
@@ -197,7 +253,7 @@ class ShardedOptimizer:
                 for b in d.buckets:
                     b.grad.div_(dp)
                 for e, _ in d.owned_muon():
-                    e.param.grad.div_(dp)
+                    self._grad(e.param).div_(dp)
         self._reduced = True
 
     def _owned_grads(self) -> Iterable[tuple[torch.Tensor, torch.Tensor, bool]]:
@@ -207,7 +263,7 @@ class ShardedOptimizer:
                 for s in b.segments:
                     yield b.grad[s.lo:s.hi], s.param, d.name == "expert"
             for e, _ in d.owned_muon():
-                yield e.param.grad, e.param, d.name == "expert"
+                yield self._grad(e.param), e.param, d.name == "expert"
 
     def grad_norm_sq_local(self) -> torch.Tensor:
         """Squared L2 norm (0-dim fp32) of the reduced gradient over the parts this rank owns.
@@ -230,7 +286,7 @@ class ShardedOptimizer:
         self.reduce_grads()
         # The AdamW shard buffers whole (their padding is zero) and the owned Muon gradients.
         owned = [b.grad for d in self.domains for b in d.buckets]
-        owned += [e.param.grad for d in self.domains for e, _ in d.owned_muon()]
+        owned += [self._grad(e.param) for d in self.domains for e, _ in d.owned_muon()]
         clip_grads_(owned, norm, max_norm)
         self._clipped = True
 
@@ -250,8 +306,8 @@ class ShardedOptimizer:
         owns in domain ``d``: batched by group, shape, head split and dtypes as in Muon.step."""
         same: dict[tuple, list] = {}
         for e, gi in d.owned_muon():
-            p = e.param
-            same.setdefault((gi, tuple(p.shape), e.heads, p.dtype, p.grad.dtype), []).append(e)
+            p = d.mains.get(e.name, e.param)  # what is stepped: the main parameter, if any
+            same.setdefault((gi, tuple(p.shape), e.heads, p.dtype, d.momentum[e.name].dtype), []).append(e)
         return [(gi, heads, es) for (gi, _shape, heads, *_), entries in largest_first(same, lambda e: e.param.numel())
                 for es in _batches(entries, entries[0].param.numel())]
 
@@ -262,7 +318,9 @@ class ShardedOptimizer:
         ``optim.muon.scratch_muon_updates``). AdamW shards run torch kernels only."""
         for d in self.domains:
             for gi, heads, es in self._muon_batches(d):
-                scratch_muon_updates([e.param.grad for e in es], [d.momentum[e.name] for e in es],
+                # Templates only (shape, dtype): the main parameter stands in for its fp32 gradient.
+                grads = [d.mains[e.name] if self.main else e.param.grad for e in es]
+                scratch_muon_updates(grads, [d.momentum[e.name] for e in es],
                                      momentum=self.muon_momentum, nesterov=True, heads=heads,
                                      ns_steps=self.ns_steps, alpha=-self.param_groups[gi]["lr"])
 
@@ -278,11 +336,14 @@ class ShardedOptimizer:
                 self._adamw_shard(b, beta1, beta2)
             for gi, heads, es in self._muon_batches(d):
                 lr, wd = self.param_groups[gi]["lr"], self.param_groups[gi]["weight_decay"]
-                ps = [e.param for e in es]
-                updates = muon_updates([p.grad for p in ps], [d.momentum[e.name] for e in es],
+                ps = [d.mains[e.name] if self.main else e.param for e in es]
+                updates = muon_updates([self._grad(e.param) for e in es], [d.momentum[e.name] for e in es],
                                        momentum=self.muon_momentum, nesterov=True, heads=heads,
                                        ns_steps=self.ns_steps, alpha=-lr)
                 apply_muon_updates(ps, updates, 1.0 - lr * wd)
+                if self.main:  # the owner's weight, rounded; the broadcast shares it
+                    for e, main in zip(es, ps):
+                        e.param.detach().copy_(main)
         self._share_params()
         for d in self.domains:
             for b in d.buckets:
@@ -292,23 +353,61 @@ class ShardedOptimizer:
 
     def _adamw_shard(self, b: _Bucket, beta1: float, beta2: float) -> None:
         """torch's AdamW (``torch.optim.adamw.adamw``, the update ``build_optimizer``'s AdamW
-        runs) on this rank's segments of one bucket, one call per param group, in fp32: the
-        moments are fp32, and a bf16 parameter is updated in an fp32 copy written back."""
+        runs; ``optim.adamw_state.adamw_update``) on this rank's segments of one bucket, one call
+        per param group, in fp32 (at least): the fp32 main parameters where the weights are
+        low-precision, else the weights (a bf16 one in an fp32 copy written back); moments
+        narrower than fp32 are widened for the update and rounded on the store."""
         by_group: dict[int, list[_Segment]] = {}
         for s in b.segments:
             by_group.setdefault(s.group, []).append(s)
         for gi, segments in by_group.items():
             views = [s.param.detach().view(-1)[s.plo:s.plo + s.hi - s.lo] for s in segments]
-            params = [v.float() for v in views]  # the views themselves when fp32
-            torch_adamw(
-                params, [b.grad[s.lo:s.hi].float() for s in segments],
+            if self.main:
+                params = [b.main[s.lo:s.hi] for s in segments]
+            else:
+                params = [v.float() for v in views]  # the views themselves when fp32
+            adamw_update(
+                params, [b.grad[s.lo:s.hi].to(params[0].dtype) for s in segments],
                 [b.exp_avg[s.lo:s.hi] for s in segments], [b.exp_avg_sq[s.lo:s.hi] for s in segments],
-                [], [torch.tensor(float(self._step - 1)) for _ in segments],  # +1 inside
-                amsgrad=False, beta1=beta1, beta2=beta2, lr=self.param_groups[gi]["lr"],
-                weight_decay=self.param_groups[gi]["weight_decay"], eps=self.eps, maximize=False)
+                [torch.tensor(float(self._step - 1)) for _ in segments],  # +1 inside
+                beta1=beta1, beta2=beta2, lr=self.param_groups[gi]["lr"],
+                weight_decay=self.param_groups[gi]["weight_decay"], eps=self.eps)
             for v, p in zip(views, params):
                 if p.data_ptr() != v.data_ptr():
                     v.copy_(p)
+
+    @torch.no_grad()
+    def _write_weights_from_mains(self) -> None:
+        """Round this rank's main parameters into its parts of the weights."""
+        for d in self.domains:
+            for b in d.buckets:
+                for s in b.segments:
+                    s.param.detach().view(-1)[s.plo:s.plo + s.hi - s.lo].copy_(b.main[s.lo:s.hi])
+            for e, _ in d.owned_muon():
+                e.param.detach().copy_(d.mains[e.name])
+
+    @torch.no_grad()
+    def load_main_params(self, values: dict[int, torch.Tensor]) -> None:
+        """Set the owned main parameters from ``{id(model parameter): whole fp32 value}`` (every
+        parameter of the table that has an entry) and the weights (rounded) from the same values;
+        no communication: every rank passes the values of all its parameters (one call for all,
+        or one per parameter as a checkpoint is read: each call touches only its entries)."""
+        if self._main_slots is None:  # {id(param): [(param, main tensor, lo, hi, plo)]}, built once
+            self._main_slots = {id(e.param): [(e.param, None, 0, 0, 0)] for e in self.table}
+            for d in self.domains:
+                for b in d.buckets:
+                    for s in b.segments:
+                        self._main_slots[id(s.param)].append((s.param, b.main, s.lo, s.hi, s.plo))
+                for e, _ in d.owned_muon():
+                    self._main_slots[id(e.param)].append((e.param, d.mains[e.name], 0, None, 0))
+        for pid, value in values.items():
+            for param, main, lo, hi, plo in self._main_slots.get(pid, ()):
+                if main is None:  # the weight itself, rounded
+                    param.detach().copy_(value)
+                elif hi is None:  # an owned Muon matrix, whole
+                    main.copy_(value)
+                else:
+                    main[lo:hi].copy_(value.reshape(-1)[plo:plo + hi - lo])
 
     def _share_params(self) -> None:
         """All-gather the AdamW shards and broadcast each Muon matrix from its owner."""
@@ -336,6 +435,8 @@ class ShardedOptimizer:
                 off += p.numel()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.main_grads is not None:
+            self.main_grads.clear()
         for e in self.table:
             if set_to_none:
                 e.param.grad = None
@@ -351,6 +452,13 @@ class ShardedOptimizer:
         momenta of its matrices): about 1/W of the unsharded optimizer's."""
         tensors = [t for d in self.domains for b in d.buckets for t in (b.exp_avg, b.exp_avg_sq)]
         tensors += [t for d in self.domains for t in d.momentum.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def main_bytes(self) -> int:
+        """Bytes of fp32 main parameters held by this rank (0 when the weights are stepped in
+        place): its AdamW shards and owned Muon matrices, about 4/W bytes per parameter."""
+        tensors = [b.main for d in self.domains for b in d.buckets if b.main is not None]
+        tensors += [t for d in self.domains for t in d.mains.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # ---- checkpoints -----------------------------------------------------------------------
@@ -372,6 +480,8 @@ class ShardedOptimizer:
             "adamw": {d.name: [{"exp_avg": b.exp_avg.clone(), "exp_avg_sq": b.exp_avg_sq.clone()}
                                for b in d.buckets] for d in self.domains},
             "muon": {n: t.clone() for d in self.domains for n, t in d.momentum.items()},
+            "main": ({d.name: [b.main.clone() for b in d.buckets] for d in self.domains},
+                     {n: t.clone() for d in self.domains for n, t in d.mains.items()}) if self.main else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -405,6 +515,18 @@ class ShardedOptimizer:
                 bucket.exp_avg_sq.copy_(sd["exp_avg_sq"])
             for n, t in d.momentum.items():
                 t.copy_(state["muon"][n])
+        if self.main:
+            if state.get("main") is None:
+                raise ValueError("optimizer state has no fp32 main parameters (saved with weights "
+                                 "stepped in place); load it through the checkpoint's tensors instead")
+            buckets, mains = state["main"]
+            for d in self.domains:
+                for bucket, saved in zip(d.buckets, buckets[d.name]):
+                    bucket.main.copy_(saved)
+                for n, t in d.mains.items():
+                    t.copy_(mains[n])
+            self._write_weights_from_mains()
+            self._share_params()
         for group, saved_group in zip(self.param_groups, state["param_groups"]):
             group.update({k: v for k, v in saved_group.items() if k != "params"})
         self._step = state["step"]

@@ -43,6 +43,10 @@ def cuda_graph_blockers(cfg: RunConfig, *, device: str | None = None) -> dict[st
     if cfg.data.masks_documents:
         out["data.document_mask"] = ("train.cuda_graph replays recorded steps, but document masking "
                                      "reads each batch's boundaries on the host (data.document_mask=true)")
+    if cfg.precision.param_dtype != "fp32":
+        out["precision.param_dtype"] = (f"train.cuda_graph cannot capture precision.param_dtype="
+                                        f"{cfg.precision.param_dtype} (its fp32 gradient accumulation "
+                                        f"runs in per-parameter hooks); it needs precision.param_dtype=fp32")
     return out
 
 

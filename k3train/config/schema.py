@@ -348,6 +348,10 @@ class OptimConfig(_Strict):
     zero1: bool = False
     """Shard optimizer state over data-parallel ranks (ZeRO-1): each rank owns whole Muon
     matrices and a slice of the AdamW parameters; see docs/optim_sharding.md."""
+    state_dtype: Literal["fp32", "bf16"] = "fp32"
+    """The dtype of AdamW's moments and Muon's momentum (docs/memory.md#layouts): bf16 halves
+    them (4 bytes per parameter instead of 8 for AdamW); they are stepped in fp32 and rounded
+    on the store. Checkpoints hold them as fp32 either way."""
     muon_per_head: bool = True
     """Orthogonalise q/k/v projection updates head by head (K3) rather than whole."""
     muon_distributed: bool = True
@@ -404,6 +408,12 @@ class PrecisionConfig(_Strict):
     ``fp8_experts`` (docs/k3_slice.md#what-fp8-covers). Other names: ``\\.ffn\\.shared$`` shared experts,
     ``\\.ffn\\.(down|up)$`` latent projections, ``\\.ffn\\.(gate|up|down)_proj$`` dense FFN,
     ``\\.mixer\\.`` attention projections. A pattern that selects nothing is an error."""
+    param_dtype: Literal["fp32", "bf16"] = "fp32"
+    """The dtype the model's weights are kept in (docs/memory.md#layouts). fp32: the optimizer
+    steps the weights themselves. bf16: 2-byte weights; gradients accumulate in an fp32
+    ``main_grad`` per weight, the optimizer steps fp32 main parameters (sharded with
+    ``optim.zero1``) and rounds them into the weights; checkpoints store the fp32 main values
+    under the weights' names, so either setting resumes the other. Not with CUDA graphs."""
     fp8_experts: bool = False
     """fp8 only, with the default scope: the routed experts' three grouped GEMMs in float8 too
     (E4M3, rowwise power-of-two scales: torchao's grouped GEMM on CUDA, its exact emulation
@@ -421,6 +431,11 @@ class PrecisionConfig(_Strict):
 
     @model_validator(mode="after")
     def _scope_compiles(self) -> "PrecisionConfig":
+        if self.recipe == "fp32" and self.param_dtype != "fp32":
+            # recipe fp32 is the reference run (fp32 math everywhere); bf16 weights would make
+            # every matmul a bf16 one without autocast's fp32 reductions.
+            raise ValueError(f"precision.param_dtype={self.param_dtype} with precision.recipe=fp32: the fp32 "
+                             f"reference recipe needs fp32 weights; use param_dtype=fp32 or another recipe")
         for pattern in self.scope or []:
             try:
                 re.compile(pattern)

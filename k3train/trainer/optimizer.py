@@ -15,15 +15,16 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-from k3train.config.schema import OptimConfig
+from k3train.config.schema import OptimConfig, PrecisionConfig
 from k3train.model.kda_layer import KimiDeltaAttention
 from k3train.model.mla import GatedMLA
-from optim import (GradGroups, ParamRule, ShardedOptimizer, build_optimizer, build_param_table,
-                   format_table, ns_flops_per_rank)
+from optim import (GradGroups, MainParamOptimizer, ParamRule, ShardedOptimizer, build_optimizer,
+                   build_param_table, format_table, ns_flops_per_rank)
 
 _NO_DECAY = r"(norm|\.query$|A_log|dt_bias|bias$|o_norm_weight)"
 _ADAMW = r"(embed\.|head\.|router\.|_conv$|\.b_proj\.|\.f_down\.|\.f_up\.|\.f_head\.)"
 _EXPERTS = r"\.experts\.w_(gate|up|down)$"
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def k3_param_rules(model: nn.Module, per_head: bool) -> list[ParamRule]:
@@ -40,8 +41,15 @@ def k3_param_rules(model: nn.Module, per_head: bool) -> list[ParamRule]:
 
 
 def build_k3_optimizer(model: nn.Module, cfg: OptimConfig, *, groups: GradGroups = GradGroups(),
-                       expert_params: Iterable[torch.Tensor] = ()):
+                       expert_params: Iterable[torch.Tensor] = (),
+                       precision: PrecisionConfig = PrecisionConfig()):
     """Returns (optimizer, table text for the run log).
+
+    ``precision.param_dtype=bf16``: the model's weights are cast to bf16 here (after their fp32
+    values became the optimizer's fp32 main parameters) and their gradients accumulate in fp32
+    ``main_grad`` (``optim.main_params``; docs/memory.md#layouts): a ``MainParamOptimizer``
+    (replicated) or a ``ShardedOptimizer`` with ``param_dtype`` (ZeRO-1), both of which reduce
+    gradients themselves (``reduces_gradients``). ``cfg.state_dtype``: the moments' dtype.
 
     groups: the run's process groups (default: one rank). ``cfg.zero1``: a ZeRO-1
     ``ShardedOptimizer``, which reduces gradients itself, with ``expert_params`` (the
@@ -52,16 +60,26 @@ def build_k3_optimizer(model: nn.Module, cfg: OptimConfig, *, groups: GradGroups
     """
     table = build_param_table(model.named_parameters(), k3_param_rules(model, cfg.muon_per_head))
     kwargs = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    # None: each optimizer's default (fp32 moments, or the weights' dtype), the path unchanged.
+    state_dtype = None if cfg.state_dtype == "fp32" else _DTYPES[cfg.state_dtype]
+    param_dtype = None if precision.param_dtype == "fp32" else _DTYPES[precision.param_dtype]
+    expert_params = list(expert_params)
     expert_ids = {id(p) for p in expert_params}
     if not cfg.zero1:
         group_of = None
         if cfg.muon_distributed:
             def group_of(p: torch.Tensor):
                 return groups.expert_dp if id(p) in expert_ids else groups.dp
-        return build_optimizer(table, cfg.name, muon_group_of=group_of, **kwargs), format_table(table)
+        if param_dtype is not None:
+            opt = MainParamOptimizer(table, param_dtype=param_dtype, name=cfg.name, groups=groups,
+                                     expert_params=expert_params, state_dtype=state_dtype,
+                                     muon_group_of=group_of, **kwargs)
+            return opt, format_table(table)
+        opt = build_optimizer(table, cfg.name, muon_group_of=group_of, state_dtype=state_dtype, **kwargs)
+        return opt, format_table(table)
     expert_names = {e.name for e in table if id(e.param) in expert_ids}
-    opt = ShardedOptimizer(table, name=cfg.name, groups=groups,
-                           is_expert=expert_names.__contains__, **kwargs)
+    opt = ShardedOptimizer(table, name=cfg.name, groups=groups, is_expert=expert_names.__contains__,
+                           param_dtype=param_dtype, state_dtype=state_dtype, **kwargs)
     return opt, format_table(table)
 
 

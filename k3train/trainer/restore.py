@@ -97,9 +97,11 @@ def open_checkpoint(step_dir: Path, what: str = "use it") -> dict:
     return verify_checkpoint(step_dir, world_size(), None)
 
 
-def load_weights_into(model, step_dir: Path, manifest: dict, tp: int = 1, tp_rank: int = 0) -> None:
-    """Copy this rank's part of every tensor of ``model`` (any layout) from ``step_dir``."""
-    load_weights(model, step_dir, manifest, tp, tp_rank)
+def load_weights_into(model, step_dir: Path, manifest: dict, tp: int = 1, tp_rank: int = 0,
+                      optimizer=None) -> None:
+    """Copy this rank's part of every tensor of ``model`` (any layout) from ``step_dir``;
+    ``optimizer``: the run's, whose fp32 main parameters (bf16 weights) take the same values."""
+    load_weights(model, step_dir, manifest, tp, tp_rank, optimizer)
 
 
 @dataclass(frozen=True)
@@ -329,7 +331,7 @@ def init_from(state, spec: str, main: bool) -> None:
         return
     path = resolve_checkpoint(spec_path)
     manifest = open_checkpoint(path, what=f"use it as train.init_from={spec}")
-    load_weights_into(state.model, path, manifest, state.info.tp, state.parallel.tp_rank)
+    load_weights_into(state.model, path, manifest, state.info.tp, state.parallel.tp_rank, state.optimizer)
     if main:
         print(f"[k3train] fine-tuning: weights from {path} (step {manifest['step']}, layout "
               f"{layout_text(manifest['layout'])}); fresh optimizer, lr schedule and data position")
@@ -346,7 +348,8 @@ def _init_from_hf(state, hf_dir: Path, main: bool) -> None:
                 for k in mine[sec] if mine[sec][k] != other[sec][k]]
         raise UsageError(f"train.init_from={hf_dir}: its config.json describes another model ({'; '.join(diff[:3])}); "
                          f"`k3train import {hf_dir} --out RUN_DIR` writes its config.yaml to start from")
-    load_weights_from_tensors(state.model, tensors, state.info.tp, state.parallel.tp_rank, str(hf_dir))
+    load_weights_from_tensors(state.model, tensors, state.info.tp, state.parallel.tp_rank, str(hf_dir),
+                              state.optimizer)
     if main:
         print(f"[k3train] fine-tuning: weights from the Hugging Face directory {hf_dir}; fresh optimizer, "
               f"lr schedule and data position")

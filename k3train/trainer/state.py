@@ -141,10 +141,11 @@ class TrainState:
                             ep=self.ep_group, pp=self.pp_group)
         self.sharded = cfg.optim.zero1
         self.optimizer, self.param_table = build_k3_optimizer(
-            self.model, cfg.optim, groups=groups, expert_params=expert_params)
+            self.model, cfg.optim, groups=groups, expert_params=expert_params, precision=cfg.precision)
         # The one gradient path (optim.grads): ZeRO-1 reduces, norms and clips its owned parts,
-        # the replicated optimizer's gradients go through DataParallelGrads; same convention.
-        self.grads = (self.optimizer if self.sharded else
+        # the replicated optimizer's gradients go through DataParallelGrads; same convention
+        # (bf16 weights: the optimizer reduces its fp32 main gradients itself).
+        self.grads = (self.optimizer if getattr(self.optimizer, "reduces_gradients", False) else
                       DataParallelGrads(self.params, groups=groups, expert_params=expert_params))
         self._bytes_logged = 0
         graph = use_cuda_graph(cfg, info, device)

@@ -16,7 +16,8 @@ import torch
 
 from k3train.errors import CheckpointError
 from k3train.trainer.checkpoint import verify_checkpoint
-from k3train.trainer.optim_state import load_per_param_state, per_param_state
+from k3train.trainer.optim_state import (load_main_param_values, load_per_param_state,
+                                         main_param_values, param_kinds, per_param_state)
 from k3train.trainer.reshard import PieceReader, global_names, local_pieces, writes_piece
 
 FORMAT = "k3train.global/1"
@@ -36,8 +37,7 @@ def optimizer_kinds(model, optimizer) -> dict[str, str]:
     """{global name: "adamw" or "muon"}: which optimizer updates each of this rank's parameters
     (the parameter table's assignment under ``optim.name``; both optimizers' groups carry it)."""
     names = _param_names(model)
-    return {names[id(p)]: group["kind"] for group in optimizer.param_groups for p in group["params"]
-            if id(p) in names}
+    return {names[i]: kind for i, kind in param_kinds(optimizer).items() if i in names}
 
 
 def saved_kind(entry: dict) -> str | None:
@@ -67,12 +67,16 @@ def rank_state(state, step: int, data_state: dict, data_source: str = "", *,
     pieces = local_pieces(state.model, state.info.tp, ctx.tp_rank)
     optim, optim_step = per_param_state(state.optimizer)
     by_name = {g: optim[i] for i, g in _param_names(state.model).items() if i in optim}
+    # bf16 weights: their fp32 main values are stored under the weights' names (docs/memory.md).
+    mains = main_param_values(state.optimizer)
+    main_by_name = {g: mains[i] for i, g in _param_names(state.model).items() if i in mains}
     experts = _expert_names(state)
     kinds = optimizer_kinds(state.model, state.optimizer)
     tensors, moments, index = {}, {}, {}
     for g, (t, piece) in pieces.items():
         if not writes_piece(piece, g in experts, ctx):
             continue
+        t = main_by_name.get(g, t)
         tensors[g] = t.detach().to("cpu", copy=True) if snapshot else t.cpu()
         entry = piece.as_json(_length(t, piece))
         if g in by_name:
@@ -116,21 +120,28 @@ def weights_state(model, step: int = 0, source: str = "") -> tuple[dict, dict]:
     return content, index
 
 
-def load_weights(model, path: Path, manifest: dict, tp: int, tp_rank: int) -> None:
-    """Copy every tensor of ``model`` (this rank's part, any layout) from checkpoint ``path``."""
+def load_weights(model, path: Path, manifest: dict, tp: int, tp_rank: int, optimizer=None) -> None:
+    """Copy every tensor of ``model`` (this rank's part, any layout) from checkpoint ``path``;
+    ``optimizer``: the run's, whose fp32 main parameters (bf16 weights) take the same values."""
     reader = PieceReader(path, manifest["tensors"])
+    pid_of = {g: i for i, g in _param_names(model).items()}
     try:
         with torch.no_grad():
             for g, (t, piece) in local_pieces(model, tp, tp_rank).items():
-                t.copy_(reader.local(g, piece, _length(t, piece)))
+                value = reader.local(g, piece, _length(t, piece))
+                t.copy_(value)
+                if optimizer is not None and g in pid_of:
+                    load_main_param_values(optimizer, {pid_of[g]: value})
     except ValueError as exc:
         raise CheckpointError(f"checkpoint {path} does not fit this model ({exc}); use the config it was "
                               f"trained with (config.yaml of its run directory)") from None
 
 
-def load_weights_from_tensors(model, tensors: dict, tp: int, tp_rank: int, where: str) -> None:
+def load_weights_from_tensors(model, tensors: dict, tp: int, tp_rank: int, where: str,
+                              optimizer=None) -> None:
     """Copy every tensor of ``model`` (this rank's part, any layout) from ``tensors``, the whole
-    one-process model by global name (a Hugging Face import)."""
+    one-process model by global name (a Hugging Face import); ``optimizer``: as ``load_weights``."""
+    pid_of = {g: i for i, g in _param_names(model).items()}
     with torch.no_grad():
         for g, (t, piece) in local_pieces(model, tp, tp_rank).items():
             full = tensors.get(g)
@@ -138,7 +149,10 @@ def load_weights_from_tensors(model, tensors: dict, tp: int, tp_rank: int, where
                 have = "missing" if full is None else f"{list(full.shape)}"
                 raise CheckpointError(f"{where} does not fit this model: {g} is {have}, the model needs "
                                       f"{list(piece.global_shape)}")
-            t.copy_(full if piece.dim is None else full.narrow(piece.dim, piece.offset, _length(t, piece)))
+            value = full if piece.dim is None else full.narrow(piece.dim, piece.offset, _length(t, piece))
+            t.copy_(value)
+            if optimizer is not None and g in pid_of:
+                load_main_param_values(optimizer, {pid_of[g]: value})
 
 
 def _source_file(manifest: dict, coords: dict, keys: tuple[str, ...]) -> str | None:
@@ -163,10 +177,14 @@ def load_rank_state(state, path: Path, manifest: dict, layout: dict, coords: dic
     ctx = state.parallel
     reader = PieceReader(path, manifest["tensors"])
     pieces = local_pieces(state.model, state.info.tp, ctx.tp_rank)
+    pid_of = {g: i for i, g in _param_names(state.model).items()}
     with torch.no_grad():
         for g, (t, piece) in pieces.items():
             if g not in fresh:
-                t.copy_(reader.local(g, piece, _length(t, piece)))
+                value = reader.local(g, piece, _length(t, piece))
+                t.copy_(value)
+                if g in pid_of:  # bf16 weights: the fp32 main parameter from the same value
+                    load_main_param_values(state.optimizer, {pid_of[g]: value})
     optim = {}
     for pid, g in _param_names(state.model).items():
         keys = [] if g in reset else manifest["tensors"].get(g, {}).get("optim", [])
