@@ -345,6 +345,8 @@ class OptimConfig(_Strict):
     """Linear warm-up steps."""
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     """Learning-rate schedule after warm-up."""
+    state_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Dtype of the optimizer's moments (AdamW's two, Muon's momentum): 4 or 2 bytes each."""
     zero1: bool = False
     """Shard optimizer state over data-parallel ranks (ZeRO-1): each rank owns whole Muon
     matrices and a slice of the AdamW parameters; see docs/optim_sharding.md."""
@@ -402,6 +404,10 @@ class PrecisionConfig(_Strict):
     projections, shared experts and attention projections (docs/k3_slice.md#what-fp8-covers). Other names: ``\\.ffn\\.shared$`` shared experts,
     ``\\.ffn\\.(down|up)$`` latent projections, ``\\.ffn\\.(gate|up|down)_proj$`` dense FFN,
     ``\\.mixer\\.`` attention projections. A pattern that selects nothing is an error."""
+    param_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Dtype the model's weights are kept in: fp32, or bf16 with an fp32 main copy held by the
+    optimizer (sharded with its state under optim.zero1). The memory planner counts 4 or 2 bytes
+    per weight, plus 4 for the main copy under bf16 (docs/memory.md)."""
     fp8_recipe: Literal["current"] = "current"
     """Scaling for recipe fp8: ``current``, dynamic tensorwise scaling (torchao's float8 training;
     Transformer Engine calls it Float8CurrentScaling). TE's delayed and block scaling need TE
