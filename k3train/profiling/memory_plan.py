@@ -212,16 +212,23 @@ def head_bytes_per_token(cfg: RunConfig, mode: str, ops: str, a: int) -> float:
     return out
 
 
-def _schedule_peak(pp: int, vpp: int, m: int, rank: int, chunk_bytes: dict[int, float]) -> tuple[float, int]:
-    """(peak activation bytes, peak in-flight microbatches) of ``rank`` over its 1F1B schedule."""
+def _schedule_peak(pp: int, vpp: int, m: int, rank: int, chunk_bytes: dict[int, float],
+                   schedule: list | None = None) -> tuple[float, int]:
+    """(peak activation bytes, peak in-flight microbatches) of ``rank`` over its 1F1B schedule
+    (``schedule``: that rank's ops when already built)."""
 
-    live, peak, peak_mbs, held = 0.0, 0.0, 0, {}
-    for op in build_schedule(pp, vpp, m, rank):
+    live, peak, peak_mbs, held, in_flight = 0.0, 0.0, 0, {}, 0
+    for op in schedule if schedule is not None else build_schedule(pp, vpp, m, rank):
         sign = 1 if op.kind == "F" else -1
         live += sign * chunk_bytes[op.chunk]
-        held[op.microbatch] = held.get(op.microbatch, 0) + sign
-        peak = max(peak, live)
-        peak_mbs = max(peak_mbs, sum(1 for v in held.values() if v > 0))
+        before = held.get(op.microbatch, 0)
+        held[op.microbatch] = before + sign
+        # microbatches with a forward still to be undone, counted as they come and go
+        in_flight += (before + sign > 0) - (before > 0)
+        if live > peak:
+            peak = live
+        if in_flight > peak_mbs:
+            peak_mbs = in_flight
     return peak, peak_mbs
 
 
@@ -346,7 +353,8 @@ def _count_split(cfg: RunConfig) -> tuple[dict[int, dict[str, int]], dict[str, i
     rules = k3_param_rules(model, per_head=False)
     table = build_param_table(model.named_parameters(), rules)
     per_layer: dict[int, dict[str, int]] = {}
-    outer = {"muon": 0, "adamw": 0}
+    # outside the layers: the embedding (first chunk) and the final mix, norm and head (last chunk)
+    outer = {"muon": 0, "adamw": 0, "first_muon": 0, "first_adamw": 0}
     for e in table:
         opt = e.optimizer if cfg.optim.name == "muon" else "adamw"
         n = e.param.numel()
@@ -360,6 +368,8 @@ def _count_split(cfg: RunConfig) -> tuple[dict[int, dict[str, int]], dict[str, i
                 d[opt] += n
         else:
             outer[opt] += n
+            if e.name.startswith("embed."):
+                outer["first_" + opt] += n
     return per_layer, outer
 
 
@@ -419,15 +429,17 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
                 n.expert_muon += d["expert"] / p.ep
             else:
                 n.expert_adamw += d["expert"] / p.ep
-        # the embedding on the first chunk, the head (as big) on the last; both when one chunk
-        share = (0.5 if C > 1 else 1.0) * ((0 in chunks) + (C - 1 in chunks and C > 1))
-        n.dense_muon += outer["muon"] * share
-        n.dense_adamw += outer["adamw"] * share
+        # the embedding on the first chunk, the final mix, norm and head on the last
+        for opt in ("muon", "adamw"):
+            first = outer["first_" + opt]
+            held = (first if 0 in chunks else 0) + (outer[opt] - first if C - 1 in chunks else 0)
+            setattr(n, "dense_" + opt, getattr(n, "dense_" + opt) + held)
         full = n.static_bytes(StateLayout(state.param_dtype, state.state_dtype, False), dp, edp)
         z1 = n.static_bytes(StateLayout(state.param_dtype, state.state_dtype, True), dp, edp)
         plan = RankPlan(pp_rank=r, layers=layers, params=full["params"], grads=full["grads"],
                         optimizer=full["optimizer"], optimizer_zero1=z1["optimizer"], master=full["master"],
                         master_zero1=z1["master"], counts=n, dp=dp, edp=edp, cp=cp)
+        schedule = None
         for mode in MODES:
             per_chunk = {}
             for c in chunks:
@@ -439,8 +451,9 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
             if C == 1:
                 plan.peak_activations[mode], plan.in_flight = per_chunk[0], 1
             else:
+                schedule = schedule or build_schedule(p.pp, p.vpp, cfg.train.microbatches, r)
                 plan.peak_activations[mode], plan.in_flight = _schedule_peak(
-                    p.pp, p.vpp, cfg.train.microbatches, r, per_chunk)
+                    p.pp, p.vpp, cfg.train.microbatches, r, per_chunk, schedule)
             if mode != "none":
                 live = max(_recomputed_bytes_per_token(cfg, i, mode, ops, T, act_bytes) for i in layers)
                 plan.peak_activations[mode] += live * tokens
