@@ -140,7 +140,12 @@ def test_activation_peak_matches_the_allocator_within_10_percent(world1, tmp_pat
     for plan in plans:
         predicted = plan.peak_activations[mode] + plan.attnres_cache + plan.moe_buffers
         for r in (r for r in ranks if r["pp_rank"] == plan.pp_rank):
-            assert abs(r["net"]) < 0.01 * r["peak"]      # everything the pass made was freed
+            print(f"{mode} pp rank {plan.pp_rank}: planned {predicted:.0f} B, allocator peak {r['peak']} B, "
+                  f"ratio {predicted / r['peak']:.3f}")
+            # What the pass made was freed, up to frees of blocks made before the profile began,
+            # which the profiler cannot size (it warns so; under EP a few dispatch buffers): a
+            # net a few % above zero, never below.
+            assert 0 <= r["net"] < 0.05 * r["peak"], r
             assert predicted == pytest.approx(r["peak"], rel=0.10), (plan.pp_rank, predicted, r["peak"],
                                                                      predicted / r["peak"])
 
