@@ -95,12 +95,13 @@ def _layout_cfg(cfg: RunConfig, lay: Layout, seq_len: int) -> RunConfig:
 
 
 def _microbatches(batch_tokens: int, dp: int, mb: int, seq_len: int, pp: int, vpp: int) -> int | None:
-    """Microbatches per update for ``batch_tokens`` over ``dp`` replicas: at least pp (fewer
-    leave most of the pipeline idle, so the update grows to P microbatches), rounded up to a
-    multiple of pp under interleaving (Megatron's rule); None when none is valid."""
-    m = max(pp, batch_tokens // (dp * mb * seq_len))
+    """Microbatches per update for ``batch_tokens`` over ``dp`` replicas, at least one, rounded
+    up to a multiple of pp under interleaving (Megatron's rule; the update grows then); None
+    when none is valid. Fewer than pp keep fewer microbatches in flight (less memory) and leave
+    the pipeline idle longer (the bubble column)."""
+    m = max(1, batch_tokens // (dp * mb * seq_len))
     if vpp > 1:
-        m = -(-m // pp) * pp
+        m = -(-max(m, pp) // pp) * pp
     try:
         check_microbatches(pp, vpp, m)
     except ValueError:
