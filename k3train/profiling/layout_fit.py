@@ -1,5 +1,5 @@
 """Which layouts of a model fit a GPU's memory, and how fast each would run (predicted):
-``k3train model-info --fit GIB`` (docs/memory.md#which-layouts-fit---fit).
+``k3train model-info --fit GIB`` (docs/memory.md#which-layouts-fit-a-gpu-model-info---fit).
 
 For each world size and task (pretraining at 4096 tokens, SFT at 32768), every layout
 (tp, pp, vpp, ep, dp, cp, micro-batch) is planned once (``memory_plan.plan_memory``, CUDA
@@ -215,9 +215,10 @@ def _plans(cfg: RunConfig, lay: Layout, seq_len: int):
 
 
 def fit_layouts(cfg: RunConfig, *, worlds: list[int], fit_gib: float, margin: float = 0.1,
-                tasks: list[str] = tuple(TASKS), batch_tokens: int = 1 << 24) -> dict[tuple[str, int], list[Fit]]:
-    """{(task, world): fitting layouts, best first}: best = highest ``mfu_exposed``, then the
-    least memory. The budget is ``fit_gib x (1 - margin)`` GiB for the planned total."""
+                tasks: tuple[str, ...] = tuple(TASKS), batch_tokens: int = 1 << 24) -> dict[tuple[str, int], list[Fit]]:
+    """{(task, world): fitting layouts, best first}: the layouts the trainer runs today first
+    (``Layout.wired``), then the highest ``mfu_exposed``, then the least memory. The budget is
+    ``fit_gib x (1 - margin)`` GiB for the heaviest rank's planned total."""
     if fit_gib <= 0 or not 0 <= margin < 1:
         raise UsageError(f"--fit needs a positive GiB budget and --margin a fraction in [0, 1); "
                          f"got {fit_gib} and {margin}")
