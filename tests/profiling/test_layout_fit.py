@@ -85,13 +85,17 @@ def test_candidates_respect_the_layout_rules():
     assert {lay.cp for lay in candidate_layouts(cfg, 512, 4096, 1 << 24, "pretrain")} == {1}
 
 
-def test_k3_layout_named_in_the_docs_fits_an_h200(world1):
-    """docs/memory.md's pretraining pick for 64 nodes: its heaviest rank under 141 GiB less the
-    10% margin (recomputed here from the planner, not from the search)."""
+@pytest.mark.parametrize("lay, seq, state", [
+    (Layout(tp=1, pp=16, vpp=2, ep=32, dp=32, cp=1, micro_batch=1, microbatches=128), 4096,
+     StateLayout("fp32", "bf16", True)),
+    (Layout(tp=1, pp=16, vpp=1, ep=64, dp=128, cp=1, micro_batch=1, microbatches=4), 32768,
+     StateLayout("bf16", "bf16", True)),
+], ids=["pretrain-64-nodes", "sft-256-nodes"])
+def test_k3_layouts_named_in_the_docs_fit_an_h200(world1, lay, seq, state):
+    """docs/memory.md's H200 picks (pretraining on 64 nodes, SFT on 256): the heaviest rank
+    under 141 GiB less the 10% margin, by the planner directly (not through the search)."""
     cfg = load_config("configs/k3_full.yaml")
-    lay = Layout(tp=1, pp=16, vpp=2, ep=32, dp=32, cp=1, micro_batch=1, microbatches=128)
-    plans = plan_memory(_layout_cfg(cfg, lay, 4096), ops="fused", act_bytes=2, dp=32)
-    state = StateLayout("fp32", "bf16", True)
+    plans = plan_memory(_layout_cfg(cfg, lay, seq), ops="fused", act_bytes=2, dp=lay.dp)
     assert max(q.total("full", True, state) for q in plans) / GiB <= 141 * 0.9
 
 
