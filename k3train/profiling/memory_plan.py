@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 import torch
 
 from k3train.config import RunConfig
-from k3train.config.schema import ParallelConfig
 from k3train.config.layer_pattern import expand_layer_pattern
 from k3train.config.schema import RECOMPUTE_MODES as MODES
+from k3train.config.schema import ParallelConfig
 from k3train.errors import UsageError
 from k3train.model.model import build_model
 from k3train.trainer.optimizer import k3_param_rules
