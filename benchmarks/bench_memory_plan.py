@@ -3,7 +3,9 @@
 For k3_mini under each ``train.recompute`` mode: a few training steps on one GPU (eager, no CUDA
 graph: the graph's pool would hide what the step itself allocates), ``torch.cuda.max_memory_allocated``
 over steps 2-3 (step 1 allocates the optimizer state), against the planner's total for the same
-layout (parameters + gradients + optimizer state + peak activations + MoE buffers). Target:
+layout (parameters + gradients + fp32 main copy under ``precision.param_dtype=bf16`` + optimizer
+state in ``optim.state_dtype`` + peak activations + MoE buffers; one GPU, so nothing is
+sharded). Target:
 measured / predicted within 15%. Beside it, what the forward keeps: the memory allocated when
 the first microbatch's backward reaches the head, over the step's start, against the planner's
 stored activations of one microbatch (what tells a wrong per-op count from a peak set
@@ -42,6 +44,7 @@ def _row(mode: str, peak: float, plan, *, stored: float | None, **extra) -> dict
 
     row = {"mode": mode, "measured_gib": peak / GiB, "predicted_gib": plan.total(mode, False) / GiB,
            "params_gib": plan.params / GiB, "grads_gib": plan.grads / GiB, "optimizer_gib": plan.optimizer / GiB,
+           "master_gib": plan.master / GiB,
            "activations_gib": plan.peak_activations[mode] / GiB, "moe_buffers_gib": plan.moe_buffers / GiB,
            "stored_at_backward_gib": None if stored is None else stored / GiB,
            "predicted_stored_gib": plan.activations[mode] / GiB, **extra}
@@ -143,11 +146,11 @@ def main() -> int:
         print(f"{mode}: measured {r['measured_gib']:.2f} GiB, predicted {r['predicted_gib']:.2f} GiB "
               f"({r['seconds']:.0f} s)", flush=True)
     print(f"\n{'recompute':<11}{'measured':>10}{'predicted':>11}{'ratio':>7}{'params':>8}{'grads':>7}"
-          f"{'optim':>7}{'act':>7}{'stored':>9}{'predicted':>11}  (GiB; target ratio 0.85-1.15)")
+          f"{'master':>7}{'optim':>7}{'act':>7}{'stored':>9}{'predicted':>11}  (GiB; target ratio 0.85-1.15)")
     for r in rows:
         stored = r["stored_at_backward_gib"]
         print(f"{r['mode']:<11}{r['measured_gib']:>10.2f}{r['predicted_gib']:>11.2f}{r['ratio']:>7.2f}"
-              f"{r['params_gib']:>8.2f}{r['grads_gib']:>7.2f}{r['optimizer_gib']:>7.2f}{r['activations_gib']:>7.2f}"
+              f"{r['params_gib']:>8.2f}{r['grads_gib']:>7.2f}{r['master_gib']:>7.2f}{r['optimizer_gib']:>7.2f}{r['activations_gib']:>7.2f}"
               f"{stored if stored is not None else float('nan'):>9.2f}{r['predicted_stored_gib']:>11.2f}")
     print("stored: allocated when the first microbatch's backward reaches the head, over the step's "
           "start (one microbatch's kept activations, logits included), against the planner's")

@@ -1,11 +1,12 @@
 """Per-rank memory of a training layout, from formulas (``k3train model-info``; docs/memory.md).
 
-Static part, counted on the meta-device model: parameters (fp32; bf16 autocast keeps no master
-copy, the weights are the fp32 ones), gradients (fp32, one per parameter) and optimizer state
-(AdamW: exp_avg + exp_avg_sq, 8 bytes per parameter; Muon: one momentum buffer, 4 bytes), with
-and without ZeRO-1 (each data-parallel rank keeps 1/dp of the dense state, 1/(dp/ep) of the
-experts'). A rank holds its pipeline chunks' layers, 1/tp of the head-sharded weights and
-1/ep of the routed experts.
+Static part, counted on the meta-device model (``StateLayout``, bytes per parameter): weights
+in ``precision.param_dtype`` (4 fp32, 2 bf16), one fp32 gradient (main_grad, 4), an fp32 main
+copy (4) only under bf16 weights, and the optimizer's moments in ``optim.state_dtype`` (AdamW two,
+Muon one momentum buffer; 4 or 2 bytes each). Under ZeRO-1 the main copy and the moments are
+divided by the shard count: data parallel for dense weights, expert data parallel (dp/ep) for
+the routed experts; weights and gradients are not. A rank holds its pipeline chunks' layers,
+1/tp of the head-sharded weights and 1/ep of the routed experts.
 
 Activations: bytes autograd keeps per token for each layer type (KDA, MLA, dense SiTU-GLU,
 LatentMoE, AttnRes mixes), counted op by op from what each op saves for backward, for
@@ -32,9 +33,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from k3train.config import RunConfig
 from k3train.config.layer_pattern import expand_layer_pattern
 from k3train.config.schema import RECOMPUTE_MODES as MODES
+from k3train.config.schema import ParallelConfig
 from k3train.errors import UsageError
 from k3train.model.model import build_model
 from k3train.trainer.optimizer import k3_param_rules
@@ -208,22 +212,91 @@ def head_bytes_per_token(cfg: RunConfig, mode: str, ops: str, a: int) -> float:
     return out
 
 
-def _schedule_peak(pp: int, vpp: int, m: int, rank: int, chunk_bytes: dict[int, float]) -> tuple[float, int]:
-    """(peak activation bytes, peak in-flight microbatches) of ``rank`` over its 1F1B schedule."""
+def _schedule_peak(pp: int, vpp: int, m: int, rank: int, chunk_bytes: dict[int, float],
+                   schedule: list | None = None) -> tuple[float, int]:
+    """(peak activation bytes, peak in-flight microbatches) of ``rank`` over its 1F1B schedule
+    (``schedule``: that rank's ops when already built)."""
 
-    live, peak, peak_mbs, held = 0.0, 0.0, 0, {}
-    for op in build_schedule(pp, vpp, m, rank):
+    live, peak, peak_mbs, held, in_flight = 0.0, 0.0, 0, {}, 0
+    for op in schedule if schedule is not None else build_schedule(pp, vpp, m, rank):
         sign = 1 if op.kind == "F" else -1
         live += sign * chunk_bytes[op.chunk]
-        held[op.microbatch] = held.get(op.microbatch, 0) + sign
-        peak = max(peak, live)
-        peak_mbs = max(peak_mbs, sum(1 for v in held.values() if v > 0))
+        before = held.get(op.microbatch, 0)
+        held[op.microbatch] = before + sign
+        # microbatches with a forward still to be undone, counted as they come and go
+        in_flight += (before + sign > 0) - (before > 0)
+        if live > peak:
+            peak = live
+        if in_flight > peak_mbs:
+            peak_mbs = in_flight
     return peak, peak_mbs
+
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """How a rank stores weights and optimizer state (the bytes-per-parameter contract).
+
+    param_dtype: the weights' dtype (``precision.param_dtype``); bf16 adds an fp32 main copy.
+    state_dtype: the moments' dtype (``optim.state_dtype``). zero1: main copy and moments
+    sharded over data parallel (experts: expert data parallel)."""
+
+    param_dtype: str = "fp32"
+    state_dtype: str = "fp32"
+    zero1: bool = False
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> "StateLayout":
+        return cls(param_dtype=getattr(cfg.precision, "param_dtype", "fp32"),
+                   state_dtype=getattr(cfg.optim, "state_dtype", "fp32"), zero1=cfg.optim.zero1)
+
+    def __post_init__(self):
+        for name in ("param_dtype", "state_dtype"):
+            if getattr(self, name) not in DTYPE_BYTES:
+                raise ValueError(f"{name} must be one of {', '.join(DTYPE_BYTES)}, got {getattr(self, name)!r}")
+
+
+@dataclass
+class ParamCounts:
+    """Parameters one rank holds (after tp and ep), by optimizer: dense (sharded over dp under
+    ZeRO-1) and routed experts (over dp/ep). ``*_muon``: matrices Muon updates (one momentum
+    buffer); ``*_adamw``: the rest, or everything under AdamW (two moments)."""
+
+    dense_muon: float = 0.0
+    dense_adamw: float = 0.0
+    expert_muon: float = 0.0
+    expert_adamw: float = 0.0
+
+    @property
+    def dense(self) -> float:
+        return self.dense_muon + self.dense_adamw
+
+    @property
+    def expert(self) -> float:
+        return self.expert_muon + self.expert_adamw
+
+    @property
+    def total(self) -> float:
+        return self.dense + self.expert
+
+    def static_bytes(self, state: StateLayout, dp: int, edp: int) -> dict[str, float]:
+        """{params, grads, master, optimizer} bytes of this rank under ``state`` with ``dp``
+        data-parallel and ``edp`` expert-data-parallel replicas (the ZeRO-1 shard counts)."""
+        s = DTYPE_BYTES[state.state_dtype]
+        dz, ez = (dp, edp) if state.zero1 else (1, 1)
+        master = 4.0 * (self.dense / dz + self.expert / ez) if state.param_dtype == "bf16" else 0.0
+        optimizer = s * ((self.dense_muon + 2 * self.dense_adamw) / dz + (self.expert_muon + 2 * self.expert_adamw) / ez)
+        return {"params": DTYPE_BYTES[state.param_dtype] * self.total, "grads": 4.0 * self.total,
+                "master": master, "optimizer": optimizer}
 
 
 @dataclass
 class RankPlan:
-    """Bytes of one pipeline rank (every DP/TP/EP rank of a stage holds the same)."""
+    """Bytes of one pipeline rank (every DP/TP/EP rank of a stage holds the same). The static
+    fields are those of ``state`` (the config's StateLayout); ``static(state)`` gives any other.
+    ``optimizer``/``master``: unsharded; ``*_zero1``: under ZeRO-1 at the plan's dp and ep."""
 
     pp_rank: int
     layers: list[int]
@@ -231,6 +304,11 @@ class RankPlan:
     grads: float
     optimizer: float
     optimizer_zero1: float
+    master: float = 0.0
+    master_zero1: float = 0.0
+    counts: ParamCounts = field(default_factory=ParamCounts)
+    dp: int = 1
+    edp: int = 1
     activations: dict[str, float] = field(default_factory=dict)   # per microbatch, per mode
     peak_activations: dict[str, float] = field(default_factory=dict)  # schedule peak, per mode
     in_flight: int = 1
@@ -239,22 +317,44 @@ class RankPlan:
     moe_buffers: float = 0.0
     cp_extra: dict[str, float] = field(default_factory=dict)       # context parallelism, per mode
 
-    def total(self, mode: str, zero1: bool) -> float:
-        return (self.params + self.grads + (self.optimizer_zero1 if zero1 else self.optimizer)
-                + self.peak_activations[mode] + self.attnres_cache + self.moe_buffers
+    def static(self, state: StateLayout) -> dict[str, float]:
+        """{params, grads, master, optimizer} bytes under ``state`` (ParamCounts.static_bytes)."""
+        return self.counts.static_bytes(state, self.dp, self.edp)
+
+    def total(self, mode: str, zero1: bool, state: StateLayout | None = None) -> float:
+        """Bytes of the rank at its peak under recompute ``mode``: weights, gradients, main copy
+        and moments (the plan's dtypes, or ``state``'s; ``zero1`` decides the sharding unless
+        ``state`` is given), activations, caches and buffers."""
+        if state is None:
+            static = (self.params + self.grads + (self.master_zero1 if zero1 else self.master)
+                      + (self.optimizer_zero1 if zero1 else self.optimizer))
+        else:
+            static = sum(self.static(state).values())
+        return (static + self.peak_activations[mode] + self.attnres_cache + self.moe_buffers
                 + self.cp_extra.get(mode, 0.0))
 
 
-def _param_split(cfg: RunConfig) -> tuple[dict[int, dict[str, int]], dict[str, int]]:
-    """Meta-device counts: per layer {dense_muon, dense_adamw, expert} and the embedding/head."""
-    import torch
+_SPLITS: dict[str, tuple[dict[int, dict[str, int]], dict[str, int]]] = {}
 
+
+def _param_split(cfg: RunConfig) -> tuple[dict[int, dict[str, int]], dict[str, int]]:
+    """Meta-device counts: per layer {muon, adamw, expert, expert_opt} and the embedding/head.
+    Whole (unsharded) counts, built at the default parallel layout and kept per model, MoE and
+    optimizer (a layout search plans the same model many times)."""
+    key = cfg.model.model_dump_json() + cfg.moe.model_dump_json() + cfg.optim.name
+    if key not in _SPLITS:
+        _SPLITS[key] = _count_split(cfg.model_copy(update={"parallel": ParallelConfig()}))
+    return _SPLITS[key]
+
+
+def _count_split(cfg: RunConfig) -> tuple[dict[int, dict[str, int]], dict[str, int]]:
     with torch.device("meta"):
         model = build_model(cfg)
     rules = k3_param_rules(model, per_head=False)
     table = build_param_table(model.named_parameters(), rules)
     per_layer: dict[int, dict[str, int]] = {}
-    outer = {"muon": 0, "adamw": 0}
+    # outside the layers: the embedding (first chunk) and the final mix, norm and head (last chunk)
+    outer = {"muon": 0, "adamw": 0, "first_muon": 0, "first_adamw": 0}
     for e in table:
         opt = e.optimizer if cfg.optim.name == "muon" else "adamw"
         n = e.param.numel()
@@ -268,6 +368,8 @@ def _param_split(cfg: RunConfig) -> tuple[dict[int, dict[str, int]], dict[str, i
                 d[opt] += n
         else:
             outer[opt] += n
+            if e.name.startswith("embed."):
+                outer["first_" + opt] += n
     return per_layer, outer
 
 
@@ -289,12 +391,13 @@ def cp_extra_bytes(cfg: RunConfig, layers: list[int], act_bytes: int, cp: int) -
 
 
 def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: int = 1,
-                cp: int | None = None) -> list[RankPlan]:
+                cp: int | None = None, state: StateLayout | None = None) -> list[RankPlan]:
     """Memory of each pipeline rank of ``cfg.parallel`` (tp, pp, vpp, ep) with ``dp`` data-parallel
     replicas per stage (ep divides dp). ops: ``fused`` (CUDA kernels, compiled norms and SiTU-GLU),
     ``fused-eager`` (the same with ``kernels.compile=false``) or ``torch``; act_bytes: 2
     under bf16 autocast, 4 in fp32. Activations are per ``train.micro_batch_size x seq_len / cp``
-    tokens; cp: context-parallel ranks (default ``parallel.cp``), which divide ``seq_len``."""
+    tokens; cp: context-parallel ranks (default ``parallel.cp``), which divide ``seq_len``;
+    state: weight and optimizer-state dtypes (default: the config's, ``StateLayout.of``)."""
 
     if ops not in OPS:
         raise ValueError(f"ops must be one of {', '.join(OPS)}, got {ops!r}")
@@ -310,30 +413,33 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
     per_layer, outer = _param_split(cfg)
     layout = PipelineLayout(cfg.model.num_layers, p.pp, p.vpp)
     C = layout.num_chunks
-    opt_bytes = {"adamw": 8, "muon": 4}
     edp = dp // p.ep
+    state = StateLayout.of(cfg) if state is None else state
     plans = []
     w = Widths.of(cfg)
     for r in range(p.pp):
         chunks = layout.chunks_of_rank(r)
         layers = [i for c in chunks for i in layout.layer_range(c)]
-        dense = {"muon": 0.0, "adamw": 0.0}
-        expert, expert_opt = 0.0, 0.0
+        n = ParamCounts()
         for i in layers:
             d = per_layer[i]
-            dense["muon"] += d["muon"] / p.tp
-            dense["adamw"] += d["adamw"] / p.tp
-            expert += d["expert"] / p.ep
-            expert_opt += d["expert"] / p.ep * opt_bytes[d["expert_opt"]]
-        if 0 in chunks:
-            dense = {k: v + outer[k] for k, v in dense.items()} if C == 1 else {k: v + outer[k] / 2 for k, v in dense.items()}
-        if C - 1 in chunks and C > 1:
-            dense = {k: v + outer[k] / 2 for k, v in dense.items()}  # the head (as big as the embedding)
-        n_dense = dense["muon"] + dense["adamw"]
-        opt = dense["muon"] * 4 + dense["adamw"] * 8 + expert_opt
-        plan = RankPlan(pp_rank=r, layers=layers, params=4 * (n_dense + expert), grads=4 * (n_dense + expert),
-                        optimizer=opt, optimizer_zero1=(dense["muon"] * 4 + dense["adamw"] * 8) / dp + expert_opt / edp,
-                        cp=cp)
+            n.dense_muon += d["muon"] / p.tp
+            n.dense_adamw += d["adamw"] / p.tp
+            if d["expert_opt"] == "muon":
+                n.expert_muon += d["expert"] / p.ep
+            else:
+                n.expert_adamw += d["expert"] / p.ep
+        # the embedding on the first chunk, the final mix, norm and head on the last
+        for opt in ("muon", "adamw"):
+            first = outer["first_" + opt]
+            held = (first if 0 in chunks else 0) + (outer[opt] - first if C - 1 in chunks else 0)
+            setattr(n, "dense_" + opt, getattr(n, "dense_" + opt) + held)
+        full = n.static_bytes(StateLayout(state.param_dtype, state.state_dtype, False), dp, edp)
+        z1 = n.static_bytes(StateLayout(state.param_dtype, state.state_dtype, True), dp, edp)
+        plan = RankPlan(pp_rank=r, layers=layers, params=full["params"], grads=full["grads"],
+                        optimizer=full["optimizer"], optimizer_zero1=z1["optimizer"], master=full["master"],
+                        master_zero1=z1["master"], counts=n, dp=dp, edp=edp, cp=cp)
+        schedule = None
         for mode in MODES:
             per_chunk = {}
             for c in chunks:
@@ -345,8 +451,9 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
             if C == 1:
                 plan.peak_activations[mode], plan.in_flight = per_chunk[0], 1
             else:
+                schedule = schedule or build_schedule(p.pp, p.vpp, cfg.train.microbatches, r)
                 plan.peak_activations[mode], plan.in_flight = _schedule_peak(
-                    p.pp, p.vpp, cfg.train.microbatches, r, per_chunk)
+                    p.pp, p.vpp, cfg.train.microbatches, r, per_chunk, schedule)
             if mode != "none":
                 live = max(_recomputed_bytes_per_token(cfg, i, mode, ops, T, act_bytes) for i in layers)
                 plan.peak_activations[mode] += live * tokens
@@ -373,6 +480,7 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
 def format_plan(cfg: RunConfig, plans: list[RankPlan], *, dp: int, ops: str) -> str:
     """The planner's table: one row per pipeline rank, the largest first."""
     p = cfg.parallel
+    st = StateLayout.of(cfg)
     g = lambda b: f"{b / GiB:9.2f}"  # noqa: E731
     cp = plans[0].cp if plans else 1
     lines = [f"per-rank memory (GiB), tp={p.tp} pp={p.pp} vpp={p.vpp} ep={p.ep} dp={dp}"
@@ -380,12 +488,12 @@ def format_plan(cfg: RunConfig, plans: list[RankPlan], *, dp: int, ops: str) -> 
              f"microbatch {cfg.train.micro_batch_size} x {cfg.train.seq_len} tokens"
              + (f" ({cfg.train.seq_len // cp} per CP rank)" if cp > 1 else "") + ", "
              f"{cfg.train.microbatches} microbatches, kernels={ops}:",
-             f"{'pp rank':>8}{'layers':>8}{'params':>9}{'grads':>9}{'optim':>9}{'optim z1':>9}"
+             f"{'pp rank':>8}{'layers':>8}{'params':>9}{'grads':>9}{'master':>9}{'mstr z1':>9}{'optim':>9}{'optim z1':>9}"
              + "".join(f"{'act ' + m:>14}" for m in MODES) + f"{'in-flight':>10}{'AR cache':>9}{'MoE buf':>9}"]
     order = sorted(plans, key=lambda q: -q.total("none", False))
     shown = order[:4] if len(plans) > 4 else plans
     for q in shown:
-        lines.append(f"{q.pp_rank:>8}{len(q.layers):>8}{g(q.params)}{g(q.grads)}{g(q.optimizer)}"
+        lines.append(f"{q.pp_rank:>8}{len(q.layers):>8}{g(q.params)}{g(q.grads)}{g(q.master)}{g(q.master_zero1)}{g(q.optimizer)}"
                      f"{g(q.optimizer_zero1)}" + "".join(f"{q.peak_activations[m] / GiB:14.2f}" for m in MODES)
                      + f"{q.in_flight:>10}{g(q.attnres_cache)}{g(q.moe_buffers)}")
     if len(plans) > len(shown):
@@ -394,11 +502,12 @@ def format_plan(cfg: RunConfig, plans: list[RankPlan], *, dp: int, ops: str) -> 
     if cp > 1:
         lines.append("CP exchanges kept (gathered MLA latent and expanded keys/values, KDA fold states), last CP rank: "
                      + ", ".join(f"{m}: {max(q.cp_extra[m] for q in plans) / GiB:.2f} GiB" for m in MODES))
-    lines.append("heaviest rank's total (params + grads + optimizer + peak activations + cache + MoE buffers"
+    lines.append("heaviest rank's total (params + grads + main copy + optimizer + peak activations + cache + MoE buffers"
                  + (" + CP exchanges" if cp > 1 else "") + "):")
     lines.append("  " + ", ".join(f"{m}: {top[(m, False)]:.1f} GiB ({top[(m, True)]:.1f} with ZeRO-1)" for m in MODES))
     lines.append("  activations are the schedule's peak over in-flight microbatches (1F1B warmup depth); "
-                 "fp32 weights, gradients and optimizer state; see docs/memory.md")
+                 f"{st.param_dtype} weights{' + fp32 main copy' if st.param_dtype == 'bf16' else ''}, fp32 gradients, "
+                 f"{cfg.optim.name} state in {st.state_dtype}; see docs/memory.md")
     return "\n".join(lines)
 
 
