@@ -183,8 +183,10 @@ class Balancer:
         """Read the layer's routing of this step (all microbatches, ``moe_layer.routing``, a
         ``RoutingRecord``) and overwrite ``moe_layer.router.bias`` in place.
 
-        group: ranks that saw different tokens of this layer (DP x EP); when given, the
-        statistics are combined over it so every rank writes the same bias. None = local only.
+        group: ranks that saw different tokens of this layer (DP x CP: the data-parallel
+        replicas and the context-parallel ranks holding the other parts of their sequences;
+        EP lies inside it); when given, the statistics are combined over it so every rank
+        writes the same bias. None = local only.
         """
         if not self.updates_bias:
             return

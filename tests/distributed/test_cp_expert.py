@@ -31,7 +31,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from k3train.model.model import build_model
-from k3train.runtime.distributed import init_distributed, parallel_context
+from k3train.errors import LayoutError
+from k3train.runtime.distributed import check_layout, init_distributed, parallel_context
 from k3train.trainer.state import TrainState
 from tests.helpers import tiny_cfg
 from tests.multiproc import run_multiprocess
@@ -68,11 +69,12 @@ def _batch(step: int, replica: int, vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (MB * MICRO, SEQ + 1), generator=gen)
 
 
-def _gathered(p: torch.Tensor, *, expert: bool, ep_group, tp_group) -> torch.Tensor:
-    """The whole tensor ``p`` (a parameter or its gradient): routed-expert shards concatenated
-    over the EP group (in EP rank order, the experts' order), tensor-parallel shards over TP
-    along their ``partition_dim``."""
-    t = p.detach().contiguous()
+def _gathered(p: torch.Tensor, *, expert: bool, ep_group, tp_group, value: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """The whole ``value`` (default: the parameter ``p`` itself; else e.g. its gradient):
+    routed-expert shards concatenated over the EP group (in EP rank order, the experts' order),
+    tensor-parallel shards over TP along the parameter's ``partition_dim``."""
+    t = (p if value is None else value).detach().contiguous()
     if expert and ep_group is not None and dist.get_world_size(ep_group) > 1:
         parts = [torch.empty_like(t) for _ in range(dist.get_world_size(ep_group))]
         dist.all_gather(parts, t, group=ep_group)
@@ -179,48 +181,57 @@ def test_cp_training_equals_the_same_batch_without_cp(tmp_path, case):
         torch.testing.assert_close(b, ref, **TOL_BIAS)
 
 
-def _model_body(rank: int, world: int, cp: int, ep: int) -> None:
+def _model_body(rank: int, world: int, cp: int, ep: int, tp: int) -> None:
     base = [*BASE, "moe.balancing=aux_loss", "moe.aux_loss_coef=0.5", "train.microbatches=1"]
-    cfg = tiny_cfg(*base, f"parallel.cp={cp}", f"parallel.ep={ep}")
-    ctx = parallel_context(init_distributed(ep=ep, cp=cp))
+    cfg = tiny_cfg(*base, f"parallel.cp={cp}", f"parallel.ep={ep}", f"parallel.tp={tp}")
+    ctx = parallel_context(init_distributed(tp=tp, ep=ep, cp=cp))
     model = build_model(cfg, ep_group=ctx.ep_group).double()
     model.use_context_parallel(ctx.cp_group)
-    ref_model = build_model(tiny_cfg(*base)).double()
     windows = _batch(0, 0, cfg.model.vocab_size)
     inputs, targets, seg = windows[:, :-1], windows[:, 1:], _documents(windows)
     n = SEQ // cp
     mine = slice(ctx.cp_rank * n, (ctx.cp_rank + 1) * n)
-    # The trainer's convention (``_cp_slice``): cp x this rank's share, averaged over CP.
-    # The cross-entropy in fp64 here (the model's own is fp32); the aux loss rides on the
-    # layers' outputs (its gradient only), so the losses compare without it.
+    # The trainer's convention (``_cp_slice``): cp x this rank's share, averaged over CP. The
+    # cross-entropy in fp64 here (the model's own is fp32); the aux loss rides on the layers'
+    # outputs (its gradient only), so the losses compare without it.
     logits = model(inputs[:, mine], segments=seg)
     loss = F.cross_entropy(logits.flatten(0, 1), targets[:, mine].flatten(), reduction="sum") * cp / targets.numel()
     loss.backward()
-    ref = F.cross_entropy(ref_model(inputs, segments=seg).flatten(0, 1), targets.flatten())
-    ref.backward()
     mean = loss.detach().clone()
     dist.all_reduce(mean, group=ctx.cp_group)
-    torch.testing.assert_close(mean / cp, ref.detach(), rtol=0, atol=1e-10)
-    ref_grads = dict(ref_model.named_parameters())
-    aux_grads = 0
+    grads = {}
     for name, p in model.named_parameters():
-        grad = p.grad.clone()
         # Dense weights: summed over their copies, the CP ranks. Experts: over theirs, the
-        # expert-DP group (one rank here: EP = CP); their tokens came through the all-to-all.
+        # expert-DP group (one rank at EP = CP); their tokens came through the all-to-all.
         expert = ".experts." in name
+        grad = p.grad.clone()
         dist.all_reduce(grad, group=ctx.edp_group if expert else ctx.cp_group)
-        if expert:
-            parts = [torch.empty_like(grad) for _ in range(ep)]
-            dist.all_gather(parts, grad, group=ctx.ep_group)
-            grad = torch.cat(parts)
-        torch.testing.assert_close(grad / cp, ref_grads[name].grad, rtol=0, atol=1e-10,
-                                   msg=lambda m: f"{name}: {m}")
-        aux_grads += "router.weight" in name
-    assert aux_grads == 3
+        grads[name] = _gathered(p, value=grad / cp, expert=expert, ep_group=ctx.ep_group, tp_group=ctx.tp_group)
+    # The reference: the same seed at tp = cp = ep = 1 (megatron-core's groups rebuilt).
+    init_distributed()
+    ref_model = build_model(tiny_cfg(*base)).double()
+    ref = F.cross_entropy(ref_model(inputs, segments=seg).flatten(0, 1), targets.flatten())
+    ref.backward()
+    torch.testing.assert_close(mean / cp, ref.detach(), rtol=0, atol=1e-10)
+    routers = 0
+    for name, p in ref_model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=0, atol=1e-10, msg=lambda m: f"{name}: {m}")
+        routers += "router.weight" in name
+    assert routers == 3 and len(grads) == len(dict(ref_model.named_parameters()))
 
 
 @pytest.mark.slow
-def test_ep_cp_model_with_aux_loss_equals_the_whole_sequence():
-    """EP = CP = 2 (the expert group is the CP group: every expert gets tokens of both halves of
-    every window) with the aux loss, documents across the CP boundary."""
-    run_multiprocess(_model_body, 2, 2, 2)
+@pytest.mark.parametrize("world, cp, ep, tp", [(2, 2, 2, 1), (4, 2, 1, 2)], ids=["ep2xcp2", "tp2xcp2"])
+def test_cp_model_with_aux_loss_equals_the_whole_sequence(world, cp, ep, tp):
+    """ep2xcp2: the expert group is the CP group (every expert gets tokens of both halves of
+    every window); tp2xcp2: heads split over TP inside each CP rank. The aux loss on, documents
+    across the CP boundary."""
+    run_multiprocess(_model_body, world, cp, ep, tp)
+
+
+def test_expert_parallel_may_span_context_parallel_ranks():
+    """megatron-core's expert groups lie over DP x CP: ep = 4 fits two replicas of two CP
+    ranks; ep = 3 fits no layout of four ranks, and the message names the size it must divide."""
+    assert check_layout(4, 1, 1, 4, cp=2) == 2
+    with pytest.raises(LayoutError, match=r"parallel.ep=3 must divide data- x tensor- x context-parallel size 4"):
+        check_layout(4, 1, 1, 3, cp=2)
