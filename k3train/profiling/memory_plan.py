@@ -4,7 +4,7 @@ Static part, counted on the meta-device model: parameters (fp32; bf16 autocast k
 copy, the weights are the fp32 ones), gradients (fp32, one per parameter) and optimizer state
 (AdamW: exp_avg + exp_avg_sq, 8 bytes per parameter; Muon: one momentum buffer, 4 bytes), with
 and without ZeRO-1 (each data-parallel rank keeps 1/dp of the dense state, 1/(dp/ep) of the
-experts'). A rank holds its pipeline chunks' layers, 1/tp of the head-sharded weights and
+experts'; under context parallelism dp x cp ranks share them). A rank holds its pipeline chunks' layers, 1/tp of the head-sharded weights and
 1/ep of the routed experts.
 
 Activations: bytes autograd keeps per token for each layer type (KDA, MLA, dense SiTU-GLU,
@@ -299,19 +299,23 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
     if ops not in OPS:
         raise ValueError(f"ops must be one of {', '.join(OPS)}, got {ops!r}")
     p = cfg.parallel
-    if dp % p.ep:
-        raise ValueError(f"parallel.ep={p.ep} must divide the data-parallel size {dp} (EP runs inside DP)")
     cp = getattr(p, "cp", 1) if cp is None else cp
     if cp < 1 or cfg.train.seq_len % cp:
         raise ValueError(f"context parallelism over {cp} ranks needs a train.seq_len divisible by it "
                          f"(got {cfg.train.seq_len})")
+    # The ranks holding copies of the dense weights: ZeRO-1 shards their state over DP x CP,
+    # and the expert groups lie inside them (megatron-core's layout).
+    copies = dp * cp
+    if copies % p.ep:
+        raise ValueError(f"parallel.ep={p.ep} must divide the data-parallel size {dp}"
+                         + (f" x parallel.cp={cp}" if cp > 1 else "") + " (EP runs inside DP x CP)")
     T = cfg.train.seq_len // cp
     tokens = cfg.train.micro_batch_size * T
     per_layer, outer = _param_split(cfg)
     layout = PipelineLayout(cfg.model.num_layers, p.pp, p.vpp)
     C = layout.num_chunks
     opt_bytes = {"adamw": 8, "muon": 4}
-    edp = dp // p.ep
+    edp = copies // p.ep
     plans = []
     w = Widths.of(cfg)
     for r in range(p.pp):
@@ -332,7 +336,7 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
         n_dense = dense["muon"] + dense["adamw"]
         opt = dense["muon"] * 4 + dense["adamw"] * 8 + expert_opt
         plan = RankPlan(pp_rank=r, layers=layers, params=4 * (n_dense + expert), grads=4 * (n_dense + expert),
-                        optimizer=opt, optimizer_zero1=(dense["muon"] * 4 + dense["adamw"] * 8) / dp + expert_opt / edp,
+                        optimizer=opt, optimizer_zero1=(dense["muon"] * 4 + dense["adamw"] * 8) / copies + expert_opt / edp,
                         cp=cp)
         for mode in MODES:
             per_chunk = {}
@@ -407,9 +411,13 @@ def memory_report(cfg: RunConfig, dp: int = 1, cp: int | None = None) -> str:
     CUDA kernels at bf16 (fp32 under precision.recipe=fp32), or the torch forms in fp32 when
     ``train.device=cpu``."""
 
-    if dp < 1 or dp % cfg.parallel.ep:
-        raise UsageError(f"--dp must be a positive multiple of parallel.ep={cfg.parallel.ep} "
-                         f"(expert parallelism runs inside data parallelism), got {dp}")
+    cp_size = cfg.parallel.cp if cp is None else cp
+    if dp < 1 or (dp * cp_size) % cfg.parallel.ep:
+        if cp_size == 1:
+            raise UsageError(f"--dp must be a positive multiple of parallel.ep={cfg.parallel.ep} "
+                             f"(expert parallelism runs inside data parallelism), got {dp}")
+        raise UsageError(f"--dp x --cp must be a positive multiple of parallel.ep={cfg.parallel.ep} "
+                         f"(expert parallelism runs inside data x context parallelism), got {dp} x {cp_size}")
     cpu = cfg.train.device == "cpu"
     ops = "torch" if cpu else "fused-eager" if cfg.kernels.compile is False else "fused"
     act = 4 if cpu or cfg.precision.recipe == "fp32" else 2
