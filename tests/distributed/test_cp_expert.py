@@ -1,22 +1,21 @@
-"""Context parallelism composed with expert parallelism, ZeRO-1, distributed Muon and every
-balancer: a few training steps at ``parallel.cp = 2`` against the same global batch without CP.
+"""Context parallelism composed with expert and tensor parallelism, ZeRO-1, distributed Muon
+and every balancer, against the same global batch without CP.
 
-Model (fp64, ``1e-10``): EP = 2 x CP = 2 with the aux balance loss and documents across the
-CP boundary, each rank's loss as the trainer forms it (``cp`` x its share of the
-cross-entropy, plus its share of the aux loss, ``moe.switch_aux_loss`` over the CP group) and
-its gradients averaged over CP (expert shards gathered over EP), against the one-process
-model on the whole windows: loss and every parameter gradient.
+Model (fp64, ``1e-10``): EP = 2 x CP = 2 and TP = 2 x CP = 2 with the aux balance loss and
+documents across the CP boundary, each rank's loss as the trainer forms it (``cp`` x its share
+of the cross-entropy, plus its share of the aux loss, ``moe.switch_aux_loss`` over the CP
+group) and its gradients averaged over CP (expert shards gathered over EP, TP shards over TP),
+against the one-process model on the whole windows: loss and every parameter gradient.
 
-Trainer:
-Each case runs ``TrainState.train_step`` (the trainer's own slicing, loss divisor, gradient
-reduction, clipping, optimizer and balancer) for ``STEPS`` steps in gloo processes, and the
-reference in one process at cp = ep = 1 with the replicated optimizer, on the same windows (a
-DP = 2 run's two replicas are one batch of twice the microbatches there: the same mean loss,
-gradients and balancing tokens). Everything is fp32 (megatron-core's linears hold fp32
-weights), so the comparison is to fp32 rounding (the tolerances below say how much).
+Trainer (fp32): each case runs ``TrainState.train_step`` (the trainer's own slicing, loss
+divisor, gradient reduction, clipping, optimizer and balancer) for ``STEPS`` steps in gloo
+processes, and the reference in one process at cp = ep = tp = 1 with the replicated optimizer,
+on the same windows (a DP = 2 run's two replicas are one batch of twice the microbatches
+there: the same mean loss, gradients and balancing tokens). megatron-core's linears hold fp32
+weights, so the comparison is to fp32 rounding (the tolerances below say how much).
 Compared: every step's loss and gradient norm, and after the last step every parameter
-(expert shards gathered over EP) and every router bias. Documents start at the CP boundary and
-inside chunks, and cross it (``STARTS``).
+(expert shards gathered over EP, TP shards over TP) and every router bias. Documents start at
+the CP boundary and inside chunks, and cross it (``STARTS``).
 
 Each case would fail with a statistic taken over the wrong group: quantile balancing over DP
 alone (the CP ranks' biases would differ from the reference's, which sees all tokens), the
@@ -30,8 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from k3train.model.model import build_model
 from k3train.errors import LayoutError
+from k3train.model.model import build_model
 from k3train.runtime.distributed import check_layout, init_distributed, parallel_context
 from k3train.trainer.state import TrainState
 from tests.helpers import tiny_cfg
