@@ -138,9 +138,11 @@ CASES = {  # world, cp, ep, tp, overrides, the sizes of the groups the run must 
     # EP = CP = 2 in a world of two: the expert group is the CP group, each expert's tokens come
     # from both halves of every window; quantile balancing over both halves.
     "ep2xcp2-quantile": (2, 2, 2, 1, ["moe.balancing=quantile"], {"loss": 2, "expert_dp": 1}),
-    # The balance loss's f and P over both halves of every window.
-    "cp2-aux-loss": (2, 2, 1, 1, ["moe.balancing=aux_loss", "moe.aux_loss_coef=0.5"],
-                     {"loss": 2, "expert_dp": 2}),
+    # The balance loss's f and P over both halves of every window; under full recompute its
+    # all-reduce runs again in each recomputed forward, on both ranks alike.
+    "cp2-aux-loss-recompute": (2, 2, 1, 1, ["moe.balancing=aux_loss", "moe.aux_loss_coef=0.5",
+                                            "train.recompute=full"],
+                               {"loss": 2, "expert_dp": 2}),
     # Newton-Schulz owners over the two CP ranks (dense blocks; each expert shard has one
     # holder), aux-free balancing.
     "ep2xcp2-muon-distributed": (2, 2, 2, 1, ["optim.name=muon", "optim.muon_distributed=true",
