@@ -124,19 +124,42 @@ def aux_free_update(bias: torch.Tensor, tokens_per_expert: torch.Tensor,
 
 
 def switch_aux_loss(scores: torch.Tensor, indices: torch.Tensor, num_experts: int,
-                    topk: int) -> torch.Tensor:
+                    topk: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Switch-style balance loss ``E * sum_e f_e P_e``; 1.0 when perfectly balanced.
 
     scores: ``[N, E]`` sigmoid scores (in the graph); indices: ``[N, k]``.
     ``f_e`` = fraction of the N*k routed slots going to e (no gradient);
     ``P_e`` = mean over tokens of the per-token normalised scores (carries the gradient).
+
+    group: the ranks holding the other parts of the same sequences (context parallelism), or
+    None. Then ``f`` and ``P`` are over the tokens of all its ``W`` ranks and each rank returns
+    its share ``W * E * sum_e f_e S_e / N`` (``S_e`` its own tokens' summed normalised scores,
+    ``N`` all ranks' tokens): the shares average to the loss of the whole sequences, and so do
+    their gradients, whose mean over the ranks the trainer takes. Only the counts cross ranks
+    (one all-reduce of ``E + 1`` values, no autograd).
     """
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        return _switch_aux_loss_share(scores, indices, num_experts, topk, group)
     n = scores.shape[0]
     if n == 0:
         return scores.sum() * 0.0
     f = expert_load(indices, num_experts).to(scores.dtype) / (n * topk)
     p = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=0)
     return num_experts * (f * p).sum()
+
+
+def _switch_aux_loss_share(scores: torch.Tensor, indices: torch.Tensor, num_experts: int,
+                           topk: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's share of ``switch_aux_loss`` over ``group`` (its docstring)."""
+    world = dist.get_world_size(group)
+    counts = torch.cat([expert_load(indices, num_experts),
+                        torch.tensor([scores.shape[0]], dtype=torch.int64, device=indices.device)])
+    dist.all_reduce(counts, group=group)
+    # No host read: with no token anywhere ``s`` is all zeros and the share is 0 (n clamped).
+    n = counts[-1].clamp(min=1).to(scores.dtype)
+    f = counts[:-1].to(scores.dtype) / (n * topk)
+    s = (scores / scores.sum(dim=-1, keepdim=True)).sum(dim=0)
+    return world * num_experts * (f * s).sum() / n
 
 
 class Balancer:
@@ -160,8 +183,10 @@ class Balancer:
         """Read the layer's routing of this step (all microbatches, ``moe_layer.routing``, a
         ``RoutingRecord``) and overwrite ``moe_layer.router.bias`` in place.
 
-        group: ranks that saw different tokens of this layer (DP x EP); when given, the
-        statistics are combined over it so every rank writes the same bias. None = local only.
+        group: ranks that saw different tokens of this layer (DP x CP: the data-parallel
+        replicas and the context-parallel ranks holding the other parts of their sequences;
+        EP lies inside it); when given, the statistics are combined over it so every rank
+        writes the same bias. None = local only.
         """
         if not self.updates_bias:
             return

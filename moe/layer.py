@@ -39,6 +39,11 @@ class LatentMoE(nn.Module):
             ``self.routing.aux_loss`` (in the graph, ready to be added to the loss).
         init_std: std of all weight inits.
 
+    ``cp_group``: the context-parallel group (None without CP; set by the model's
+    ``use_context_parallel``). Routing is per token and needs nothing from it; the balance
+    loss takes its statistics over it (``switch_aux_loss``), so that it is the loss of the
+    whole sequences and not of this rank's slice.
+
     State written by forward: ``self.routing``, the layer's ``RoutingRecord`` (the routing,
     per-expert counts, dropped slots and aux loss of its forwards; read by the balancer, the
     load metrics and the CUDA-graph wrapper, cleared by the trainer after each step).
@@ -70,6 +75,7 @@ class LatentMoE(nn.Module):
         nn.init.normal_(self.down.weight, std=init_std)
         nn.init.normal_(self.up.weight, std=init_std)
         self.routing = RoutingRecord()
+        self.cp_group = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ``[B, T, d]`` or ``[N, d]`` -> same shape and dtype."""
@@ -85,7 +91,7 @@ class LatentMoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(x2)
         aux_loss = (self.aux_loss_coef * switch_aux_loss(
-            routing.scores, routing.indices, self.num_experts, self.topk)
+            routing.scores, routing.indices, self.num_experts, self.topk, self.cp_group)
             if self.aux_loss_coef > 0 else None)
         self.routing.add(routing, tokens_per_expert, state.dropped, aux_loss,
                          training=self.training and torch.is_grad_enabled())

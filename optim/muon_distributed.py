@@ -7,7 +7,8 @@ gradient, repeated on each of the group's ``W`` ranks. ``DistributedMuon`` split
 * Units are Newton-Schulz blocks: a 2-D matrix is one block ``[A, B]``, a per-head matrix
   ``H`` blocks ``[A/H, B]``, a routed-expert stack ``[S, A, B]`` its ``S`` matrices.
 * Each block has one owner in the group its parameter is replicated over (dense weights: the
-  data-parallel group; routed experts: the expert-data-parallel group), chosen by
+  data-parallel group, with the context-parallel ranks under CP; routed experts: the
+  expert-data-parallel group, which spans CP), chosen by
   ``plan_ns_owners``: largest Newton-Schulz FLOPs first, each to the least-loaded rank, ties by
   position and lowest rank. Every rank derives the same plan from the same parameter list.
 * Every rank advances the momentum of every matrix (elementwise, cheap; the state stays

@@ -112,7 +112,9 @@ class ShardedOptimizer:
     the process groups (``GradGroups``; all None: one rank). AdamW entries and Muon matrices
     are sharded / owned over ``groups.dp``; entries whose name satisfies ``is_expert`` over
     ``groups.expert_dp`` instead (assuming, as in megatron-core's layout, that the DP group is
-    the union of disjoint expert-DP groups each holding a different expert shard). Gradients
+    the union of disjoint expert-DP groups each holding a different expert shard). Under
+    context parallelism ``groups.dp`` is the DP x CP group (every rank of it holds the dense
+    weights) and megatron-core's expert-DP group spans CP, so both shard over CP too. Gradients
     follow ``optim.grads``' convention: un-scaled per-rank ``p.grad`` in, the gradient of the
     DP-mean loss out (summed over the copies, divided by the DP size, experts included).
     The norm sums TP-shard squares over ``groups.tp`` and the total over ``groups.pp``.

@@ -60,18 +60,13 @@ def cuda_graph_refusal(cfg: RunConfig, *, device: str | None = None) -> str | No
 
 def _cp_refusal(cfg: RunConfig) -> str | None:
     """The first rule a ``parallel.cp > 1`` config breaks (one line), or None. Context
-    parallelism is wired with DP and PP (any vpp) (docs/long_context.md, "what is built")."""
+    parallelism is wired with DP, PP (any vpp), EP, TP, ZeRO-1, Muon and every balancer
+    (docs/long_context.md, "what is built")."""
     p, t = cfg.parallel, cfg.train
-    unwired = [(f"parallel.ep={p.ep}", p.ep > 1), (f"parallel.tp={p.tp}", p.tp > 1),
-               ("optim.zero1=true", cfg.optim.zero1),
-               ("moe.balancing=aux_loss", cfg.moe.balancing == "aux_loss"
-                and cfg.model.dense_layers < cfg.model.num_layers),
-               ("train.cuda_graph=true", t.cuda_graph is True)]
-    for what, present in unwired:
-        if present:
-            return (f"parallel.cp={p.cp} with {what}: not wired yet (context parallelism runs with "
-                    f"data and pipeline parallelism, ep=tp=1, zero1=false, no aux-loss balancing, "
-                    f"no CUDA graphs); change {what.split('=')[0]} or use parallel.cp=1")
+    if t.cuda_graph is True:
+        return (f"parallel.cp={p.cp} with train.cuda_graph=true: not wired yet (context parallelism "
+                f"runs with every other layout but not CUDA graphs); change train.cuda_graph or use "
+                f"parallel.cp=1")
     if t.seq_len % p.cp:
         return (f"train.seq_len={t.seq_len} is not divisible by parallel.cp={p.cp} (each CP rank "
                 f"holds seq_len/cp contiguous tokens); use a multiple of {p.cp}")

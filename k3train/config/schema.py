@@ -376,8 +376,8 @@ class ParallelConfig(_Strict):
     """Context-parallel ranks: each sequence split into cp contiguous chunks of seq_len/cp tokens,
     one per rank (docs/long_context.md). KDA folds its state over the ranks, the short convs take
     a halo from the previous rank, MLA all-gathers its compact latent; weight gradients are
-    reduced over DP x CP. World = tp * pp * cp * dp. Wired for now with data and pipeline
-    parallelism (any vpp): cp > 1 is refused with ep or tp above 1, ZeRO-1, aux-loss balancing
+    reduced over DP x CP. World = tp * pp * cp * dp. Composes with DP, PP (any vpp), EP (the
+    expert group may span CP x DP), TP, ZeRO-1, Muon and every balancer; refused for now with
     and CUDA graphs. Document masking crosses ranks (a document that spans ranks passes state)."""
 
 

@@ -181,10 +181,13 @@ class K3Chunk(nn.Module):
         what it needs over the context-parallel ``group`` (KDA's state fold and conv halo, MLA's
         latent; ``k3train.ops.context_parallel``); ``log`` records the bytes. Per-token parts
         (embedding, norms, AttnRes, FFN/MoE, head) need nothing. Every rank of the group must
-        run every forward and backward (the exchanges are collectives)."""
+        run every forward and backward (the exchanges are collectives). The MoE layers take their
+        balance loss's statistics over ``group`` (``moe.switch_aux_loss``)."""
         self.cp_log = log
         for layer in self.layers:
             layer.mixer.cp_group, layer.mixer.cp_log = group, log
+            if isinstance(layer.ffn, LatentMoE):  # its balance loss counts every rank's tokens
+                layer.ffn.cp_group = group
 
     def forward(self, x, targets: torch.Tensor | None = None, segments: torch.Tensor | None = None,
                 loss_tokens: float | torch.Tensor | None = None):

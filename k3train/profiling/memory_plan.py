@@ -5,7 +5,8 @@ in ``precision.param_dtype`` (4 fp32, 2 bf16), one fp32 gradient (main_grad, 4),
 copy (4) only under bf16 weights, and the optimizer's moments in ``optim.state_dtype`` (AdamW two,
 Muon one momentum buffer; 4 or 2 bytes each). Under ZeRO-1 the main copy and the moments are
 divided by the shard count: data parallel for dense weights, expert data parallel (dp/ep) for
-the routed experts; weights and gradients are not. A rank holds its pipeline chunks' layers,
+the routed experts; weights and gradients are not. Under context parallelism the dp x cp
+ranks share them (ZeRO-1 shards over DP x CP, the expert groups lie inside it). A rank holds its pipeline chunks' layers,
 1/tp of the head-sharded weights and 1/ep of the routed experts.
 
 Activations: bytes autograd keeps per token for each layer type (KDA, MLA, dense SiTU-GLU,
@@ -402,18 +403,22 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
     if ops not in OPS:
         raise ValueError(f"ops must be one of {', '.join(OPS)}, got {ops!r}")
     p = cfg.parallel
-    if dp % p.ep:
-        raise ValueError(f"parallel.ep={p.ep} must divide the data-parallel size {dp} (EP runs inside DP)")
     cp = getattr(p, "cp", 1) if cp is None else cp
     if cp < 1 or cfg.train.seq_len % cp:
         raise ValueError(f"context parallelism over {cp} ranks needs a train.seq_len divisible by it "
                          f"(got {cfg.train.seq_len})")
+    # The ranks holding copies of the dense weights: ZeRO-1 shards their state over DP x CP,
+    # and the expert groups lie inside them (megatron-core's layout).
+    copies = dp * cp
+    if copies % p.ep:
+        raise ValueError(f"parallel.ep={p.ep} must divide the data-parallel size {dp}"
+                         + (f" x parallel.cp={cp}" if cp > 1 else "") + " (EP runs inside DP x CP)")
     T = cfg.train.seq_len // cp
     tokens = cfg.train.micro_batch_size * T
     per_layer, outer = _param_split(cfg)
     layout = PipelineLayout(cfg.model.num_layers, p.pp, p.vpp)
     C = layout.num_chunks
-    edp = dp // p.ep
+    edp = copies // p.ep
     state = StateLayout.of(cfg) if state is None else state
     plans = []
     w = Widths.of(cfg)
@@ -434,11 +439,11 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
             first = outer["first_" + opt]
             held = (first if 0 in chunks else 0) + (outer[opt] - first if C - 1 in chunks else 0)
             setattr(n, "dense_" + opt, getattr(n, "dense_" + opt) + held)
-        full = n.static_bytes(StateLayout(state.param_dtype, state.state_dtype, False), dp, edp)
-        z1 = n.static_bytes(StateLayout(state.param_dtype, state.state_dtype, True), dp, edp)
+        full = n.static_bytes(StateLayout(state.param_dtype, state.state_dtype, False), copies, edp)
+        z1 = n.static_bytes(StateLayout(state.param_dtype, state.state_dtype, True), copies, edp)
         plan = RankPlan(pp_rank=r, layers=layers, params=full["params"], grads=full["grads"],
                         optimizer=full["optimizer"], optimizer_zero1=z1["optimizer"], master=full["master"],
-                        master_zero1=z1["master"], counts=n, dp=dp, edp=edp, cp=cp)
+                        master_zero1=z1["master"], counts=n, dp=copies, edp=edp, cp=cp)
         schedule = None
         for mode in MODES:
             per_chunk = {}
@@ -516,9 +521,13 @@ def memory_report(cfg: RunConfig, dp: int = 1, cp: int | None = None) -> str:
     CUDA kernels at bf16 (fp32 under precision.recipe=fp32), or the torch forms in fp32 when
     ``train.device=cpu``."""
 
-    if dp < 1 or dp % cfg.parallel.ep:
-        raise UsageError(f"--dp must be a positive multiple of parallel.ep={cfg.parallel.ep} "
-                         f"(expert parallelism runs inside data parallelism), got {dp}")
+    cp_size = cfg.parallel.cp if cp is None else cp
+    if dp < 1 or (dp * cp_size) % cfg.parallel.ep:
+        if cp_size == 1:
+            raise UsageError(f"--dp must be a positive multiple of parallel.ep={cfg.parallel.ep} "
+                             f"(expert parallelism runs inside data parallelism), got {dp}")
+        raise UsageError(f"--dp x --cp must be a positive multiple of parallel.ep={cfg.parallel.ep} "
+                         f"(expert parallelism runs inside data x context parallelism), got {dp} x {cp_size}")
     cpu = cfg.train.device == "cpu"
     ops = "torch" if cpu else "fused-eager" if cfg.kernels.compile is False else "fused"
     act = 4 if cpu or cfg.precision.recipe == "fp32" else 2

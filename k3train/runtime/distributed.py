@@ -75,9 +75,12 @@ def check_layout(world_size: int, tp: int, pp: int, ep: int, vpp: int = 1, cp: i
             f"launch a multiple of {tp * pp * cp} processes or change {names}"
         )
     dp = world_size // (tp * pp * cp)
-    if (dp * tp) % ep:
+    # megatron-core lays the expert groups over the ranks of one pipeline stage whatever CP
+    # does, so under CP the expert-parallel group may span the CP ranks of a replica and DP.
+    if (dp * tp * cp) % ep:
+        size = "data-parallel x tensor-parallel" if cp == 1 else "data- x tensor- x context-parallel"
         raise LayoutError(
-            f"parallel.ep={ep} must divide data-parallel x tensor-parallel size {dp * tp} "
+            f"parallel.ep={ep} must divide {size} size {dp * tp * cp} "
             f"(world {world_size} / pp {pp})"
         )
     return dp

@@ -144,8 +144,9 @@ def test_fp8_recipe_offers_only_what_runs():
 # wrong and what is allowed (k3train.config.layout_rules.layout_refusal; the rules needing the world size are in
 # k3train.runtime.distributed.check_layout).
 LAYOUT_REFUSALS = {
-    "cp-with-ep": (["parallel.cp=2", "parallel.ep=2"], "parallel.cp",
-                   "parallel.cp=2 with parallel.ep=2: not wired yet", "change parallel.ep or use parallel.cp=1"),
+    "cp-with-cuda-graph": (["parallel.cp=2", "train.cuda_graph=true"], "parallel.cp",
+                           "parallel.cp=2 with train.cuda_graph=true: not wired yet",
+                           "change train.cuda_graph or use parallel.cp=1"),
     "cp-seq-len": (["parallel.cp=3", "train.seq_len=64"], "train.seq_len",
                    "train.seq_len=64 is not divisible by parallel.cp=3", "use a multiple of 3"),
     "cp-too-short": (["parallel.cp=32", "train.seq_len=64"], "train.seq_len",
@@ -199,8 +200,10 @@ def test_layout_refusals_name_the_field_in_one_line(overrides, field, wrong, all
     ["train.cuda_graph=true", "train.device=cuda", "data.document_mask=false"],
     ["train.cuda_graph=true", "parallel.pp=2", "precision.recipe=fp8", "data.document_mask=false"],  # chunk graphs
     ["train.cuda_graph=true", "parallel.ep=2", "moe.capacity_factor=1.25", "data.document_mask=false"],  # static
+    ["parallel.cp=2", "parallel.ep=2", "optim.zero1=true", "moe.balancing=aux_loss"],
+    ["parallel.cp=2", "parallel.tp=2", "optim.name=muon"],
 ], ids=["pp-vpp", "ep-static", "ep-pp", "tp-pp", "dense-ep", "graph-auto", "graph-on", "graph-pp-fp8",
-        "graph-ep-static"])
+        "graph-ep-static", "cp-ep-zero1-aux", "cp-tp"])
 def test_valid_layouts_load(overrides):
     cfg = load_config("configs/k3_tiny.yaml", overrides)
     for text in overrides:
