@@ -36,6 +36,9 @@ def cuda_graph_blockers(cfg: RunConfig, *, device: str | None = None) -> dict[st
     if dev not in ("cuda", "auto"):
         out["train.device"] = (f"train.cuda_graph needs a CUDA device, this run is on {dev} "
                                f"(train.device={cfg.train.device})")
+    if cfg.train.offload_activations:
+        out["train.offload_activations"] = ("train.cuda_graph cannot capture the host copies of "
+                                            "train.offload_activations=true")
     if cfg.data.masks_documents:
         out["data.document_mask"] = ("train.cuda_graph replays recorded steps, but document masking "
                                      "reads each batch's boundaries on the host (data.document_mask=true)")

@@ -26,9 +26,16 @@ holders (``k3train/model/forward_state.py``, the protocol the CUDA-graph wrapper
 before a recompute and restores them after, so balancers and metrics see each forward once.
 Routing itself is identical on recompute: the inputs are the stored ones, the router bias only
 changes after the optimizer step, and the model draws no random numbers.
+
+Offload (``train.offload_activations``, ``k3train/model/offload.py``): the hooks of an
+``ActivationOffload`` are opened around the checkpoint call, so what the region keeps (its
+inputs; under ``selective`` also the cores' kept outputs and saved tensors, which go through the
+hooks active at the call) is kept in host memory, and what is saved inside the region stays a
+checkpoint placeholder.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -37,6 +44,7 @@ from torch.utils.checkpoint import checkpoint
 
 from k3train.config.schema import RECOMPUTE_MODES
 from k3train.model.forward_state import forward_state_holders, restore, snapshot
+from k3train.model.offload import ActivationOffload
 from pipeline.stage_io import StageIO
 
 # The region being run (forward or recompute) on this thread. Thread-local because CUDA backward
@@ -106,34 +114,44 @@ def keep_output(fn, *args, **kwargs) -> torch.Tensor:
     return out
 
 
-def run_layer(layer: nn.Module, io: StageIO, mode: str) -> StageIO:
+def _offloading(offload: ActivationOffload | None):
+    return offload.hooks() if offload is not None else contextlib.nullcontext()
+
+
+def run_layer(layer: nn.Module, io: StageIO, mode: str, offload: ActivationOffload | None = None) -> StageIO:
     """``layer(io)`` under the recompute ``mode`` (one of ``RECOMPUTE_MODES``).
 
     Without grad (eval) there is nothing to recompute and the layer runs plainly. The region's
     inputs are ``io.hidden`` (``[B, T, D]`` or None) and the blocks ``[B, T, D]`` in id order.
     preserve_rng_state=False: no K3 layer draws random numbers (no dropout), and reading the CUDA
     RNG state would be recorded by a CUDA graph capture; a layer that adds dropout must revisit it.
+    offload: keep what the region saves in host memory (module docstring); only with recompute,
+    whose regions save little (``train.offload_activations`` needs ``full`` or ``selective``).
     """
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"train.recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
     if mode == "none" or not torch.is_grad_enabled():
         return layer(io)
     ids = sorted(io.blocks)
-    region = _LayerRegion(layer=layer, block_ids=ids, selective=mode == "selective",
-                          outer_hooks=torch._C._autograd._top_saved_tensors_default_hooks(False),
-                          segments=io.segments)
-    return checkpoint(region, io.hidden, *(io.blocks[i] for i in ids),
-                      use_reentrant=False, preserve_rng_state=False)
+    with _offloading(offload):
+        region = _LayerRegion(layer=layer, block_ids=ids, selective=mode == "selective",
+                              outer_hooks=torch._C._autograd._top_saved_tensors_default_hooks(False),
+                              segments=io.segments)
+        return checkpoint(region, io.hidden, *(io.blocks[i] for i in ids),
+                          use_reentrant=False, preserve_rng_state=False)
 
 
-def run_depth_mix(mix: nn.Module, sources: list[torch.Tensor], mode: str) -> torch.Tensor:
+def run_depth_mix(mix: nn.Module, sources: list[torch.Tensor], mode: str,
+                  offload: ActivationOffload | None = None) -> torch.Tensor:
     """``mix(sources)`` (the final AttnRes depth mix, outside every layer region) under ``mode``.
 
     With recompute on, it runs in its own checkpoint region: its inputs are the blocks, already
     stored once, so nothing new is kept; without it the torch form would keep a stacked fp32
     copy of every block (``S x [B, T, D]``, twice), which made AttnRes cost more than the
     standard residual under ``full``. sources: S tensors ``[B, T, D]`` -> ``[B, T, D]``.
+    offload: its inputs (the blocks, copied once for every region that saves them) on the host.
     """
     if mode == "none" or not torch.is_grad_enabled():
         return mix(sources)
-    return checkpoint(lambda *s: mix(list(s)), *sources, use_reentrant=False, preserve_rng_state=False)
+    with _offloading(offload):
+        return checkpoint(lambda *s: mix(list(s)), *sources, use_reentrant=False, preserve_rng_state=False)

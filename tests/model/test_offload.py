@@ -1,0 +1,90 @@
+"""train.offload_activations (k3train/model/offload.py): what recompute keeps, in host memory.
+
+Reference: the same model (same seed, same recompute mode) without offload. The round trip is a
+copy, so on CPU fp32 losses and every gradient must be bitwise equal (rtol = atol = 0). That the
+hooks acted is checked by counting what they copied against the regions' inputs counted by hand
+from the layer pattern (a hook that copies nothing, or copies a shared block once per reader,
+fails the counts).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3train.config import ConfigError
+from k3train.model.model import build_model
+from k3train.model.offload import ActivationOffload
+from tests.helpers import tiny_cfg
+
+EXACT = dict(rtol=0, atol=0)
+B, T, D = 2, 16, 32
+
+
+def _cfg(mode: str, attnres: bool, offload: bool):
+    # KDA, MLA, KDA, MLA; one dense layer then MoE; AttnRes blocks of 2 layers.
+    return tiny_cfg("model.layer_pattern=KM", "model.dense_layers=1", f"model.attnres.enabled={attnres}",
+                    "model.attnres.block_size=2", f"train.recompute={mode}",
+                    f"train.offload_activations={offload}")
+
+
+def _run(cfg):
+    tokens = torch.randint(0, 257, (B, T + 1), generator=torch.Generator().manual_seed(3))
+    model = build_model(cfg)
+    if model.offload is not None:
+        model.offload.min_bytes = 0   # the tiny model's tensors are far below the default 1 MiB
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    stats_after_forward = None if model.offload is None else dict(vars(model.offload.stats))
+    loss.backward()
+    return model, loss.detach(), {n: p.grad for n, p in model.named_parameters()}, stats_after_forward
+
+
+@pytest.mark.parametrize("attnres", [True, False], ids=["attnres", "standard"])
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_offload_is_bitwise_and_copies_what_recompute_keeps(world1, mode, attnres):
+    _, ref_loss, ref_grads, _ = _run(_cfg(mode, attnres, False))
+    model, loss, grads, fwd = _run(_cfg(mode, attnres, True))
+    torch.testing.assert_close(loss, ref_loss, **EXACT)
+    assert grads.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        assert g is not None, name
+        torch.testing.assert_close(grads[name], g, **EXACT, msg=lambda s: f"{mode} {name}: {s}")
+    stats = model.offload.stats
+    act = B * T * D * 4   # one [B, T, D] fp32 activation
+    if mode == "full" and attnres:
+        # Region inputs: L0 (block 0), L1 (partial, block 0), L2 (blocks 0, 1), L3 (partial,
+        # blocks 0, 1), the final mix (blocks 0, 1, 2): 11 saves of 5 distinct tensors.
+        assert (fwd["offloaded"], fwd["shared"], fwd["offloaded_bytes"]) == (5, 6, 5 * act)
+        assert stats.restored == 11   # each region's recompute brought its inputs back once
+    elif mode == "full":
+        # One hidden state per layer, the embedding's included; nothing shared.
+        assert (fwd["offloaded"], fwd["shared"], fwd["offloaded_bytes"]) == (4, 0, 4 * act)
+        assert stats.restored == 4
+    else:
+        # selective also keeps the four cores' outputs and their saved tensors, and brings
+        # back what the backward reads.
+        inputs = 5 if attnres else 4
+        assert fwd["offloaded"] > inputs + 4 and stats.restored > inputs + 4
+
+
+def test_shared_tensor_is_copied_once_and_again_after_an_inplace_change():
+    off = ActivationOffload(min_bytes=0)
+    x = torch.arange(6.0).reshape(2, 3)
+    a, b = off.pack(x), off.pack(x)
+    assert a is b and off.stats.offloaded == 1 and off.stats.shared == 1
+    assert a.host.data_ptr() != x.data_ptr()   # a copy, not the tensor itself
+    x.add_(1)                                   # a new version: a new copy
+    c = off.pack(x)
+    assert c is not a and off.stats.offloaded == 2
+    torch.testing.assert_close(off.unpack(a), torch.arange(6.0).reshape(2, 3), **EXACT)
+    torch.testing.assert_close(off.unpack(c), torch.arange(6.0).reshape(2, 3) + 1, **EXACT)
+    small = ActivationOffload(min_bytes=1 << 20)
+    assert small.pack(x) is x and small.stats.kept == 1
+
+
+def test_offload_needs_recompute_and_rules_out_cuda_graphs():
+    with pytest.raises(ConfigError, match="train.offload_activations=true .* needs train.recompute=full or selective"):
+        _cfg("none", True, True)
+    cfg = tiny_cfg("train.recompute=full", "train.offload_activations=true", "data.document_mask=false")
+    assert "train.offload_activations" in cfg.cuda_graph_blockers(device="cuda")
+    assert "train.offload_activations" not in tiny_cfg(
+        "train.recompute=full", "data.document_mask=false").cuda_graph_blockers(device="cuda")
