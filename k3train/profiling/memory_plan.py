@@ -26,6 +26,11 @@ per MLA layer the all-gathered latent of the whole sequence and the keys and val
 from it, which the attention saves for backward (counted for the last CP rank, whose queries
 see every key); per KDA layer the fold's fp32 states (its own end state and transition, the
 folded initial state, ``[H, K, V + K]`` and ``[H, K, V]``). ``cp_extra`` in the plan.
+
+Offload (``train.offload_activations``, k3train/model/offload.py): under ``full`` and
+``selective`` what the layers' regions keep moves to host memory (``host_offload`` in the plan,
+the schedule's peak of it); the device keeps the head's activations and, while a layer is
+recomputed, that layer's kept bytes copied back on top of its recomputed activations.
 """
 from __future__ import annotations
 
@@ -170,7 +175,9 @@ def layer_bytes_per_token(cfg: RunConfig, index: int, mode: str, ops: str, T: in
     kind = expand_layer_pattern(m.layer_pattern, m.num_layers)[index]
     attnres = m.attnres.enabled
     bs = m.attnres.block_size
-    inputs = w.D * a if not attnres else w.D * a * ((index % bs != 0) + ((index + 1) % bs == 0))
+    # With AttnRes: the block's partial sum (none where the layer opens a block, except layer 0,
+    # whose region keeps block 0, the embedding, made outside every layer) and the block it closes.
+    inputs = w.D * a if not attnres else w.D * a * ((index % bs != 0 or index == 0) + ((index + 1) % bs == 0))
     if mode == "full":
         return inputs
     mixer = (_kda if kind == "K" else _mla)(w, T, a, f, ops, mode)
@@ -238,6 +245,7 @@ class RankPlan:
     attnres_cache: float = 0.0
     moe_buffers: float = 0.0
     cp_extra: dict[str, float] = field(default_factory=dict)       # context parallelism, per mode
+    host_offload: dict[str, float] = field(default_factory=dict)   # train.offload_activations: host bytes, per mode
 
     def total(self, mode: str, zero1: bool) -> float:
         return (self.params + self.grads + (self.optimizer_zero1 if zero1 else self.optimizer)
@@ -314,6 +322,7 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
     edp = dp // p.ep
     plans = []
     w = Widths.of(cfg)
+    offload = cfg.train.offload_activations
     for r in range(p.pp):
         chunks = layout.chunks_of_rank(r)
         layers = [i for c in chunks for i in layout.layer_range(c)]
@@ -335,12 +344,17 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
                         optimizer=opt, optimizer_zero1=(dense["muon"] * 4 + dense["adamw"] * 8) / dp + expert_opt / edp,
                         cp=cp)
         for mode in MODES:
-            per_chunk = {}
+            per_chunk, host = {}, {}
             for c in chunks:
                 b = sum(layer_bytes_per_token(cfg, i, mode, ops, T, act_bytes) for i in layout.layer_range(c))
+                if offload and mode != "none":
+                    host[c], b = b * tokens, 0.0   # what the layers' regions keep is in host memory
                 if c == C - 1:
                     b += head_bytes_per_token(cfg, mode, ops, act_bytes)
                 per_chunk[c] = b * tokens
+            if host:
+                plan.host_offload[mode] = (host[chunks[0]] if C == 1 else
+                                           _schedule_peak(p.pp, p.vpp, cfg.train.microbatches, r, host)[0])
             plan.activations[mode] = sum(per_chunk.values())
             if C == 1:
                 plan.peak_activations[mode], plan.in_flight = per_chunk[0], 1
@@ -349,6 +363,8 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
                     p.pp, p.vpp, cfg.train.microbatches, r, per_chunk)
             if mode != "none":
                 live = max(_recomputed_bytes_per_token(cfg, i, mode, ops, T, act_bytes) for i in layers)
+                if offload:   # the recomputed layer's kept bytes, copied back for its backward
+                    live += max(layer_bytes_per_token(cfg, i, mode, ops, T, act_bytes) for i in layers)
                 plan.peak_activations[mode] += live * tokens
         if cfg.model.attnres.enabled and C > 1:
             # Blocks a later local chunk reads: every block made before the rank's last chunk.
@@ -391,6 +407,11 @@ def format_plan(cfg: RunConfig, plans: list[RankPlan], *, dp: int, ops: str) -> 
     if len(plans) > len(shown):
         lines.append(f"  ({len(plans) - len(shown)} lighter pp ranks not shown)")
     top = {(m, z): max(q.total(m, z) for q in plans) / GiB for m in MODES for z in (False, True)}
+    if any(q.host_offload for q in plans):
+        lines.append("in pinned host memory (train.offload_activations), heaviest rank: "
+                     + ", ".join(f"{m}: {max(q.host_offload[m] for q in plans) / GiB:.2f} GiB"
+                                 for m in MODES if m in plans[0].host_offload)
+                     + "; not in the totals below")
     if cp > 1:
         lines.append("CP exchanges kept (gathered MLA latent and expanded keys/values, KDA fold states), last CP rank: "
                      + ", ".join(f"{m}: {max(q.cp_extra[m] for q in plans) / GiB:.2f} GiB" for m in MODES))
