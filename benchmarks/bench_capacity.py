@@ -4,8 +4,8 @@ from 4K to it, where a layer's time goes as the sequence grows, and what documen
     python3 -m benchmarks.bench_capacity --config configs/k3_mini.yaml --budget-s 540 --json OUT/mini.json
     python3 -m benchmarks.bench_capacity --config configs/k3_mini.yaml --modes full+offload \\
         --min-seq 1048576 --parts modes --budget-s 560 --json OUT/mini_1m.json     # K3's 1M on one GPU
-    python3 -m benchmarks.bench_capacity --config configs/k3_slice.yaml --modes full --parts modes \\
-        --budget-s 560 --json OUT/slice.json
+    python3 -m benchmarks.bench_capacity --config configs/k3_slice.yaml --modes none,selective,full \\
+        --one-child --parts modes --budget-s 560 --json OUT/slice.json
     python3 -m benchmarks.bench_capacity --quick --json OUT/quick.json            # 4K..32K, ~3 min
     python3 -m benchmarks.bench_capacity --device cpu --small --min-seq 32 --max-seq 256 \\
         --mask-seqs 64 --fake-oom-tokens 128 --budget-s 300                       # CPU dry run
@@ -22,8 +22,10 @@ Parts (``--parts``, default all three, in this order, sharing ``--budget-s``):
   before it is the longest that trains; ``--refine N`` then bisects N times between the two in
   multiples of ``min-seq``. Each mode runs in a child process of its own, so that an out-of-memory
   or a crashed kernel in one mode leaves the others' memory and CUDA context clean; rows come
-  back line by line, so a killed child keeps what it measured. Each row also carries the
-  memory planner's prediction (``k3train model-info``) for comparison.
+  back line by line, so a killed child keeps what it measured. ``--one-child`` runs every mode
+  in one child instead, the model built once and its recompute mode switched between modes (it
+  is read only in the forward): for the K3 slice, whose build takes minutes. Each row also
+  carries the memory planner's prediction (``k3train model-info``) for comparison.
 * ``split``: where a layer's time goes, at each length up to the longest any mode trained: the
   forward + backward of one KDA mixer, one MLA mixer and one MoE FFN of the model on their own
   (``[1, T, D]`` input, bf16 autocast, no recompute, CUDA events), in ms and in ms per 1K tokens;
@@ -62,7 +64,8 @@ from benchmarks.bench_step import SMALL, ours
 from benchmarks.common import save_json, timeit
 from k3train.config import load_config
 from k3train.config.layer_pattern import expand_layer_pattern
-from k3train.model.model import build_model
+from k3train.model.model import K3Chunk, build_model
+from k3train.model.offload import ActivationOffload
 from k3train.profiling.memory_plan import plan_memory
 from k3train.runtime.distributed import init_distributed
 from k3train.trainer.state import TrainState, autocast_for
@@ -267,15 +270,30 @@ def _measure(state, T: int, args) -> dict:
     return row
 
 
+def _switch_mode(state, mode: str) -> None:
+    """Run ``state``'s model under recompute ``mode`` from now on: the model reads
+    ``train.recompute`` and ``train.offload_activations`` only in its forward (``K3Chunk``), so
+    this is the model the mode's config builds, with the same weights, without building it again
+    (the K3 slice takes minutes to build)."""
+    base, _, extra = mode.partition("+")
+    for module in state.model.modules():
+        if isinstance(module, K3Chunk):
+            module.recompute = base
+            module.offload = ActivationOffload() if extra == "offload" else None
+
+
 def worker_mode(args) -> None:
-    """One recompute mode's lengths; a JSON line per row into ``--worker-out``."""
+    """The lengths of each recompute mode of ``--worker`` (a comma list) in this one process, the
+    model built once; a JSON line per row (with its ``mode``) into ``--worker-out``. Each mode gets
+    an equal share of the time left when it starts."""
+    modes = args.worker.split(",")
     lengths = doubling_lengths(args.min_seq, args.max_seq)
-    cfg = load_config(args.config, [*_base_overrides(args, lengths[0]), *_mode_overrides(args.worker),
+    cfg = load_config(args.config, [*_base_overrides(args, lengths[0]), *_mode_overrides(modes[0]),
                                     "train.cuda_graph=false", "data.document_mask=false"])
     out = open(args.worker_out, "a")
 
-    def report(row):
-        out.write(json.dumps(row) + "\n")
+    def report(row, mode=None):
+        out.write(json.dumps(row if mode is None else dict(row, mode=mode)) + "\n")
         out.flush()
 
     t0 = time.monotonic()
@@ -287,9 +305,12 @@ def worker_mode(args) -> None:
     report({"setup_s": time.monotonic() - t0, "params": sum(p.numel() for p in state.params),
             "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "static_gib": (torch.cuda.memory_allocated() / GiB) if args.device == "cuda" else None})
-    deadline = time.monotonic() + (args.deadline - time.time())
-    search_lengths(lambda T: _measure(state, T, args), lengths, deadline=deadline, refine=args.refine,
-                   granule=args.min_seq, report=report)
+    end = time.monotonic() + (args.deadline - time.time())
+    for i, mode in enumerate(modes):
+        _switch_mode(state, mode)
+        deadline = time.monotonic() + (end - time.monotonic()) / (len(modes) - i)
+        search_lengths(lambda T: _measure(state, T, args), lengths, deadline=deadline, refine=args.refine,
+                       granule=args.min_seq, report=lambda row, m=mode: report(row, m))
 
 
 def _layer_fns(model, cfg, device):
@@ -526,6 +547,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--modes", default="none,selective,full,full+offload",
                     help="comma list of none, selective, full, each optionally +offload")
     ap.add_argument("--parts", default="modes,split,mask", help="comma list of modes, split, mask")
+    ap.add_argument("--one-child", action="store_true",
+                    help="run every mode in one child process, the model built once (for the K3 slice); "
+                         "default: a child per mode")
     ap.add_argument("--min-seq", type=int, default=4096)
     ap.add_argument("--max-seq", type=int, default=1048576)
     ap.add_argument("--steps", type=int, default=2, help="timed steps per length (after --warmup)")
@@ -571,7 +595,21 @@ def main(argv: list[str] | None = None) -> dict | None:
     # the split and the masking rows keep a reserve while the modes run.
     reserve = {"split": 0.12 * args.budget_s if "split" in parts else 0.0,
                "mask": 0.18 * args.budget_s if "mask" in parts else 0.0}
-    if "modes" in parts:
+    if "modes" in parts and args.one_child:
+        # One child for every mode: the model is built once (the K3 slice's build takes minutes).
+        left = end - time.time() - sum(reserve.values())
+        lines, why = _child(args, ",".join(modes), time.time() + left, [])
+        head = next((x for x in lines if "setup_s" in x), {})
+        result["device"] = head.get("device", result["device"])
+        for mode in modes:
+            rows = [{k: v for k, v in x.items() if k != "mode"} for x in lines if x.get("mode") == mode]
+            for r in rows:
+                if r["status"] in ("ok", "oom"):
+                    r["plan_gib"] = _planned_gib(args, mode, r["seq_len"])
+            ended = why if rows and rows[-1]["status"] not in ("oom", "not tried") else None
+            result["modes"][mode] = {"rows": rows, "longest": longest(rows), "ended": ended, **head}
+        save_json(args.json, result)
+    elif "modes" in parts:
         for i, mode in enumerate(modes):
             left = end - time.time() - sum(reserve.values())
             share = left / (len(modes) - i)
@@ -583,7 +621,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                 continue
             lines, why = _child(args, mode, time.time() + share, [])
             head = next((x for x in lines if "setup_s" in x), {})
-            rows = [x for x in lines if "seq_len" in x]
+            rows = [{k: v for k, v in x.items() if k != "mode"} for x in lines if "seq_len" in x]
             for r in rows:
                 if r["status"] in ("ok", "oom"):
                     r["plan_gib"] = _planned_gib(args, mode, r["seq_len"])
