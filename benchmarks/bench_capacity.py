@@ -10,7 +10,13 @@ from 4K to it, where a layer's time goes as the sequence grows, and what documen
     python3 -m benchmarks.bench_capacity --device cpu --small --min-seq 32 --max-seq 256 \\
         --mask-seqs 64 --fake-oom-tokens 128 --budget-s 300                       # CPU dry run
 
-Parts (``--parts``, default all three, in this order, sharing ``--budget-s``):
+Parts (``--parts``, default modes, split and mask, in this order, sharing ``--budget-s``):
+
+* ``check`` (not in the default; first when asked): offload against no offload on the device,
+  the forward/backward of one ``--check-seq`` sequence under ``full`` twice (a control for the
+  kernels' own determinism) and under ``full+offload``, same weights and batch: the largest
+  difference of the loss and every gradient, and the bytes moved to the host. PASS: offload's
+  difference is no larger than the control's and bytes moved.
 
 * ``modes``: for each recompute mode of ``--modes`` (``none``, ``selective``, ``full``; a
   ``+offload`` suffix adds ``train.offload_activations=true``), one sequence per microbatch
@@ -379,6 +385,57 @@ def worker_split(args) -> None:
                    report=lambda row: (out.write(json.dumps(row) + "\n"), out.flush()))
 
 
+def worker_check(args) -> None:
+    """Offload against no offload on the device: the forward/backward of one sequence of
+    ``--check-seq`` tokens under ``full``, twice (the control: is the GPU step itself
+    deterministic?), then under ``full+offload``, same weights and batch; the loss and every
+    gradient compared. PASS: offload's largest difference is no larger than the control's (both
+    0 where the kernels are deterministic) and the hooks moved bytes to the host."""
+    out = open(args.worker_out, "a")
+    T = args.check_seq
+    cfg = load_config(args.config, [*_base_overrides(args, T), *_mode_overrides("full"),
+                                    "train.cuda_graph=false", "data.document_mask=false"])
+    dev = torch.device(args.device)
+    torch.manual_seed(0)
+    state = TrainState(cfg, init_distributed(device=args.device), dev)
+    batch = torch.randint(0, cfg.model.vocab_size, (1, T + 1), generator=torch.Generator().manual_seed(1))
+
+    def grads(mode: str):
+        _switch_mode(state, mode)
+        _free(args.device)
+        loss = state._forward_backward(batch)
+        _sync(args.device)
+        g = [p.grad.detach().clone() if p.grad is not None else None for p in state.params]
+        offload = getattr(state.model, "offload", None)
+        moved = offload.stats.offloaded_bytes if offload is not None else 0
+        state.optimizer.zero_grad(set_to_none=True)
+        for layer in state.moe_layers:
+            layer.routing.clear()
+        peak = torch.cuda.max_memory_allocated() / GiB if args.device == "cuda" else None
+        return loss.detach().clone(), g, moved, peak
+
+    def diff(a, b) -> float:
+        (la, ga, _, _), (lb, gb, _, _) = a, b
+        d = (la.float() - lb.float()).abs().item()
+        for x, y in zip(ga, gb):
+            if (x is None) != (y is None):
+                return float("inf")
+            if x is not None:
+                d = max(d, (x.float() - y.float()).abs().max().item())
+        return d
+
+    ref = grads("full")
+    again = grads("full")
+    off = grads("full+offload")
+    control, offload_diff = diff(ref, again), diff(ref, off)
+    row = {"seq_len": T, "loss_full": ref[0].item(), "loss_offload": off[0].item(),
+           "control_max_diff": control, "offload_max_diff": offload_diff,
+           "offloaded_gib": off[2] / GiB, "peak_gib_full": ref[3], "peak_gib_offload": off[3],
+           "pass": offload_diff <= control and off[2] > 0}
+    out.write(json.dumps(row) + "\n")
+    out.flush()
+
+
 def worker_mask(args) -> None:
     """Masked and unmasked windows at each of --mask-seqs; JSON lines."""
     out = open(args.worker_out, "a")
@@ -425,7 +482,7 @@ def _child(args, kind: str, deadline_wall: float, extra: list[str]) -> tuple[lis
            "--min-seq", str(args.min_seq), "--max-seq", str(args.max_seq), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--refine", str(args.refine), "--long-step-s", str(args.long_step_s),
            "--fake-oom-tokens", str(args.fake_oom_tokens), "--mask-seqs", args.mask_seqs,
-           "--doc-len", str(args.doc_len), "--mask-steps", str(args.mask_steps),
+           "--doc-len", str(args.doc_len), "--mask-steps", str(args.mask_steps), "--check-seq", str(args.check_seq),
            *(["--small"] if args.small else []), *sum((["--override", o] for o in args.override), []), *extra]
     why = None
     try:
@@ -462,6 +519,13 @@ def _fmt(v, spec: str, missing: str = "-") -> str:
 def format_tables(result: dict) -> str:
     lines = [f"capacity on {result['device']}, {result['config']}, one sequence per microbatch "
              f"(budget {result['budget_s']:.0f} s, used {result.get('used_s', 0):.0f} s)"]
+    chk = result.get("offload_check")
+    if chk:
+        lines.append(f"offload check at {chk.get('seq_len')} tokens: {'PASS' if chk.get('pass') else 'FAIL'} "
+                     f"(largest loss/gradient difference, offload {chk.get('offload_max_diff')} vs control "
+                     f"{chk.get('control_max_diff')}; {_fmt(chk.get('offloaded_gib'), '.2f')} GiB to the host; peak "
+                     f"{_fmt(chk.get('peak_gib_full'), '.1f')} -> {_fmt(chk.get('peak_gib_offload'), '.1f')} GiB)"
+                     + (f" [{chk['ended']}]" if chk.get("ended") else ""))
     for mode, m in result.get("modes", {}).items():
         lines.append(f"\nrecompute {mode}: longest trained {m.get('longest') or 'none'}"
                      + (f" ({m['ended']})" if m.get("ended") else ""))
@@ -546,7 +610,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--small", action="store_true", help="tiny widths (CPU dry run)")
     ap.add_argument("--modes", default="none,selective,full,full+offload",
                     help="comma list of none, selective, full, each optionally +offload")
-    ap.add_argument("--parts", default="modes,split,mask", help="comma list of modes, split, mask")
+    ap.add_argument("--parts", default="modes,split,mask", help="comma list of check, modes, split, mask")
     ap.add_argument("--one-child", action="store_true",
                     help="run every mode in one child process, the model built once (for the K3 slice); "
                          "default: a child per mode")
@@ -556,6 +620,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--long-step-s", type=float, default=20.0, help="a step longer than this is timed once")
     ap.add_argument("--refine", type=int, default=0, help="bisection steps past the longest power of two")
+    ap.add_argument("--check-seq", type=int, default=16384, help="the offload check's sequence length")
     ap.add_argument("--mask-seqs", default="4096,32768")
     ap.add_argument("--doc-len", type=int, default=0, help="masking rows' document length (default seq/4)")
     ap.add_argument("--mask-steps", type=int, default=3)
@@ -572,7 +637,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--lengths", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        {"split": worker_split, "mask": worker_mask}.get(args.worker, worker_mode)(args)
+        {"split": worker_split, "mask": worker_mask, "check": worker_check}.get(args.worker, worker_mode)(args)
         return None
     if args.quick:
         args.max_seq = min(args.max_seq, 8 * args.min_seq)
@@ -595,6 +660,11 @@ def main(argv: list[str] | None = None) -> dict | None:
     # the split and the masking rows keep a reserve while the modes run.
     reserve = {"split": 0.12 * args.budget_s if "split" in parts else 0.0,
                "mask": 0.18 * args.budget_s if "mask" in parts else 0.0}
+    if "check" in parts:
+        lines, why = _child(args, "check", min(end, time.time() + 240), [])
+        result["offload_check"] = dict(lines[-1] if lines else {}, ended=why)
+        print(f"offload check: {result['offload_check']}", flush=True)
+        save_json(args.json, result)
     if "modes" in parts and args.one_child:
         # One child for every mode: the model is built once (the K3 slice's build takes minutes).
         left = end - time.time() - sum(reserve.values())
