@@ -31,7 +31,11 @@ Offload (``train.offload_activations``, ``k3train/model/offload.py``): the hooks
 ``ActivationOffload`` are opened around the checkpoint call, so what the region keeps (its
 inputs; under ``selective`` also the cores' kept outputs and saved tensors, which go through the
 hooks active at the call) is kept in host memory, and what is saved inside the region stays a
-checkpoint placeholder.
+checkpoint placeholder. With what a region keeps off the device, a finer cut costs the device
+nothing, so under offload each layer is two regions, its mixer half and its FFN half
+(``K3Layer.mixer_half``, ``ffn_half``): the backward then holds one half's recomputed
+activations at a time instead of the whole layer's (at 1M tokens on k3_mini, the MoE half's
+~40 GiB instead of the layer's ~71 GiB; docs/long_context.md).
 """
 from __future__ import annotations
 
@@ -57,7 +61,8 @@ def _identity(t):
 
 
 class _LayerRegion:
-    """The function a checkpoint region runs: ``(hidden, *blocks) -> StageIO``.
+    """The function a checkpoint region runs: ``(hidden, *blocks) -> run(StageIO)``, ``run``
+    the whole layer (default) or one of its halves (``mixer_half``, ``ffn_half``).
 
     The first call is the forward, later calls are recomputes (one per backward graph task).
     outer_hooks: the saved-tensor hooks active around the region (e.g. the pipeline engine's),
@@ -65,8 +70,9 @@ class _LayerRegion:
     """
 
     def __init__(self, *, layer: nn.Module, block_ids: list[int], selective: bool, outer_hooks,
-                 segments: torch.Tensor | None = None):
+                 segments: torch.Tensor | None = None, run=None):
         self.layer, self.block_ids, self.selective = layer, block_ids, selective
+        self.run = run if run is not None else layer
         # The document boundaries are metadata (no gradient): held here, so the recompute sees
         # the very tensor the forward saw.
         self.segments = segments
@@ -84,8 +90,8 @@ class _LayerRegion:
         previous = getattr(_active, "region", None)
         _active.region = self
         try:
-            return self.layer(StageIO(hidden=hidden, blocks=dict(zip(self.block_ids, blocks)),
-                                      segments=self.segments))
+            return self.run(StageIO(hidden=hidden, blocks=dict(zip(self.block_ids, blocks)),
+                                    segments=self.segments))
         finally:
             _active.region = previous
             restore(holders, states)
@@ -125,20 +131,34 @@ def run_layer(layer: nn.Module, io: StageIO, mode: str, offload: ActivationOfflo
     inputs are ``io.hidden`` (``[B, T, D]`` or None) and the blocks ``[B, T, D]`` in id order.
     preserve_rng_state=False: no K3 layer draws random numbers (no dropout), and reading the CUDA
     RNG state would be recorded by a CUDA graph capture; a layer that adds dropout must revisit it.
-    offload: keep what the region saves in host memory (module docstring); only with recompute,
-    whose regions save little (``train.offload_activations`` needs ``full`` or ``selective``).
+    offload: keep what the regions save in host memory (module docstring), and checkpoint the
+    layer as two regions, ``layer.mixer_half`` then ``layer.ffn_half`` (the mixer's output is one
+    more kept tensor, on the host); only with recompute (``train.offload_activations`` needs
+    ``full`` or ``selective``).
     """
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"train.recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
     if mode == "none" or not torch.is_grad_enabled():
         return layer(io)
-    ids = sorted(io.blocks)
     with _offloading(offload):
-        region = _LayerRegion(layer=layer, block_ids=ids, selective=mode == "selective",
-                              outer_hooks=torch._C._autograd._top_saved_tensors_default_hooks(False),
-                              segments=io.segments)
-        return checkpoint(region, io.hidden, *(io.blocks[i] for i in ids),
-                          use_reentrant=False, preserve_rng_state=False)
+        if offload is None:
+            return _region(layer, io, mode)
+        # What the regions keep lives on the host, so a finer cut costs the device nothing: the
+        # mixer and the FFN halves are regions of their own, and the backward recomputes one
+        # half at a time (the peak is the larger half's activations, not the whole layer's).
+        mid = _region(layer, io, mode, layer.mixer_half)
+        return _region(layer, StageIO(hidden=mid, blocks=io.blocks, segments=io.segments), mode, layer.ffn_half)
+
+
+def _region(layer: nn.Module, io: StageIO, mode: str, run=None):
+    """``run(io)`` (default the whole layer) in one checkpoint region; its inputs are ``io.hidden``
+    and the blocks in id order."""
+    ids = sorted(io.blocks)
+    region = _LayerRegion(layer=layer, block_ids=ids, selective=mode == "selective",
+                          outer_hooks=torch._C._autograd._top_saved_tensors_default_hooks(False),
+                          segments=io.segments, run=run)
+    return checkpoint(region, io.hidden, *(io.blocks[i] for i in ids),
+                      use_reentrant=False, preserve_rng_state=False)
 
 
 def run_depth_mix(mix: nn.Module, sources: list[torch.Tensor], mode: str,

@@ -29,8 +29,10 @@ folded initial state, ``[H, K, V + K]`` and ``[H, K, V]``). ``cp_extra`` in the 
 
 Offload (``train.offload_activations``, k3train/model/offload.py): under ``full`` and
 ``selective`` what the layers' regions keep moves to host memory (``host_offload`` in the plan,
-the schedule's peak of it); the device keeps the head's activations and, while a layer is
-recomputed, that layer's kept bytes copied back on top of its recomputed activations.
+the schedule's peak of it), and each layer is two regions (mixer half, FFN half), whose
+boundary tensor is one more kept ``[T, D]`` per layer, on the host; the device keeps the head's
+activations and, while a half is recomputed, that half's activations and its kept bytes copied
+back (the larger half of any layer).
 """
 from __future__ import annotations
 
@@ -203,6 +205,29 @@ def _recomputed_bytes_per_token(cfg: RunConfig, index: int, mode: str, ops: str,
     return live
 
 
+def _offload_bytes_per_token(cfg: RunConfig, index: int, mode: str, ops: str, T: int, a: int) -> tuple[float, float]:
+    """Under ``train.offload_activations`` (a layer is two regions, its mixer half and its FFN
+    half): (bytes per token layer ``index`` keeps in host memory, bytes per token live on the
+    device while its larger half is recomputed, that half's kept bytes copied back included).
+    Host: the layer's kept bytes plus the mixer half's output, the FFN half's input."""
+    w, f = Widths.of(cfg), 4
+    m = cfg.model
+    kind = expand_layer_pattern(m.layer_pattern, m.num_layers)[index]
+    kept = layer_bytes_per_token(cfg, index, mode, ops, T, a)
+    mixer = (_kda if kind == "K" else _mla)(w, T, a, f, ops, "none")
+    ffn = _moe(w, a, f, ops) if index >= m.dense_layers else _dense(w, a, ops)
+    mix_a = mix_b = 0.0
+    if m.attnres.enabled:
+        bs = m.attnres.block_size
+        blocks, partial = 1 + index // bs, index % bs != 0
+        mix_a, mix_b = _mix(blocks + partial, w, a, f, ops), _mix(blocks + 1, w, a, f, ops)
+    if mode == "selective":   # the cores are kept (and copied back), not recomputed
+        mixer -= kept - layer_bytes_per_token(cfg, index, "full", ops, T, a)
+    half_a = _norm(w.D, a, f, ops) + mixer + mix_a + kept
+    half_b = _norm(w.D, a, f, ops) + ffn + mix_b + layer_bytes_per_token(cfg, index, "full", ops, T, a) + w.D * a
+    return kept + w.D * a, max(half_a, half_b)
+
+
 def head_bytes_per_token(cfg: RunConfig, mode: str, ops: str, a: int) -> float:
     """Embedding ids, the final depth mix (own region under recompute), norm, head input,
     fp32 log-softmax over the vocabulary and the targets."""
@@ -347,8 +372,10 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
             per_chunk, host = {}, {}
             for c in chunks:
                 b = sum(layer_bytes_per_token(cfg, i, mode, ops, T, act_bytes) for i in layout.layer_range(c))
-                if offload and mode != "none":
-                    host[c], b = b * tokens, 0.0   # what the layers' regions keep is in host memory
+                if offload and mode != "none":   # what the layers' regions keep is in host memory
+                    host[c] = sum(_offload_bytes_per_token(cfg, i, mode, ops, T, act_bytes)[0]
+                                  for i in layout.layer_range(c)) * tokens
+                    b = 0.0
                 if c == C - 1:
                     b += head_bytes_per_token(cfg, mode, ops, act_bytes)
                 per_chunk[c] = b * tokens
@@ -363,8 +390,8 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
                     p.pp, p.vpp, cfg.train.microbatches, r, per_chunk)
             if mode != "none":
                 live = max(_recomputed_bytes_per_token(cfg, i, mode, ops, T, act_bytes) for i in layers)
-                if offload:   # the recomputed layer's kept bytes, copied back for its backward
-                    live += max(layer_bytes_per_token(cfg, i, mode, ops, T, act_bytes) for i in layers)
+                if offload:   # one half-layer region recomputed at a time, its kept bytes copied back
+                    live = max(_offload_bytes_per_token(cfg, i, mode, ops, T, act_bytes)[1] for i in layers)
                 plan.peak_activations[mode] += live * tokens
         if cfg.model.attnres.enabled and C > 1:
             # Blocks a later local chunk reads: every block made before the rank's last chunk.

@@ -2,9 +2,10 @@
 
 Reference: the same model (same seed, same recompute mode) without offload. The round trip is a
 copy, so on CPU fp32 losses and every gradient must be bitwise equal (rtol = atol = 0). That the
-hooks acted is checked by counting what they copied against the regions' inputs counted by hand
-from the layer pattern (a hook that copies nothing, or copies a shared block once per reader,
-fails the counts).
+hooks acted, and that each layer ran as two regions (mixer half, FFN half), is checked by
+counting what they copied against the regions' inputs counted by hand from the layer pattern (a
+hook that copies nothing, copies a shared block once per reader, or a layer left whole, fails
+the counts).
 """
 from __future__ import annotations
 
@@ -50,15 +51,18 @@ def test_offload_is_bitwise_and_copies_what_recompute_keeps(world1, mode, attnre
         torch.testing.assert_close(grads[name], g, **EXACT, msg=lambda s: f"{mode} {name}: {s}")
     stats = model.offload.stats
     act = B * T * D * 4   # one [B, T, D] fp32 activation
+    # Under offload each layer is two regions: its mixer half (inputs: the partial sum and the
+    # blocks) and its FFN half (inputs: the mixer half's output "mid" and the blocks).
     if mode == "full" and attnres:
-        # Region inputs: L0 (block 0), L1 (partial, block 0), L2 (blocks 0, 1), L3 (partial,
-        # blocks 0, 1), the final mix (blocks 0, 1, 2): 11 saves of 5 distinct tensors.
-        assert (fwd["offloaded"], fwd["shared"], fwd["offloaded_bytes"]) == (5, 6, 5 * act)
-        assert stats.restored == 11   # each region's recompute brought its inputs back once
+        # L0: mixer (b0), FFN (mid0, b0) -> p0; L1: (p0, b0), (mid1, b0) -> closes b1;
+        # L2: (b0, b1), (mid2, b0, b1) -> p2; L3: (p2, b0, b1), (mid3, b0, b1) -> closes b2;
+        # the final mix (b0, b1, b2): 21 saves of 9 distinct tensors.
+        assert (fwd["offloaded"], fwd["shared"], fwd["offloaded_bytes"]) == (9, 12, 9 * act)
+        assert stats.restored == 21   # each region's recompute brought its inputs back once
     elif mode == "full":
-        # One hidden state per layer, the embedding's included; nothing shared.
-        assert (fwd["offloaded"], fwd["shared"], fwd["offloaded_bytes"]) == (4, 0, 4 * act)
-        assert stats.restored == 4
+        # Per layer its input and its mid, the embedding's included; nothing shared.
+        assert (fwd["offloaded"], fwd["shared"], fwd["offloaded_bytes"]) == (8, 0, 8 * act)
+        assert stats.restored == 8
     else:
         # selective also keeps the four cores' outputs and their saved tensors, and brings
         # back what the backward reads.
