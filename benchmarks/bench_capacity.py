@@ -676,7 +676,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     # Shares of what is left, so that a part that finishes early leaves its time to the next:
     # the split and the masking rows keep a reserve while the modes run.
     reserve = {"split": 0.12 * args.budget_s if "split" in parts else 0.0,
-               "mask": 0.18 * args.budget_s if "mask" in parts else 0.0}
+               # six trainer builds (two lengths x three rows): more of the budget without modes
+               "mask": (0.18 if "modes" in parts else 0.4) * args.budget_s if "mask" in parts else 0.0}
     if "check" in parts:
         lines, why = _child(args, "check", min(end, time.time() + 240), [])
         result["offload_check"] = dict(lines[-1] if lines else {}, ended=why)
