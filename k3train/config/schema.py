@@ -304,10 +304,11 @@ class TrainConfig(_Strict):
     offload_activations: bool = False
     """Keep what recompute keeps (each layer's checkpointed inputs, the AttnRes blocks; under
     selective also the kept core outputs) in pinned host memory instead of on the GPU, copied
-    out beside the forward and back at each layer's recompute (k3train/model/offload.py). For
-    sequences whose stored layer inputs do not fit (docs/long_context.md, 1M tokens on one GPU).
-    Needs train.recompute full or selective; rules out train.cuda_graph. Bitwise the same
-    losses and gradients."""
+    out beside the forward and back at each recompute (k3train/model/offload.py); each layer is
+    then checkpointed as two regions (mixer half, FFN half), so the backward recomputes half a
+    layer at a time. For sequences whose activations do not fit otherwise (docs/long_context.md:
+    1M tokens on one GPU). Needs train.recompute full or selective; rules out train.cuda_graph.
+    Bitwise the same losses and gradients."""
 
     @model_validator(mode="after")
     def _offload_needs_recompute(self) -> "TrainConfig":
