@@ -12,9 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3train.config import ConfigError
+from k3train.config import ConfigError, load_config
 from k3train.model.model import build_model
 from k3train.model.offload import ActivationOffload
+from k3train.trainer.run_dir import save_config
 from tests.helpers import tiny_cfg
 
 EXACT = dict(rtol=0, atol=0)
@@ -92,3 +93,11 @@ def test_offload_needs_recompute_and_rules_out_cuda_graphs():
     assert "train.offload_activations" in cfg.cuda_graph_blockers(device="cuda")
     assert "train.offload_activations" not in tiny_cfg(
         "train.recompute=full", "data.document_mask=false").cuda_graph_blockers(device="cuda")
+
+
+def test_the_run_directory_records_offload(tmp_path):
+    """The run's config.yaml (``save_config``, what ``k3train train`` writes) keeps the setting."""
+    cfg = tiny_cfg("train.recompute=full", "train.offload_activations=true")
+    save_config(cfg, tmp_path / "config.yaml")
+    assert "offload_activations: true" in (tmp_path / "config.yaml").read_text()
+    assert load_config(tmp_path / "config.yaml", []).train.offload_activations is True
