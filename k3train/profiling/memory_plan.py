@@ -216,15 +216,22 @@ def _offload_bytes_per_token(cfg: RunConfig, index: int, mode: str, ops: str, T:
     kept = layer_bytes_per_token(cfg, index, mode, ops, T, a)
     mixer = (_kda if kind == "K" else _mla)(w, T, a, f, ops, "none")
     ffn = _moe(w, a, f, ops) if index >= m.dense_layers else _dense(w, a, ops)
+    # Each half's region inputs come back from the host for its recompute: the partial sum (or
+    # hidden state) / the mixer half's output, and every block the half reads (a block is kept
+    # once on the host, but each region that reads it copies it back).
     mix_a = mix_b = 0.0
+    inputs_a = inputs_b = w.D * a
     if m.attnres.enabled:
         bs = m.attnres.block_size
         blocks, partial = 1 + index // bs, index % bs != 0
         mix_a, mix_b = _mix(blocks + partial, w, a, f, ops), _mix(blocks + 1, w, a, f, ops)
+        inputs_a, inputs_b = (blocks + partial) * w.D * a, (blocks + 1) * w.D * a
     if mode == "selective":   # the cores are kept (and copied back), not recomputed
-        mixer -= kept - layer_bytes_per_token(cfg, index, "full", ops, T, a)
-    half_a = _norm(w.D, a, f, ops) + mixer + mix_a + kept
-    half_b = _norm(w.D, a, f, ops) + ffn + mix_b + layer_bytes_per_token(cfg, index, "full", ops, T, a) + w.D * a
+        cores = kept - layer_bytes_per_token(cfg, index, "full", ops, T, a)
+        mixer -= cores
+        inputs_a += cores
+    half_a = _norm(w.D, a, f, ops) + mixer + mix_a + inputs_a
+    half_b = _norm(w.D, a, f, ops) + ffn + mix_b + inputs_b
     return kept + w.D * a, max(half_a, half_b)
 
 
