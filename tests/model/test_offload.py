@@ -45,6 +45,9 @@ def _run(cfg):
 def test_offload_is_bitwise_and_copies_what_recompute_keeps(world1, mode, attnres):
     _, ref_loss, ref_grads, _ = _run(_cfg(mode, attnres, False))
     model, loss, grads, fwd = _run(_cfg(mode, attnres, True))
+    # Routing recorded once per forward, not again by either half's recompute.
+    for layer in model.moe_layers():
+        assert len(layer.routing.step) == 1
     torch.testing.assert_close(loss, ref_loss, **EXACT)
     assert grads.keys() == ref_grads.keys()
     for name, g in ref_grads.items():
