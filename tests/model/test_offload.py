@@ -13,10 +13,13 @@ import pytest
 import torch
 
 from k3train.config import ConfigError, load_config
-from k3train.model.model import build_model
+from k3train.model.model import K3Chunk, build_model, produced_blocks
 from k3train.model.offload import ActivationOffload
+from k3train.runtime.distributed import init_distributed
 from k3train.trainer.run_dir import save_config
+from pipeline import PipelineEngine, PipelineLayout
 from tests.helpers import tiny_cfg
+from tests.multiproc import run_multiprocess
 
 EXACT = dict(rtol=0, atol=0)
 B, T, D = 2, 16, 32
@@ -104,3 +107,40 @@ def test_the_run_directory_records_offload(tmp_path):
     save_config(cfg, tmp_path / "config.yaml")
     assert "offload_activations: true" in (tmp_path / "config.yaml").read_text()
     assert load_config(tmp_path / "config.yaml", []).train.offload_activations is True
+
+
+def _pp_rank(rank, world_size):
+    """P=2, V=2 on gloo ranks: full + offload against none, blocks crossing chunk ends; the
+    engine's sent-output deallocation runs with the hooks in place."""
+    init_distributed(pp=2)
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_pipeline_model_parallel_group()
+    layout = PipelineLayout(8, 2, 2)
+    ranges = [(r.start, r.stop) for r in map(layout.layer_range, range(layout.num_chunks))]
+    gen = torch.Generator().manual_seed(5)
+    mbs = [(t[:, :-1], t[:, 1:]) for t in (torch.randint(0, 257, (2, 9), generator=gen) for _ in range(4))]
+    results = {}
+    for mode, offload in (("none", False), ("full", True)):
+        cfg = tiny_cfg("model.layer_pattern=KM", "model.dense_layers=1", "model.num_layers=8",
+                       "model.attnres.block_size=3", f"train.recompute={mode}", f"train.offload_activations={offload}")
+        local = {c: K3Chunk(cfg, *ranges[c], first=c == 0, last=c == layout.num_chunks - 1)
+                 for c in layout.chunks_of_rank(rank)}
+        for chunk in local.values():
+            if chunk.offload is not None:
+                chunk.offload.min_bytes = 0
+        engine = PipelineEngine(local_chunks=local, num_chunks=layout.num_chunks,
+                                produced_blocks=produced_blocks(cfg, ranges), pp_group=group)
+        loss = engine.train_step(mbs)
+        moved = sum(ch.offload.stats.offloaded for ch in local.values() if ch.offload is not None)
+        results[mode] = (loss, {(c, n): p.grad for c, ch in local.items() for n, p in ch.named_parameters()}, moved)
+    loss, grads, moved = results["full"]
+    assert moved > 0
+    torch.testing.assert_close(loss, results["none"][0], **EXACT)
+    for key, g in results["none"][1].items():
+        torch.testing.assert_close(grads[key], g, **EXACT, msg=lambda s: f"rank {rank} {key}: {s}")
+
+
+@pytest.mark.slow   # two gloo processes
+def test_pipeline_p2_v2_with_offload_matches_none():
+    run_multiprocess(_pp_rank, 2)
