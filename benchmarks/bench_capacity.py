@@ -246,6 +246,15 @@ def _reset_step_state(state) -> None:
         offload.reset_stats()
 
 
+def _is_oom(exc: BaseException) -> bool:
+    """Out of device memory, or out of pinned host memory (offload), or a library's workspace
+    allocation failing under memory pressure (cuBLAS, cuDNN): all mean "this length does not fit"."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return any(k in text for k in ("out of memory", "ALLOC_FAILED", "cudaErrorMemoryAllocation"))
+
+
 def _measure(state, T: int, args) -> dict:
     """``--warmup`` untimed and up to ``--steps`` timed steps at length T (one sequence); a step
     over ``--long-step-s`` is timed once."""
@@ -272,7 +281,9 @@ def _measure(state, T: int, args) -> dict:
                 times.append(dt)
                 if dt > args.long_step_s:
                     break
-    except torch.OutOfMemoryError as exc:
+    except (torch.OutOfMemoryError, RuntimeError) as exc:
+        if not _is_oom(exc):
+            raise   # anything else (a broken kernel) ends this child; the parent keeps its rows
         oom = str(exc).splitlines()[0][:240]
     row = {"status": "oom" if oom else "ok", "try_s": time.monotonic() - t_start}
     if dev == "cuda":
