@@ -501,7 +501,9 @@ def worker_mask(args) -> None:
 def _child(args, kind: str, deadline_wall: float, extra: list[str]) -> tuple[list[dict], str | None]:
     """Runs a child (``--worker kind``) until ``deadline_wall`` (+ a grace period to report);
     returns its JSON lines and why it ended early (None when it exited cleanly)."""
-    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+    # Beside the --json output where there is one (a run's own folder), else the system's temp.
+    where = os.path.dirname(os.path.abspath(args.json)) if args.json else None
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False, dir=where) as f:
         path = f.name
     cmd = [sys.executable, "-m", "benchmarks.bench_capacity", "--worker", kind, "--worker-out", path,
            "--deadline", f"{deadline_wall:.3f}", "--config", args.config, "--device", args.device,

@@ -81,3 +81,23 @@ def test_loglog_slope_tells_linear_from_quadratic():
     quad = loglog_slope([(t, 1e-6 * t * t) for t in (1024, 2048, 4096)])
     assert lin[0] is None and lin[1:] == pytest.approx([1.0, 1.0])
     assert quad[1:] == pytest.approx([2.0, 2.0])
+
+
+@pytest.mark.slow   # child processes building and stepping a small model on CPU, ~1 min
+def test_cli_dry_run_on_cpu_finds_the_fake_limit(tmp_path):
+    """The whole script on CPU with tiny widths: real training steps in child processes, the
+    out-of-memory path driven by --fake-oom-tokens; the JSON says what the table says."""
+    import json
+
+    from benchmarks.bench_capacity import main
+
+    out = tmp_path / "cap.json"
+    result = main(["--device", "cpu", "--small", "--min-seq", "32", "--max-seq", "256", "--fake-oom-tokens", "64",
+                   "--modes", "full,full+offload", "--one-child", "--parts", "modes", "--budget-s", "300",
+                   "--json", str(out)])
+    assert json.loads(out.read_text())["modes"].keys() == {"full", "full+offload"}
+    for mode in ("full", "full+offload"):
+        rows = result["modes"][mode]["rows"]
+        assert [r["status"] for r in rows] == ["ok", "ok", "oom", "not tried"]
+        assert result["modes"][mode]["longest"] == 64
+        assert all(r["tokens_per_s"] > 0 and len(r["losses"]) == 3 for r in rows[:2])
