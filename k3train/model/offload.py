@@ -2,14 +2,15 @@
 
 Under ``train.recompute=full`` a layer keeps only its checkpoint region's inputs (the hidden
 state or the AttnRes partial sum, and the blocks it reads); at long sequences these are what
-grows with the number of layers (k3_mini at 1M tokens: 16 inputs of ``[1, T, 1024]`` bf16, 32
-GiB, docs/memory.md). ``ActivationOffload.hooks()`` is a saved-tensor hook pair that copies
+grows with the number of layers (k3_mini at 1M tokens: 17 tensors of ``[1, T, 1024]`` bf16, 34
+GiB, docs/long_context.md). ``ActivationOffload.hooks()`` is a saved-tensor hook pair that copies
 every saved tensor of at least ``min_bytes`` to host memory in the forward (pinned, on a side
 stream, so the copy overlaps the next layer's compute) and copies it back when the backward
 unpacks it (the region's recompute). ``k3train.model.recompute.run_layer`` opens it around the
 checkpoint call, so it sees exactly the region's saved inputs (and under ``selective`` the
 cores' kept outputs and saved tensors); the tensors saved *inside* a region are checkpoint
-placeholders and are never offloaded.
+placeholders and are never offloaded. Under offload ``run_layer`` cuts each layer into two
+regions (mixer half, FFN half), so the mixer half's output is one more kept tensor per layer.
 
 A tensor saved by several regions (an AttnRes block is read by every later layer and the final
 depth mix) is copied once: the packed copy is remembered per tensor (weakly, so the GPU tensor
@@ -29,7 +30,7 @@ import torch
 
 @dataclass
 class OffloadStats:
-    """What the hooks did since the last ``reset``: tensors copied to the host and their bytes,
+    """What the hooks did since the last ``reset_stats``: tensors copied to the host and their bytes,
     saves served by an earlier copy of the same tensor, tensors copied back, tensors left on
     the device (smaller than ``min_bytes``)."""
 
