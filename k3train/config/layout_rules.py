@@ -40,6 +40,9 @@ def cuda_graph_blockers(cfg: RunConfig, *, device: str | None = None) -> dict[st
     if cfg.precision.recipe == "fp8" and cfg.precision.fp8_backend == "te":
         out["precision.fp8_backend"] = ("train.cuda_graph is not validated with Transformer Engine's "
                                         "modules (precision.fp8_backend=te); use fp8_backend=torchao")
+    if cfg.train.offload_activations:
+        out["train.offload_activations"] = ("train.cuda_graph cannot capture the host copies of "
+                                            "train.offload_activations=true")
     if cfg.data.masks_documents:
         out["data.document_mask"] = ("train.cuda_graph replays recorded steps, but document masking "
                                      "reads each batch's boundaries on the host (data.document_mask=true)")

@@ -301,6 +301,21 @@ class TrainConfig(_Strict):
     (costly to recompute) and recomputes norms, projections, convs, gates, depth mixes and the
     FFN. Default none: recompute trades tokens/s for memory (benchmarks/README.md, "Activation
     recompute on k3_mini"); turn it on when activations do not fit, not by default."""
+    offload_activations: bool = False
+    """Keep what recompute keeps (each layer's checkpointed inputs, the AttnRes blocks; under
+    selective also the kept core outputs) in pinned host memory instead of on the GPU, copied
+    out beside the forward and back at each recompute (k3train/model/offload.py); each layer is
+    then checkpointed as two regions (mixer half, FFN half), so the backward recomputes half a
+    layer at a time. For sequences whose activations do not fit otherwise (docs/long_context.md:
+    1M tokens on one GPU). Needs train.recompute full or selective; rules out train.cuda_graph.
+    Bitwise the same losses and gradients."""
+
+    @model_validator(mode="after")
+    def _offload_needs_recompute(self) -> "TrainConfig":
+        if self.offload_activations and self.recompute == "none":
+            raise ValueError("train.offload_activations=true offloads what recompute keeps; it needs "
+                             "train.recompute=full or selective (got none)")
+        return self
     init_from: Union[str, None] = None
     """Fine-tuning: a checkpoint (a step directory, or a checkpoints/ or run directory) whose
     weights start this run, whatever parallel layout wrote it. Weights only: the optimizer,

@@ -74,16 +74,30 @@ class K3Layer(nn.Module):
     def forward(self, io: StageIO) -> StageIO:
         """The mixer reads ``io.segments`` (document boundaries, ``cu_seqlens``); the FFN, the
         norms and the depth mixes are per token and need none. The output carries them on."""
-        seg = io.segments
+        return self.ffn_half(StageIO(hidden=self.mixer_half(io), blocks=io.blocks, segments=io.segments))
+
+    def mixer_half(self, io: StageIO) -> torch.Tensor:
+        """The mixer sublayer: the residual stream after it ``[B, T, D]`` (with AttnRes, the
+        block's partial sum). Split from ``ffn_half`` so that recompute can checkpoint the two
+        halves as separate regions (``k3train/model/recompute.py``, under offload)."""
         if self.block_size is None:
             h = io.hidden
-            h = h + self._mix(self.mixer_norm(h), seg)
-            return StageIO(hidden=h + self._ffn(h), blocks=io.blocks, segments=seg)
+            return h + self._mix(self.mixer_norm(h), io.segments)
         done = [io.blocks[i] for i in sorted(io.blocks)]
         partial = io.hidden
         h = self.mixer_res(done if partial is None else done + [partial])
-        y = self._mix(self.mixer_norm(h), seg)
-        partial = y if partial is None else partial + y
+        y = self._mix(self.mixer_norm(h), io.segments)
+        return y if partial is None else partial + y
+
+    def ffn_half(self, io: StageIO) -> StageIO:
+        """The FFN sublayer on ``io.hidden``, ``mixer_half``'s output; with AttnRes it closes the
+        layer's block where it ends one."""
+        seg = io.segments
+        if self.block_size is None:
+            h = io.hidden
+            return StageIO(hidden=h + self._ffn(h), blocks=io.blocks, segments=seg)
+        done = [io.blocks[i] for i in sorted(io.blocks)]
+        partial = io.hidden
         partial = partial + self._ffn(self.ffn_res(done + [partial]))
         closed = self.closes_block
         if closed is None:

@@ -24,6 +24,7 @@ from k3train.model.kda_layer import KimiDeltaAttention
 from k3train.model.layer import K3Layer
 from k3train.config.layer_pattern import expand_layer_pattern
 from k3train.model.mla import GatedMLA
+from k3train.model.offload import ActivationOffload
 from k3train.model.recompute import run_depth_mix, run_layer
 from k3train.ops.context_parallel import CPCommLog
 from k3train.runtime.distributed import expert_group_in_force
@@ -133,6 +134,8 @@ class K3Chunk(nn.Module):
         self.first, self.last, self.attnres = first, last, m.attnres.enabled
         self.layer_range = (start, end)
         self.recompute = cfg.train.recompute  # activation checkpointing of each layer (recompute.py)
+        # What recompute keeps, in host memory (offload.py); None: on the device.
+        self.offload = ActivationOffload() if cfg.train.offload_activations else None
         if first:
             with seeded(cfg.train.seed, _EMBED_SALT):
                 self.embed = nn.Embedding(m.vocab_size, m.hidden_size)
@@ -171,7 +174,7 @@ class K3Chunk(nn.Module):
         if self.attnres:
             done = [io.blocks[i] for i in sorted(io.blocks)]
             h = run_depth_mix(self.final_res, done if io.hidden is None else done + [io.hidden],
-                              self.recompute)
+                              self.recompute, self.offload)
         else:
             h = io.hidden
         return self.head(self.final_norm(h))
@@ -194,7 +197,7 @@ class K3Chunk(nn.Module):
         with self.fp8_region():
             io = self.embed_tokens(x, segments) if self.first else x
             for layer in self.layers:
-                io = run_layer(layer, io, self.recompute)
+                io = run_layer(layer, io, self.recompute, self.offload)
             if not self.last:
                 return io
             logits = self.logits(io)

@@ -26,9 +26,20 @@ holders (``k3train/model/forward_state.py``, the protocol the CUDA-graph wrapper
 before a recompute and restores them after, so balancers and metrics see each forward once.
 Routing itself is identical on recompute: the inputs are the stored ones, the router bias only
 changes after the optimizer step, and the model draws no random numbers.
+
+Offload (``train.offload_activations``, ``k3train/model/offload.py``): the hooks of an
+``ActivationOffload`` are opened around the checkpoint call, so what the region keeps (its
+inputs; under ``selective`` also the cores' kept outputs and saved tensors, which go through the
+hooks active at the call) is kept in host memory, and what is saved inside the region stays a
+checkpoint placeholder. With what a region keeps off the device, a finer cut costs the device
+nothing, so under offload each layer is two regions, its mixer half and its FFN half
+(``K3Layer.mixer_half``, ``ffn_half``): the backward then holds one half's recomputed
+activations at a time instead of the whole layer's (at 1M tokens on k3_mini, the MoE half's
+~40 GiB instead of the layer's ~71 GiB; docs/long_context.md).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -37,6 +48,7 @@ from torch.utils.checkpoint import checkpoint
 
 from k3train.config.schema import RECOMPUTE_MODES
 from k3train.model.forward_state import forward_state_holders, restore, snapshot
+from k3train.model.offload import ActivationOffload
 from pipeline.stage_io import StageIO
 
 # The region being run (forward or recompute) on this thread. Thread-local because CUDA backward
@@ -49,7 +61,8 @@ def _identity(t):
 
 
 class _LayerRegion:
-    """The function a checkpoint region runs: ``(hidden, *blocks) -> StageIO``.
+    """The function a checkpoint region runs: ``(hidden, *blocks) -> run(StageIO)``, ``run``
+    the whole layer (default) or one of its halves (``mixer_half``, ``ffn_half``).
 
     The first call is the forward, later calls are recomputes (one per backward graph task).
     outer_hooks: the saved-tensor hooks active around the region (e.g. the pipeline engine's),
@@ -57,8 +70,9 @@ class _LayerRegion:
     """
 
     def __init__(self, *, layer: nn.Module, block_ids: list[int], selective: bool, outer_hooks,
-                 segments: torch.Tensor | None = None):
+                 segments: torch.Tensor | None = None, run=None):
         self.layer, self.block_ids, self.selective = layer, block_ids, selective
+        self.run = run if run is not None else layer
         # The document boundaries are metadata (no gradient): held here, so the recompute sees
         # the very tensor the forward saw.
         self.segments = segments
@@ -76,8 +90,8 @@ class _LayerRegion:
         previous = getattr(_active, "region", None)
         _active.region = self
         try:
-            return self.layer(StageIO(hidden=hidden, blocks=dict(zip(self.block_ids, blocks)),
-                                      segments=self.segments))
+            return self.run(StageIO(hidden=hidden, blocks=dict(zip(self.block_ids, blocks)),
+                                    segments=self.segments))
         finally:
             _active.region = previous
             restore(holders, states)
@@ -106,34 +120,58 @@ def keep_output(fn, *args, **kwargs) -> torch.Tensor:
     return out
 
 
-def run_layer(layer: nn.Module, io: StageIO, mode: str) -> StageIO:
+def _offloading(offload: ActivationOffload | None):
+    return offload.hooks() if offload is not None else contextlib.nullcontext()
+
+
+def run_layer(layer: nn.Module, io: StageIO, mode: str, offload: ActivationOffload | None = None) -> StageIO:
     """``layer(io)`` under the recompute ``mode`` (one of ``RECOMPUTE_MODES``).
 
     Without grad (eval) there is nothing to recompute and the layer runs plainly. The region's
     inputs are ``io.hidden`` (``[B, T, D]`` or None) and the blocks ``[B, T, D]`` in id order.
     preserve_rng_state=False: no K3 layer draws random numbers (no dropout), and reading the CUDA
     RNG state would be recorded by a CUDA graph capture; a layer that adds dropout must revisit it.
+    offload: keep what the regions save in host memory (module docstring), and checkpoint the
+    layer as two regions, ``layer.mixer_half`` then ``layer.ffn_half`` (the mixer's output is one
+    more kept tensor, on the host); only with recompute (``train.offload_activations`` needs
+    ``full`` or ``selective``).
     """
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"train.recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
     if mode == "none" or not torch.is_grad_enabled():
         return layer(io)
+    with _offloading(offload):
+        if offload is None:
+            return _region(layer, io, mode)
+        # What the regions keep lives on the host, so a finer cut costs the device nothing: the
+        # mixer and the FFN halves are regions of their own, and the backward recomputes one
+        # half at a time (the peak is the larger half's activations, not the whole layer's).
+        mid = _region(layer, io, mode, layer.mixer_half)
+        return _region(layer, StageIO(hidden=mid, blocks=io.blocks, segments=io.segments), mode, layer.ffn_half)
+
+
+def _region(layer: nn.Module, io: StageIO, mode: str, run=None):
+    """``run(io)`` (default the whole layer) in one checkpoint region; its inputs are ``io.hidden``
+    and the blocks in id order."""
     ids = sorted(io.blocks)
     region = _LayerRegion(layer=layer, block_ids=ids, selective=mode == "selective",
                           outer_hooks=torch._C._autograd._top_saved_tensors_default_hooks(False),
-                          segments=io.segments)
+                          segments=io.segments, run=run)
     return checkpoint(region, io.hidden, *(io.blocks[i] for i in ids),
                       use_reentrant=False, preserve_rng_state=False)
 
 
-def run_depth_mix(mix: nn.Module, sources: list[torch.Tensor], mode: str) -> torch.Tensor:
+def run_depth_mix(mix: nn.Module, sources: list[torch.Tensor], mode: str,
+                  offload: ActivationOffload | None = None) -> torch.Tensor:
     """``mix(sources)`` (the final AttnRes depth mix, outside every layer region) under ``mode``.
 
     With recompute on, it runs in its own checkpoint region: its inputs are the blocks, already
     stored once, so nothing new is kept; without it the torch form would keep a stacked fp32
     copy of every block (``S x [B, T, D]``, twice), which made AttnRes cost more than the
     standard residual under ``full``. sources: S tensors ``[B, T, D]`` -> ``[B, T, D]``.
+    offload: its inputs (the blocks, copied once for every region that saves them) on the host.
     """
     if mode == "none" or not torch.is_grad_enabled():
         return mix(sources)
-    return checkpoint(lambda *s: mix(list(s)), *sources, use_reentrant=False, preserve_rng_state=False)
+    with _offloading(offload):
+        return checkpoint(lambda *s: mix(list(s)), *sources, use_reentrant=False, preserve_rng_state=False)

@@ -28,6 +28,13 @@ per MLA layer the all-gathered latent of the whole sequence and the keys and val
 from it, which the attention saves for backward (counted for the last CP rank, whose queries
 see every key); per KDA layer the fold's fp32 states (its own end state and transition, the
 folded initial state, ``[H, K, V + K]`` and ``[H, K, V]``). ``cp_extra`` in the plan.
+
+Offload (``train.offload_activations``, k3train/model/offload.py): under ``full`` and
+``selective`` what the layers' regions keep moves to host memory (``host_offload`` in the plan,
+the schedule's peak of it), and each layer is two regions (mixer half, FFN half), whose
+boundary tensor is one more kept ``[T, D]`` per layer, on the host; the device keeps the head's
+activations and, while a half is recomputed, that half's activations and its kept bytes copied
+back (the larger half of any layer).
 """
 from __future__ import annotations
 
@@ -175,7 +182,9 @@ def layer_bytes_per_token(cfg: RunConfig, index: int, mode: str, ops: str, T: in
     kind = expand_layer_pattern(m.layer_pattern, m.num_layers)[index]
     attnres = m.attnres.enabled
     bs = m.attnres.block_size
-    inputs = w.D * a if not attnres else w.D * a * ((index % bs != 0) + ((index + 1) % bs == 0))
+    # With AttnRes: the block's partial sum (none where the layer opens a block, except layer 0,
+    # whose region keeps block 0, the embedding, made outside every layer) and the block it closes.
+    inputs = w.D * a if not attnres else w.D * a * ((index % bs != 0 or index == 0) + ((index + 1) % bs == 0))
     if mode == "full":
         return inputs
     mixer = (_kda if kind == "K" else _mla)(w, T, a, f, ops, mode)
@@ -199,6 +208,36 @@ def _recomputed_bytes_per_token(cfg: RunConfig, index: int, mode: str, ops: str,
     if mode == "selective":
         live -= layer_bytes_per_token(cfg, index, "selective", ops, T, a) - layer_bytes_per_token(cfg, index, "full", ops, T, a)
     return live
+
+
+def _offload_bytes_per_token(cfg: RunConfig, index: int, mode: str, ops: str, T: int, a: int) -> tuple[float, float]:
+    """Under ``train.offload_activations`` (a layer is two regions, its mixer half and its FFN
+    half): (bytes per token layer ``index`` keeps in host memory, bytes per token live on the
+    device while its larger half is recomputed, that half's kept bytes copied back included).
+    Host: the layer's kept bytes plus the mixer half's output, the FFN half's input."""
+    w, f = Widths.of(cfg), 4
+    m = cfg.model
+    kind = expand_layer_pattern(m.layer_pattern, m.num_layers)[index]
+    kept = layer_bytes_per_token(cfg, index, mode, ops, T, a)
+    mixer = (_kda if kind == "K" else _mla)(w, T, a, f, ops, "none")
+    ffn = _moe(w, a, f, ops) if index >= m.dense_layers else _dense(w, a, ops)
+    # Each half's region inputs come back from the host for its recompute: the partial sum (or
+    # hidden state) / the mixer half's output, and every block the half reads (a block is kept
+    # once on the host, but each region that reads it copies it back).
+    mix_a = mix_b = 0.0
+    inputs_a = inputs_b = w.D * a
+    if m.attnres.enabled:
+        bs = m.attnres.block_size
+        blocks, partial = 1 + index // bs, index % bs != 0
+        mix_a, mix_b = _mix(blocks + partial, w, a, f, ops), _mix(blocks + 1, w, a, f, ops)
+        inputs_a, inputs_b = (blocks + partial) * w.D * a, (blocks + 1) * w.D * a
+    if mode == "selective":   # the cores are kept (and copied back), not recomputed
+        cores = kept - layer_bytes_per_token(cfg, index, "full", ops, T, a)
+        mixer -= cores
+        inputs_a += cores
+    half_a = _norm(w.D, a, f, ops) + mixer + mix_a + inputs_a
+    half_b = _norm(w.D, a, f, ops) + ffn + mix_b + inputs_b
+    return kept + w.D * a, max(half_a, half_b)
 
 
 def head_bytes_per_token(cfg: RunConfig, mode: str, ops: str, a: int) -> float:
@@ -317,6 +356,7 @@ class RankPlan:
     attnres_cache: float = 0.0
     moe_buffers: float = 0.0
     cp_extra: dict[str, float] = field(default_factory=dict)       # context parallelism, per mode
+    host_offload: dict[str, float] = field(default_factory=dict)   # train.offload_activations: host bytes, per mode
 
     def static(self, state: StateLayout) -> dict[str, float]:
         """{params, grads, master, optimizer} bytes under ``state`` (ParamCounts.static_bytes)."""
@@ -422,6 +462,7 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
     state = StateLayout.of(cfg) if state is None else state
     plans = []
     w = Widths.of(cfg)
+    offload = cfg.train.offload_activations
     for r in range(p.pp):
         chunks = layout.chunks_of_rank(r)
         layers = [i for c in chunks for i in layout.layer_range(c)]
@@ -446,12 +487,19 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
                         master_zero1=z1["master"], counts=n, dp=copies, edp=edp, cp=cp)
         schedule = None
         for mode in MODES:
-            per_chunk = {}
+            per_chunk, host = {}, {}
             for c in chunks:
                 b = sum(layer_bytes_per_token(cfg, i, mode, ops, T, act_bytes) for i in layout.layer_range(c))
+                if offload and mode != "none":   # what the layers' regions keep is in host memory
+                    host[c] = sum(_offload_bytes_per_token(cfg, i, mode, ops, T, act_bytes)[0]
+                                  for i in layout.layer_range(c)) * tokens
+                    b = 0.0
                 if c == C - 1:
                     b += head_bytes_per_token(cfg, mode, ops, act_bytes)
                 per_chunk[c] = b * tokens
+            if host:
+                plan.host_offload[mode] = (host[chunks[0]] if C == 1 else
+                                           _schedule_peak(p.pp, p.vpp, cfg.train.microbatches, r, host)[0])
             plan.activations[mode] = sum(per_chunk.values())
             if C == 1:
                 plan.peak_activations[mode], plan.in_flight = per_chunk[0], 1
@@ -461,6 +509,8 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
                     p.pp, p.vpp, cfg.train.microbatches, r, per_chunk, schedule)
             if mode != "none":
                 live = max(_recomputed_bytes_per_token(cfg, i, mode, ops, T, act_bytes) for i in layers)
+                if offload:   # one half-layer region recomputed at a time, its kept bytes copied back
+                    live = max(_offload_bytes_per_token(cfg, i, mode, ops, T, act_bytes)[1] for i in layers)
                 plan.peak_activations[mode] += live * tokens
         if cfg.model.attnres.enabled and C > 1:
             # Blocks a later local chunk reads: every block made before the rank's last chunk.
@@ -504,6 +554,11 @@ def format_plan(cfg: RunConfig, plans: list[RankPlan], *, dp: int, ops: str) -> 
     if len(plans) > len(shown):
         lines.append(f"  ({len(plans) - len(shown)} lighter pp ranks not shown)")
     top = {(m, z): max(q.total(m, z) for q in plans) / GiB for m in MODES for z in (False, True)}
+    if any(q.host_offload for q in plans):
+        lines.append("in pinned host memory (train.offload_activations), heaviest rank: "
+                     + ", ".join(f"{m}: {max(q.host_offload[m] for q in plans) / GiB:.2f} GiB"
+                                 for m in MODES if m in plans[0].host_offload)
+                     + "; not in the totals below")
     if cp > 1:
         lines.append("CP exchanges kept (gathered MLA latent and expanded keys/values, KDA fold states), last CP rank: "
                      + ", ".join(f"{m}: {max(q.cp_extra[m] for q in plans) / GiB:.2f} GiB" for m in MODES))

@@ -1,0 +1,146 @@
+"""train.offload_activations (k3train/model/offload.py): what recompute keeps, in host memory.
+
+Reference: the same model (same seed, same recompute mode) without offload. The round trip is a
+copy, so on CPU fp32 losses and every gradient must be bitwise equal (rtol = atol = 0). That the
+hooks acted, and that each layer ran as two regions (mixer half, FFN half), is checked by
+counting what they copied against the regions' inputs counted by hand from the layer pattern (a
+hook that copies nothing, copies a shared block once per reader, or a layer left whole, fails
+the counts).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3train.config import ConfigError, load_config
+from k3train.model.model import K3Chunk, build_model, produced_blocks
+from k3train.model.offload import ActivationOffload
+from k3train.runtime.distributed import init_distributed
+from k3train.trainer.run_dir import save_config
+from pipeline import PipelineEngine, PipelineLayout
+from tests.helpers import tiny_cfg
+from tests.multiproc import run_multiprocess
+
+EXACT = dict(rtol=0, atol=0)
+B, T, D = 2, 16, 32
+
+
+def _cfg(mode: str, attnres: bool, offload: bool):
+    # KDA, MLA, KDA, MLA; one dense layer then MoE; AttnRes blocks of 2 layers.
+    return tiny_cfg("model.layer_pattern=KM", "model.dense_layers=1", f"model.attnres.enabled={attnres}",
+                    "model.attnres.block_size=2", f"train.recompute={mode}",
+                    f"train.offload_activations={offload}")
+
+
+def _run(cfg):
+    tokens = torch.randint(0, 257, (B, T + 1), generator=torch.Generator().manual_seed(3))
+    model = build_model(cfg)
+    if model.offload is not None:
+        model.offload.min_bytes = 0   # the tiny model's tensors are far below the default 1 MiB
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    stats_after_forward = None if model.offload is None else dict(vars(model.offload.stats))
+    loss.backward()
+    return model, loss.detach(), {n: p.grad for n, p in model.named_parameters()}, stats_after_forward
+
+
+@pytest.mark.parametrize("attnres", [True, False], ids=["attnres", "standard"])
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_offload_is_bitwise_and_copies_what_recompute_keeps(world1, mode, attnres):
+    _, ref_loss, ref_grads, _ = _run(_cfg(mode, attnres, False))
+    model, loss, grads, fwd = _run(_cfg(mode, attnres, True))
+    # Routing recorded once per forward, not again by either half's recompute.
+    for layer in model.moe_layers():
+        assert len(layer.routing.step) == 1
+    torch.testing.assert_close(loss, ref_loss, **EXACT)
+    assert grads.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        assert g is not None, name
+        torch.testing.assert_close(grads[name], g, **EXACT, msg=lambda s: f"{mode} {name}: {s}")
+    stats = model.offload.stats
+    act = B * T * D * 4   # one [B, T, D] fp32 activation
+    # Under offload each layer is two regions: its mixer half (inputs: the partial sum and the
+    # blocks) and its FFN half (inputs: the mixer half's output "mid" and the blocks).
+    if mode == "full" and attnres:
+        # L0: mixer (b0), FFN (mid0, b0) -> p0; L1: (p0, b0), (mid1, b0) -> closes b1;
+        # L2: (b0, b1), (mid2, b0, b1) -> p2; L3: (p2, b0, b1), (mid3, b0, b1) -> closes b2;
+        # the final mix (b0, b1, b2): 21 saves of 9 distinct tensors.
+        assert (fwd["offloaded"], fwd["shared"], fwd["offloaded_bytes"]) == (9, 12, 9 * act)
+        assert stats.restored == 21   # each region's recompute brought its inputs back once
+    elif mode == "full":
+        # Per layer its input and its mid, the embedding's included; nothing shared.
+        assert (fwd["offloaded"], fwd["shared"], fwd["offloaded_bytes"]) == (8, 0, 8 * act)
+        assert stats.restored == 8
+    else:
+        # selective also keeps the four cores' outputs and their saved tensors, and brings
+        # back what the backward reads.
+        inputs = 5 if attnres else 4
+        assert fwd["offloaded"] > inputs + 4 and stats.restored > inputs + 4
+
+
+def test_shared_tensor_is_copied_once_and_again_after_an_inplace_change():
+    off = ActivationOffload(min_bytes=0)
+    x = torch.arange(6.0).reshape(2, 3)
+    a, b = off.pack(x), off.pack(x)
+    assert a is b and off.stats.offloaded == 1 and off.stats.shared == 1
+    assert a.host.data_ptr() != x.data_ptr()   # a copy, not the tensor itself
+    x.add_(1)                                   # a new version: a new copy
+    c = off.pack(x)
+    assert c is not a and off.stats.offloaded == 2
+    torch.testing.assert_close(off.unpack(a), torch.arange(6.0).reshape(2, 3), **EXACT)
+    torch.testing.assert_close(off.unpack(c), torch.arange(6.0).reshape(2, 3) + 1, **EXACT)
+    small = ActivationOffload(min_bytes=1 << 20)
+    assert small.pack(x) is x and small.stats.kept == 1
+
+
+def test_offload_needs_recompute_and_rules_out_cuda_graphs():
+    with pytest.raises(ConfigError, match="train.offload_activations=true .* needs train.recompute=full or selective"):
+        _cfg("none", True, True)
+    cfg = tiny_cfg("train.recompute=full", "train.offload_activations=true", "data.document_mask=false")
+    assert "train.offload_activations" in cfg.cuda_graph_blockers(device="cuda")
+    assert "train.offload_activations" not in tiny_cfg(
+        "train.recompute=full", "data.document_mask=false").cuda_graph_blockers(device="cuda")
+
+
+def test_the_run_directory_records_offload(tmp_path):
+    """The run's config.yaml (``save_config``, what ``k3train train`` writes) keeps the setting."""
+    cfg = tiny_cfg("train.recompute=full", "train.offload_activations=true")
+    save_config(cfg, tmp_path / "config.yaml")
+    assert "offload_activations: true" in (tmp_path / "config.yaml").read_text()
+    assert load_config(tmp_path / "config.yaml", []).train.offload_activations is True
+
+
+def _pp_rank(rank, world_size):
+    """P=2, V=2 on gloo ranks: full + offload against none, blocks crossing chunk ends; the
+    engine's sent-output deallocation runs with the hooks in place."""
+    init_distributed(pp=2)
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_pipeline_model_parallel_group()
+    layout = PipelineLayout(8, 2, 2)
+    ranges = [(r.start, r.stop) for r in map(layout.layer_range, range(layout.num_chunks))]
+    gen = torch.Generator().manual_seed(5)
+    mbs = [(t[:, :-1], t[:, 1:]) for t in (torch.randint(0, 257, (2, 9), generator=gen) for _ in range(4))]
+    results = {}
+    for mode, offload in (("none", False), ("full", True)):
+        cfg = tiny_cfg("model.layer_pattern=KM", "model.dense_layers=1", "model.num_layers=8",
+                       "model.attnres.block_size=3", f"train.recompute={mode}", f"train.offload_activations={offload}")
+        local = {c: K3Chunk(cfg, *ranges[c], first=c == 0, last=c == layout.num_chunks - 1)
+                 for c in layout.chunks_of_rank(rank)}
+        for chunk in local.values():
+            if chunk.offload is not None:
+                chunk.offload.min_bytes = 0
+        engine = PipelineEngine(local_chunks=local, num_chunks=layout.num_chunks,
+                                produced_blocks=produced_blocks(cfg, ranges), pp_group=group)
+        loss = engine.train_step(mbs)
+        moved = sum(ch.offload.stats.offloaded for ch in local.values() if ch.offload is not None)
+        results[mode] = (loss, {(c, n): p.grad for c, ch in local.items() for n, p in ch.named_parameters()}, moved)
+    loss, grads, moved = results["full"]
+    assert moved > 0
+    torch.testing.assert_close(loss, results["none"][0], **EXACT)
+    for key, g in results["none"][1].items():
+        torch.testing.assert_close(grads[key], g, **EXACT, msg=lambda s: f"rank {rank} {key}: {s}")
+
+
+@pytest.mark.slow   # two gloo processes
+def test_pipeline_p2_v2_with_offload_matches_none():
+    run_multiprocess(_pp_rank, 2)
