@@ -37,6 +37,7 @@ import torch
 from benchmarks.bench_step import SMALL  # noqa: E402
 from benchmarks.common import save_json  # noqa: E402
 from k3train.config import load_config  # noqa: E402
+from k3train.ops import kernels  # noqa: E402
 from k3train.runtime.distributed import init_distributed  # noqa: E402
 from k3train.trainer.async_save import CheckpointWriter  # noqa: E402
 from k3train.trainer.state import TrainState  # noqa: E402
@@ -70,6 +71,7 @@ def measure(args) -> dict:
                  f"train.micro_batch_size={args.mbs}", f"train.seq_len={args.seq}",
                  f"train.microbatches={args.microbatches}", "train.cuda_graph=false", *args.override]
     cfg = load_config(args.config, overrides)
+    kernels.apply(cfg)   # the config's kernels: section (an --override kernels.autotune=fixed acts)
     dev = torch.device(args.device)
     torch.manual_seed(0)
     state = TrainState(cfg, init_distributed(device=args.device), dev)

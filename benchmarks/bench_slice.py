@@ -32,6 +32,7 @@ import torch
 from benchmarks.bench_step import SMALL, optimizer_ms, time_steps  # noqa: E402
 from benchmarks.common import matmul_tflops, profile_table, save_json  # noqa: E402
 from k3train.model.flops import datasheet_peak_flops  # noqa: E402
+from k3train.ops import kernels  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -59,6 +60,7 @@ def slice_row(args, optim: str, peak_tflops: float) -> dict:
                  f"train.seq_len={args.seq}", f"train.microbatches={args.microbatches}",
                  "train.cuda_graph=false", *args.override]
     cfg = load_config(args.config, overrides)
+    kernels.apply(cfg)   # the config's kernels: section (an --override kernels.autotune=fixed acts)
     dev = torch.device(args.device)
     torch.manual_seed(0)
     state = TrainState(cfg, init_distributed(device=args.device), dev)
