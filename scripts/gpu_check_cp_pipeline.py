@@ -14,12 +14,9 @@ floor) at step 2; bf16 variants within 0.02 at step 1 and 0.15 on average; every
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-from pathlib import Path
 
-from gpu_parallel_check import BASE, losses, run, twin_split
+from gpu_parallel_check import main as check
 
 MB = ["train.micro_batch_size=8", "train.microbatches=2"]
 # variant -> (processes, parallel overrides, reference overrides); 16 sequences per step in both.
@@ -33,58 +30,5 @@ VARIANTS = {
 }
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--run-limit", type=float, default=240, help="seconds before one run counts as hung")
-    ap.add_argument("--device", default="cuda", help="cpu dry-runs the script itself (gloo)")
-    ap.add_argument("--only", help="comma list of variants (default all): " + ",".join(VARIANTS))
-    args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    common = ["--config", "configs/k3_tiny.yaml"]
-    steps = [f"train.steps={args.steps}", f"train.eval_interval={args.steps}", f"train.device={args.device}"]
-    refs: dict[tuple, list[float]] = {}
-
-    def reference(overrides: list[str]) -> list[float]:
-        key = tuple(sorted(overrides))
-        if key not in refs:
-            rdir = out / f"ref_{len(refs)}"
-            run([sys.executable, "-m", "k3train", "train", *common, "--run-dir", str(rdir), *BASE, *steps,
-                 *overrides], out / f"ref_{len(refs)}.log", args.run_limit)
-            refs[key] = losses(rdir)
-        return refs[key]
-
-    ok = True
-    for name in (args.only.split(",") if args.only else VARIANTS):
-        nproc, par, ref = VARIANTS[name]
-        fp32 = name.endswith("_fp32")
-        if fp32:
-            par, ref = [*par, "precision.recipe=fp32"], [*ref, "precision.recipe=fp32"]
-        try:
-            want = reference(ref)
-            pdir = out / name
-            secs = run(["torchrun", "--standalone", "--nproc-per-node", str(nproc), "-m", "k3train", "train",
-                        *common, "--run-dir", str(pdir), *BASE, *steps, *par], out / f"{name}.log", args.run_limit)
-            got = losses(pdir)
-            diffs = [abs(a - b) for a, b in zip(got, want)]
-            row = {"variant": name, "gpus": nproc, "seconds": round(secs), "steps": len(got),
-                   "step1_diff": diffs[0], "step2_diff": diffs[1], "mean_diff": sum(diffs) / len(diffs),
-                   "first_loss": got[0], "last_loss": got[-1], "ref_last_loss": want[-1]}
-            if fp32:
-                twin = reference(twin_split(ref))
-                row["twin_step2_floor"] = abs(twin[1] - want[1])
-                close = row["step1_diff"] < 2e-5 and row["step2_diff"] < max(2e-5, 10 * row["twin_step2_floor"])
-            else:
-                close = row["step1_diff"] < 0.02 and row["mean_diff"] < 0.15
-            row["ok"] = len(got) == len(want) == args.steps and close and got[-1] < got[0] - 0.5
-        except Exception as exc:  # noqa: BLE001 - report and go on with the other variants
-            row = {"variant": name, "ok": False, "error": str(exc)}
-        ok &= row["ok"]
-        print(json.dumps(row), flush=True)
-    return 0 if ok else 1
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(check(VARIANTS, run_limit=240))

@@ -91,13 +91,18 @@ def twin_split(overrides: list[str]) -> list[str]:
     return [f"{k}={v}" for k, v in kv.items()]
 
 
-def main() -> int:
+def main(variants: dict[str, tuple[int, list[str], list[str]]] | None = None, run_limit: float = 150) -> int:
+    """Run ``variants`` (name -> (processes, parallel overrides, reference overrides); default
+    this script's ``VARIANTS`` on 2 processes) under torchrun against their one-process
+    references; one JSON line per variant; 0 when all pass. Other GPU checks call it with their
+    own variants (scripts/gpu_check_cp_pipeline.py)."""
+    variants = variants if variants is not None else {k: (2, *v) for k, v in VARIANTS.items()}
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--run-limit", type=float, default=150, help="seconds before one run counts as hung")
+    ap.add_argument("--run-limit", type=float, default=run_limit, help="seconds before one run counts as hung")
     ap.add_argument("--device", default="cuda", help="cpu dry-runs the script itself (gloo)")
-    ap.add_argument("--only", help="comma list of variants (default all): " + ",".join(VARIANTS))
+    ap.add_argument("--only", help="comma list of variants (default all): " + ",".join(variants))
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -117,8 +122,8 @@ def main() -> int:
         return refs[key]
 
     ok = True
-    for name in (args.only.split(",") if args.only else VARIANTS):
-        par, ref = VARIANTS[name]
+    for name in (args.only.split(",") if args.only else variants):
+        nproc, par, ref = variants[name]
         fp32 = name.endswith("_fp32")
         if fp32:
             par, ref = [*par, "precision.recipe=fp32"], [*ref, "precision.recipe=fp32"]
@@ -126,11 +131,11 @@ def main() -> int:
         try:
             want = reference(ref)
             pdir = out / name
-            secs = run(["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "k3train", "train", *common,
-                        "--run-dir", str(pdir), *BASE, *steps, *par], out / f"{name}.log", args.run_limit)
+            secs = run(["torchrun", "--standalone", "--nproc-per-node", str(nproc), "-m", "k3train", "train",
+                        *common, "--run-dir", str(pdir), *BASE, *steps, *par], out / f"{name}.log", args.run_limit)
             got = losses(pdir)
             diffs = [abs(a - b) for a, b in zip(got, want)]
-            row = {"variant": name, "seconds": round(secs), "steps": len(got), "step1_diff": diffs[0], "mean_diff": sum(diffs) / len(diffs),
+            row = {"variant": name, "gpus": nproc, "seconds": round(secs), "steps": len(got), "step1_diff": diffs[0], "mean_diff": sum(diffs) / len(diffs),
                    "first_loss": got[0], "last_loss": got[-1], "ref_last_loss": want[-1]}
             row["step2_diff"] = diffs[1]
             if fp32:
