@@ -50,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import timeit
 from k3train.quant.fp8_grouped import Fp8GroupedGemm
 from moe import GroupedExperts
 from moe.group_pad import pad_groups
@@ -141,18 +142,8 @@ def check_correctness(name: str, counts: list[int] | torch.Tensor, k: int, n: in
 
 
 def cuda_time(fn, warmup: int = 3, iters: int = 10) -> float:
-    """Median milliseconds of ``fn()``."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median milliseconds of ``fn()`` on the GPU (``benchmarks.common.timeit``)."""
+    return timeit(fn, warmup=warmup, iters=iters, device="cuda")
 
 
 def check_speed(tokens: int = 4096, experts: int = 32, topk: int = 16, latent: int = 3584, ffn: int = 3072) -> None:
