@@ -5,7 +5,9 @@
 # also as bench_step_mini + bench_step_peer, and bench_quantile, bench_muon, bench_grouped_experts,
 # bench_moe_layer_k3, first_step_tune + first_step_picks, first_step_shipped, bench_slice, fp8_slice, engine_kernels, engine_graph, predict_busy, study_optim, study_attnres, study_bal,
 # study_bal_sparse, study_mqar, study_mqar_pairs (STUDIES_FROM=TGZ seeds the studies' run directories),
-# te_receive, te_install, te_bench (tools/te_device.sh): explicit only);
+# te_receive, te_install, te_bench (tools/te_device.sh), and the pending checks save_stall
+# decode_compile fp8_experts bf16_weights capacity_modes capacity_1m capacity_split
+# memory_plan_slice te_check: explicit only);
 # gpu_parallel (GPU_PARALLEL_ONLY=a,b picks variants) bench_moe_ep2 bench_pipeline pp_debug (two
 # GPUs, skipped on one).
 # Together the stages need more than one 10-minute device call: pass a subset per call.
@@ -108,6 +110,26 @@ stage study_mqar_pairs 540 python3 -m k3train sweep configs/ablations/gpu/mqar_p
 # carried part (.te/parts/te.tar.part-aa ... -af, from `bash tools/te_device.sh fetch`), then
 # te_install (installs, builds the torch binding there), then te_bench, which times: nothing else
 # may share the GPU (tools/gpu_background.sh pause NAME around it).
+# Checks of paths built on CPU and not yet run on a GPU (2026-12-04), explicit only, most needed
+# first: the async-save stall (issue 44; the slice's ~40 GiB checkpoint), the compiled decode
+# step's logits against eager, the FP8 routed experts' kernel against its emulation, bf16
+# weights on the slice, the capacity table and 1M tokens (bench_capacity's five calls), TE
+# (te_receive/te_install first), the planner against the slice's measured peak.
+stage save_stall 540 python3 -m benchmarks.bench_save_stall --out /tmp/save_stall --microbatches 4 \
+  --max-steps-during-write 30 --override kernels.autotune=fixed --json "$OUT/save_stall.json"
+stage decode_compile 240 python3 -m benchmarks.bench_decode --config configs/k3_mini.yaml --batch 1,16 --tokens 128 \
+  --compile --json "$OUT/decode_compile.json"
+stage fp8_experts 300 python3 scripts/gpu_check_fp8_experts.py --json "$OUT/fp8_experts.json"
+stage bf16_weights 540 python3 scripts/gpu_check_bf16_weights.py --steps 20 --json "$OUT/bf16_weights.json"
+stage capacity_modes 560 python3 -m benchmarks.bench_capacity --modes none,selective,full --parts modes \
+  --budget-s 540 --json "$OUT/capacity_modes.json"
+stage capacity_1m 560 python3 -m benchmarks.bench_capacity --modes full+offload --min-seq 262144 \
+  --parts check,modes --budget-s 540 --json "$OUT/capacity_1m.json"
+stage capacity_split 560 python3 -m benchmarks.bench_capacity --parts split,mask --max-seq 524288 --budget-s 540 \
+  --json "$OUT/capacity_split.json"
+stage memory_plan_slice 360 python3 -m benchmarks.bench_memory_plan --config configs/k3_slice.yaml --modes none,full \
+  --steps 3 train.microbatches=4 --json "$OUT/slice_memory.json"
+stage te_check 540 env PYTHONPATH="/tmp/site_te:$PYTHONPATH" python3 scripts/gpu_check_te.py --steps 60 --json "$OUT/gpu_check_te.json"
 stage te_receive 60 bash tools/te_device.sh receive
 stage te_install 540 bash tools/te_device.sh install
 stage te_bench 300 bash tools/te_device.sh bench
