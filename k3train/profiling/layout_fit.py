@@ -65,11 +65,6 @@ class Layout:
     def world(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
 
-    def wired(self) -> bool:
-        """Whether the trainer runs it today: CP is wired with data parallelism only."""
-        return self.cp == 1 or (self.tp == self.pp == self.vpp == self.ep == 1)
-
-
 @dataclass
 class Fit:
     """A layout that fits, with the choices it fits with and its predicted speed."""
@@ -216,8 +211,8 @@ def _plans(cfg: RunConfig, lay: Layout, seq_len: int):
 
 def fit_layouts(cfg: RunConfig, *, worlds: list[int], fit_gib: float, margin: float = 0.1,
                 tasks: tuple[str, ...] = tuple(TASKS), batch_tokens: int = 1 << 24) -> dict[tuple[str, int], list[Fit]]:
-    """{(task, world): fitting layouts, best first}: the layouts the trainer runs today first
-    (``Layout.wired``), then the highest ``mfu_exposed``, then the least memory. The budget is
+    """{(task, world): fitting layouts, best first}: the highest ``mfu_exposed``, then the least
+    memory (context parallelism composes with every layout searched here). The budget is
     ``fit_gib x (1 - margin)`` GiB for the heaviest rank's planned total."""
     if fit_gib <= 0 or not 0 <= margin < 1:
         raise UsageError(f"--fit needs a positive GiB budget and --margin a fraction in [0, 1); "
@@ -244,7 +239,7 @@ def fit_layouts(cfg: RunConfig, *, worlds: list[int], fit_gib: float, margin: fl
                         hidden, exposed, bubble = predict_mfu(cfg, lay, seq, mode)
                         fits.append(Fit(task, seq, lay, best[1], mode, best[2], hidden, exposed, bubble))
                         break
-            fits.sort(key=lambda f: (not f.layout.wired(), -f.mfu_exposed, f.heaviest_bytes))
+            fits.sort(key=lambda f: (-f.mfu_exposed, f.heaviest_bytes))
             out[(task, world)] = fits
     return out
 
@@ -293,7 +288,6 @@ def format_fits(cfg: RunConfig, fits: dict[tuple[str, int], list[Fit]], *, fit_g
                          f"{L.cp:>4}{L.micro_batch:>4}{L.microbatches:>5}"
                          f"{L.dp * L.microbatches * L.micro_batch * f.seq_len / 2**20:>7.0f}M{str(f.state.zero1).lower():>7}"
                          f"{f.state.param_dtype:>9}{f.state.state_dtype:>9}{f.recompute:>11}"
-                         f"{f.heaviest_bytes / GiB:>8.1f}{f.bubble:>8.3f}{f.mfu_hidden:>11.1%}*{f.mfu_exposed:>12.1%}*"
-                         + ("" if L.wired() else "  (cp with pp/ep/tp: not wired yet)"))
+                         f"{f.heaviest_bytes / GiB:>8.1f}{f.bubble:>8.3f}{f.mfu_hidden:>11.1%}*{f.mfu_exposed:>12.1%}*")
     lines.append("\n* predicted, not measured")
     return "\n".join(lines)
