@@ -4,6 +4,7 @@ torch.baddbmm (copies C into its output first), side by side on the same data.
     python3 -m benchmarks.bench_muon [--json out.json]
     python3 -m benchmarks.bench_muon --slice [--slice-json bench_slice.json] [--json out.json]
     python3 -m benchmarks.bench_muon --slice --device cpu --small       # CPU dry run
+    python3 -m benchmarks.bench_muon --gram-flops [--json out.json]     # FLOPs only (any machine)
 
 Rows: one ``baddbmm`` of each Newton-Schulz kind on k3_mini's expert stack ``[512, 512, 512]``
 bf16 (the Gram product, ``b A + c A A`` and ``a X + B X``), then the whole 5-step
@@ -29,6 +30,14 @@ distributed (slowest / least-loaded owner), the measured Newton-Schulz time of t
 set (the DP=1 row) and of the slowest owner's share, each run on this one device as the owner
 batches it, and the bytes one rank receives in the step's all-gather of updates (computed from
 the plan, bf16 on CUDA; its time is not measured on one device).
+
+``--gram-flops`` (no device work; also printed after ``--slice``): per slice Muon shape, the
+Newton-Schulz FLOPs of the standard and the Gram form (``optim.ns_gram``), the form
+``optim.muon_ns=auto`` picks, and Muon's share of a step at 256K tokens per update if auto were
+used, PREDICTED from FLOPs alone: Newton-Schulz at the measured 790 TFLOP/s matmul rate against
+the measured 16.24 s forward+backward at 256K tokens (benchmarks/2026-12-04_h200_fresh-decode-muon.md).
+``--slice`` on a GPU also times one update of each shape auto sends to the Gram form under
+``muon_ns=auto`` (measured) and its difference from the standard update.
 """
 from __future__ import annotations
 
@@ -51,6 +60,7 @@ from optim.sharded import plan_muon_owners  # noqa: E402
 from optim.muon_distributed import gather_bytes, muon_blocks, plan_ns_owners  # noqa: E402
 from k3train.ops import kernels  # noqa: E402
 from optim.ns_gemm_triton import baddbmm_triton  # noqa: E402
+from optim.ns_gram import ns_flops_gram, ns_flops_standard, use_gram  # noqa: E402
 
 # (stack size, rows, cols) of k3_mini's Muon batches: expert stacks, attention and dense FFN.
 SHAPES = [(512, 512, 512), (32, 1024, 1024), (30, 1024, 2048), (15, 2048, 1024)]
@@ -105,8 +115,57 @@ def time_blocks(blocks, device: str, gen) -> float:
     return total
 
 
-def slice_muon(args) -> dict:
-    """The slice's Muon matrices: time per update of each distinct shape, ZeRO-1 per-rank times."""
+# Measured on one H200 (benchmarks/2026-12-04_h200_fresh-decode-muon.md): the bf16 matmul rate
+# the run measured, and the slice's forward+backward at 256K tokens per update (1,014.8 ms per
+# 16,384 tokens, times 16). The Gram prediction divides FLOPs by the first: PREDICTED.
+MEASURED_MATMUL_TFLOPS = 790.0
+MEASURED_FWD_BWD_S_256K = 16.24
+
+
+def gram_prediction(kinds: Counter, steps: int = 5) -> dict:
+    """Per slice Muon shape ``(shape, heads) -> count``: Newton-Schulz FLOPs of the standard and
+    the Gram form (per block times blocks times count), auto's pick, and the totals with their
+    PREDICTED share of a step at 256K tokens (FLOPs at the measured matmul rate)."""
+    rows = []
+    for (shape, heads), count in sorted(kinds.items(), key=lambda kv: -ns_flops(*kv[0])):
+        n, r, c = muon_blocks(shape, heads)
+        std, gram = n * ns_flops_standard(r, c, steps), n * ns_flops_gram(r, c, steps)
+        rows.append({"shape": list(shape), "heads": heads, "count": count, "block": [r, c],
+                     "standard_tflop": count * std / 1e12, "gram_tflop": count * gram / 1e12,
+                     "auto": "gram" if use_gram("auto", r, c, steps) else "standard"})
+    std = sum(x["standard_tflop"] for x in rows)
+    auto = sum(x["gram_tflop"] if x["auto"] == "gram" else x["standard_tflop"] for x in rows)
+
+    def share(tflop: float) -> float:
+        ns_s = tflop / MEASURED_MATMUL_TFLOPS
+        return ns_s / (MEASURED_FWD_BWD_S_256K + ns_s)
+
+    # For comparison, another cheaper iteration: one quintic step fewer on every block (its own
+    # coefficients would be needed to keep the band; not implemented, FLOPs only).
+    fewer = std * (steps - 1) / steps
+    return {"rows": rows, "standard_tflop": std, "auto_tflop": auto, "predicted": True,
+            "standard_one_step_fewer_tflop": fewer, "share_256k_one_step_fewer": share(fewer),
+            "matmul_tflops_measured": MEASURED_MATMUL_TFLOPS, "fwd_bwd_s_256k_measured": MEASURED_FWD_BWD_S_256K,
+            "share_256k_standard": share(std), "share_256k_auto": share(auto)}
+
+
+def print_gram(pred: dict) -> None:
+    print(f"\n{'Gram Newton-Schulz (optim.muon_ns)':<34}")
+    print(f"{'shape':<22}{'heads':>6}{'count':>6}{'block':>14}{'std TFLOP':>11}{'gram TFLOP':>12}{'ratio':>7}{'auto':>10}")
+    for x in pred["rows"]:
+        print(f"{str(x['shape']):<22}{str(x['heads'] or '-'):>6}{x['count']:>6}{str(x['block']):>14}"
+              f"{x['standard_tflop']:>11.2f}{x['gram_tflop']:>12.2f}{x['standard_tflop'] / x['gram_tflop']:>6.2f}x"
+              f"{x['auto']:>10}")
+    print(f"Newton-Schulz per update: standard {pred['standard_tflop']:.1f} TFLOP, auto {pred['auto_tflop']:.1f} TFLOP")
+    print(f"Muon share of the step at 256K tokens/update, PREDICTED (FLOPs at the measured "
+          f"{pred['matmul_tflops_measured']:.0f} TFLOP/s, measured fwd+bwd {pred['fwd_bwd_s_256k_measured']:.2f} s): "
+          f"standard {pred['share_256k_standard']:.2%}, auto {pred['share_256k_auto']:.2%} (target 4%); "
+          f"for comparison one standard step fewer ({pred['standard_one_step_fewer_tflop']:.1f} TFLOP): "
+          f"{pred['share_256k_one_step_fewer']:.2%}")
+
+
+def slice_table(args):
+    """The slice's Muon parameter table (on the meta device) and its config."""
     small = ["model.hidden_size=64", "model.kda.num_heads=2", "model.kda.head_dim=32", "model.mla.num_heads=2",
              "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=32", "model.mla.qk_nope_head_dim=16",
              "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=16", "moe.num_experts=8", "moe.topk=2",
@@ -115,8 +174,13 @@ def slice_muon(args) -> dict:
     init_distributed()
     with torch.device("meta"):
         model = build_model(cfg)
-    table = [e for e in build_param_table(model.named_parameters(), k3_param_rules(model, cfg.optim.muon_per_head))
-             if e.optimizer == "muon"]
+    return [e for e in build_param_table(model.named_parameters(), k3_param_rules(model, cfg.optim.muon_per_head))
+            if e.optimizer == "muon"]
+
+
+def slice_muon(args) -> dict:
+    """The slice's Muon matrices: time per update of each distinct shape, ZeRO-1 per-rank times."""
+    table = slice_table(args)
     kinds = Counter((tuple(e.shape), e.heads) for e in table)
     dev = torch.device(args.device)
     ms_of, rows = {}, []
@@ -137,6 +201,16 @@ def slice_muon(args) -> dict:
                      "tflops": tf / (ms * 1e-3) / 1e12})
         print(f"{str(list(shape)):<22}{str(heads or '-'):>6}{count:>6}{ms:>10.2f}{tf / 1e12:>9.2f}"
               f"{tf / (ms * 1e-3) / 1e12:>9.0f}{count * ms:>10.1f}", flush=True)
+        _, r, c = muon_blocks(shape, heads)
+        if use_gram("auto", r, c):  # measured: the same update under muon_ns=auto (the Gram form)
+            kw = dict(momentum=0.0, nesterov=False, heads=heads, ns_steps=5, alpha=-1e-3)
+            ref = muon.muon_updates([g], [torch.zeros_like(g)], **kw)[0]
+            got = muon.muon_updates([g], [torch.zeros_like(g)], ns_mode="auto", **kw)[0]
+            rows[-1]["auto_ms_each"] = timeit(lambda: muon.muon_updates([g], [buf], ns_mode="auto", **kw),
+                                              warmup=1, iters=3, device=args.device)
+            rows[-1]["auto_rel_diff"] = rel(got, ref)
+            print(f"{'  muon_ns=auto (gram):':<34}{rows[-1]['auto_ms_each']:>10.2f} ms each (measured), "
+                  f"rel diff to standard {rows[-1]['auto_rel_diff']:.1e}", flush=True)
         del g, buf, p
     total = sum(r["count"] * r["ms_each"] for r in rows)
     out = {"config": args.config, "matrices": rows, "muon_ms_per_update": total,
@@ -166,6 +240,7 @@ def slice_muon(args) -> dict:
                                       "extrapolated": True}
         out["zero1"][dp] = z
     out["distributed"] = distributed_muon(table, expert, dev, gen)
+    out["gram"] = gram_prediction(kinds)
     return out
 
 
@@ -218,6 +293,7 @@ def print_slice(out: dict) -> None:
               f"{d['ns_ms_slowest_owner']:>16.1f}{d['allgather_bytes_per_rank'] / 2**20:>21.1f}")
     print("(distributed ms: the slowest owner's blocks run on this one device; the all-gather's time "
           "is not measured here, only its bytes)")
+    print_gram(out["gram"])
 
 
 def main() -> None:
@@ -228,7 +304,14 @@ def main() -> None:
     ap.add_argument("--slice-json", help="bench_slice.py --json output (measured forward+backward per token)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="with --slice: tiny widths (CPU dry run)")
+    ap.add_argument("--gram-flops", action="store_true",
+                    help="slice Muon FLOPs, standard vs Gram Newton-Schulz, and the PREDICTED share (no device work)")
     args = ap.parse_args()
+    if args.gram_flops:
+        pred = gram_prediction(Counter((tuple(e.shape), e.heads) for e in slice_table(args)))
+        print_gram(pred)
+        save_json(args.json, pred)
+        return
     if args.slice:
         print(f"{'shape':<22}{'heads':>6}{'count':>6}{'ms each':>10}{'TFLOP':>9}{'TFLOP/s':>9}{'ms all':>10}")
         out = slice_muon(args)

@@ -104,6 +104,7 @@ def build_optimizer(
     muon_momentum: float = 0.95,
     muon_group_of: Callable[[torch.Tensor], Any] | None = None,
     state_dtype: torch.dtype | None = None,
+    ns_mode: str = "standard",
 ) -> CombinedOptimizer:
     """Build the optimizer named ``name`` ("adamw" or "muon") over a parameter table.
 
@@ -121,6 +122,8 @@ def build_optimizer(
 
     state_dtype: the dtype of AdamW's moments and Muon's momentum; None: each parameter's own
     (today's optimizers, unchanged). A narrower one (bf16) gives AdamW as ``NarrowStateAdamW``.
+
+    ns_mode: Muon's Newton-Schulz form, "standard", "gram" or "auto" (``optim.ns_gram``).
     """
     plans = plan_param_groups(table, name, lr=lr, weight_decay=weight_decay, muon_lr=muon_lr)
     muon_plans = [g for g in plans if g.kind == "muon"]
@@ -130,7 +133,7 @@ def build_optimizer(
     if muon_plans:
         mlr = lr if muon_lr is None else muon_lr
         kw = dict(lr=mlr, weight_decay=weight_decay, momentum=muon_momentum, nesterov=True,
-                  state_dtype=state_dtype)
+                  state_dtype=state_dtype, ns_mode=ns_mode)
         groups = _torch_groups(muon_plans, muon=True)
         optimizers.append(Muon(groups, **kw) if muon_group_of is None else
                           DistributedMuon(groups, group_of=muon_group_of, **kw))

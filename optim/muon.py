@@ -30,6 +30,7 @@ from typing import Any, Iterable
 import torch
 
 from .backends import current as current_backends
+from .ns_gram import NS_MODES, NSMode, gram_iterate, use_gram
 
 __all__ = ["NS_COEFFICIENTS", "apply_muon_updates", "largest_first", "momentum_input", "newton_schulz",
            "muon_scale", "ns_flops", "scratch_muon_updates",
@@ -78,7 +79,7 @@ def _baddbmm(X: torch.Tensor):
 
 
 def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7, *,
-                  out_scale: float = 1.0) -> torch.Tensor:
+                  out_scale: float = 1.0, mode: NSMode = "standard") -> torch.Tensor:
     """Approximately orthogonalise ``G: [..., A, B]`` (each trailing matrix on its own).
 
     Returns ``out_scale`` times a tensor of ``G``'s shape and dtype whose trailing matrices
@@ -86,6 +87,10 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7, *,
     CUDA (the iteration is robust to it and tensor cores make it cheap) and in fp32 on CPU
     (bf16 matmuls are slow there). Leading dims are a batch, so per-head blocks
     ``[H, A/H, B]`` run in one call. ``out_scale`` rides on the last GEMM (no extra pass).
+
+    ``mode``: "standard" (below), "gram" (the same polynomial map iterated on the ``[a, a]``
+    Gram matrix, ``optim.ns_gram``), or "auto" (gram where its FLOPs are lower by
+    ``ns_gram.GRAM_AUTO_FACTOR``: blocks far from square).
     """
     if G.ndim < 2:
         raise ValueError(f"newton_schulz needs a [..., A, B] tensor, got shape {tuple(G.shape)}")
@@ -104,6 +109,9 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7, *,
     # bf16 doubled the update's error against fp32: 2.1% instead of 1.0%.)
     X = X.reshape(-1, *X.shape[-2:])
     baddbmm = _baddbmm(X)
+    if use_gram(mode, X.size(-2), X.size(-1), steps):
+        X = gram_iterate(X, steps, coefficients=NS_COEFFICIENTS, baddbmm=baddbmm, out_scale=out_scale)
+        return (X.mT if tall else X).reshape(G.shape).to(G.dtype)
     for i in range(steps):
         s = out_scale if i == steps - 1 else 1.0  # the last step writes out_scale * X
         A = X @ X.mT
@@ -156,6 +164,7 @@ def muon_update(
     nesterov: bool,
     heads: int | None,
     ns_steps: int,
+    ns_mode: NSMode = "standard",
 ) -> torch.Tensor:
     """Advance the momentum ``buf`` in place and return the scaled Muon update for one matrix
     (or one stack of matrices).
@@ -168,7 +177,7 @@ def muon_update(
     """
     _check_matrix(tuple(grad.shape), heads, None)
     return muon_updates([grad], [buf], momentum=momentum, nesterov=nesterov, heads=heads,
-                        ns_steps=ns_steps)[0]
+                        ns_steps=ns_steps, ns_mode=ns_mode)[0]
 
 
 def momentum_input(g: torch.Tensor, buf: torch.Tensor, out: torch.Tensor, *, momentum: float,
@@ -200,6 +209,7 @@ def muon_updates(
     heads: int | None,
     ns_steps: int,
     alpha: float = 1.0,
+    ns_mode: NSMode = "standard",
 ) -> list[torch.Tensor]:
     """``alpha`` times ``muon_update`` for several matrices (or stacks) of one shape
     ``[A, B]`` / ``[S, A, B]``.
@@ -209,6 +219,7 @@ def muon_updates(
     a step of many small matrices is bound by on a GPU. Each trailing matrix is orthogonalised
     on its own, so the result equals the one-by-one form. ``alpha`` (e.g. ``-lr``) rides on
     the last Newton-Schulz GEMM, so ``apply_muon_updates`` needs one pass per parameter.
+    ``ns_mode``: ``newton_schulz``'s ``mode`` (standard, gram or auto; ``optim.ns_gram``).
     """
     ns_dtype = _ns_dtype(grads[0])
     u = torch.empty((len(grads), *grads[0].shape), dtype=ns_dtype, device=grads[0].device)
@@ -218,7 +229,7 @@ def muon_updates(
     rows, cols = u.shape[-2:]
     h = heads or 1
     ortho = newton_schulz(u.view(-1, rows // h, cols), ns_steps,
-                          out_scale=alpha * muon_scale(rows // h, cols))
+                          out_scale=alpha * muon_scale(rows // h, cols), mode=ns_mode)
     # reshape, not view: tall blocks come back transposed (non-contiguous) from newton_schulz
     return list(ortho.reshape(u.shape).unbind(0))
 
@@ -284,7 +295,8 @@ class Muon(torch.optim.Optimizer):
     Parameters may be given as ``(name, tensor)`` pairs (torch keeps them in
     ``group["param_names"]``); names then appear in error messages. State per parameter is
     ``momentum_buffer`` (same shape as the parameter; its dtype is ``state_dtype``, None: the
-    parameter's, e.g. ``torch.bfloat16`` for bf16 momentum).
+    parameter's, e.g. ``torch.bfloat16`` for bf16 momentum). ``ns_mode``: the Newton-Schulz
+    form, "standard", "gram" or "auto" (``optim.ns_gram``; the same map, other FLOPs).
     """
 
     def __init__(
@@ -297,6 +309,7 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int = 5,
         heads: int | None = None,
         state_dtype: torch.dtype | None = None,
+        ns_mode: NSMode = "standard",
     ) -> None:
         if lr < 0:
             raise ValueError(f"Muon: lr must be >= 0, got {lr}")
@@ -304,6 +317,11 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"Muon: momentum must be in [0, 1), got {momentum}")
         if ns_steps < 1:
             raise ValueError(f"Muon: ns_steps must be >= 1, got {ns_steps}")
+        if ns_mode not in NS_MODES:
+            raise ValueError(f"Muon: ns_mode must be one of {', '.join(NS_MODES)}, got {ns_mode!r}")
+        # An attribute, not a group option: torch's load_state_dict restores group options from
+        # the checkpoint, and the Newton-Schulz form is the run's choice, not the checkpoint's.
+        self.ns_mode = ns_mode
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum,
                         nesterov=nesterov, ns_steps=ns_steps, heads=heads, state_dtype=state_dtype)
         super().__init__(params, defaults)
@@ -368,7 +386,7 @@ class Muon(torch.optim.Optimizer):
             updates = muon_updates(
                 [p.grad for p in ps], [self.state[p]["momentum_buffer"] for p in ps],
                 momentum=group["momentum"], nesterov=group["nesterov"], heads=heads,
-                ns_steps=group["ns_steps"], alpha=-lr)
+                ns_steps=group["ns_steps"], alpha=-lr, ns_mode=self.ns_mode)
             apply_muon_updates(ps, updates, 1.0 - lr * wd)
 
     @torch.no_grad()
@@ -390,4 +408,4 @@ class Muon(torch.optim.Optimizer):
             for heads, ps in self._update_batches(group):
                 scratch_muon_updates([p.grad for p in ps], ps, momentum=group["momentum"],
                                      nesterov=group["nesterov"], heads=heads, ns_steps=group["ns_steps"],
-                                     alpha=-group["lr"])
+                                     alpha=-group["lr"], ns_mode=self.ns_mode)

@@ -275,7 +275,7 @@ class DistributedMuon(Muon):
             alpha = -group["lr"] * muon_scale(rows, cols)
             for chunk in _batches(list(range(stack.shape[0])), rows * cols):
                 lo, hi = chunk[0], chunk[-1] + 1
-                out = newton_schulz(stack[lo:hi], group["ns_steps"], out_scale=alpha)
+                out = newton_schulz(stack[lo:hi], group["ns_steps"], out_scale=alpha, mode=self.ns_mode)
                 send[off + lo * rows * cols:off + hi * rows * cols].view(hi - lo, rows, cols).copy_(out)
             off += stack.shape[0] * rows * cols
             del stack

@@ -108,7 +108,8 @@ class ShardedOptimizer:
 
     table: the parameter table. Keywords: ``name`` "adamw" (every entry on AdamW) or "muon"
     (Muon entries on Muon with their per-head ``heads``, the rest on AdamW) and
-    ``build_optimizer``'s hyper-parameters (``ns_steps``: Newton-Schulz iterations). ``groups``:
+    ``build_optimizer``'s hyper-parameters (``ns_steps``: Newton-Schulz iterations, ``ns_mode``:
+    their form, ``optim.ns_gram``). ``groups``:
     the process groups (``GradGroups``; all None: one rank). AdamW entries and Muon matrices
     are sharded / owned over ``groups.dp``; entries whose name satisfies ``is_expert`` over
     ``groups.expert_dp`` instead (assuming, as in megatron-core's layout, that the DP group is
@@ -129,7 +130,7 @@ class ShardedOptimizer:
     def __init__(self, table: list[ParamEntry], *, name: str = "adamw", lr: float,
                  weight_decay: float, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                  muon_lr: float | None = None, muon_momentum: float = 0.95, ns_steps: int = 5,
-                 groups: GradGroups = GradGroups(),
+                 ns_mode: str = "standard", groups: GradGroups = GradGroups(),
                  is_expert: Callable[[str], bool] | None = None,
                  param_dtype: torch.dtype | None = None, state_dtype: torch.dtype | None = None) -> None:
         plans = plan_param_groups(table, name, lr=lr, weight_decay=weight_decay, muon_lr=muon_lr)
@@ -138,6 +139,7 @@ class ShardedOptimizer:
         self.main = param_dtype is not None
         self.name, self.table, self.groups = name, list(table), groups
         self.betas, self.eps, self.muon_momentum, self.ns_steps = betas, eps, muon_momentum, ns_steps
+        self.ns_mode = ns_mode  # Newton-Schulz form (optim.ns_gram)
         self._step, self._reduced, self._clipped, self._norm = 0, False, False, None
 
         # The shared groups (Muon first, then AdamW; one per (lr, wd) mult), params as tensors.
@@ -324,7 +326,8 @@ class ShardedOptimizer:
                 grads = [d.mains[e.name] if self.main else e.param.grad for e in es]
                 scratch_muon_updates(grads, [d.momentum[e.name] for e in es],
                                      momentum=self.muon_momentum, nesterov=True, heads=heads,
-                                     ns_steps=self.ns_steps, alpha=-self.param_groups[gi]["lr"])
+                                     ns_steps=self.ns_steps, alpha=-self.param_groups[gi]["lr"],
+                                     ns_mode=self.ns_mode)
 
     @torch.no_grad()
     def step(self, max_grad_norm: float | None = None) -> torch.Tensor:
@@ -341,7 +344,7 @@ class ShardedOptimizer:
                 ps = [d.mains[e.name] if self.main else e.param for e in es]
                 updates = muon_updates([self._grad(e.param) for e in es], [d.momentum[e.name] for e in es],
                                        momentum=self.muon_momentum, nesterov=True, heads=heads,
-                                       ns_steps=self.ns_steps, alpha=-lr)
+                                       ns_steps=self.ns_steps, alpha=-lr, ns_mode=self.ns_mode)
                 apply_muon_updates(ps, updates, 1.0 - lr * wd)
                 if self.main:  # the owner's weight, rounded; the broadcast shares it
                     for e, main in zip(es, ps):

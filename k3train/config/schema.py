@@ -376,6 +376,12 @@ class OptimConfig(_Strict):
     (the replicated step, kept for comparison). Same update and checkpoint either way. Under
     zero1 each matrix already has one owner, so this field changes nothing there
     (docs/optim_sharding.md#muon-once-per-matrix)."""
+    muon_ns: Literal["standard", "gram", "auto"] = "standard"
+    """Muon's Newton-Schulz form: standard (five quintic steps on each block), gram (the same
+    polynomial map iterated on the small Gram matrix X X^T, restarted once; fewer FLOPs on blocks
+    far from square), or auto (gram where it needs at most half the FLOPs: aspect >= 11.5, e.g.
+    the per-head q/k/v blocks). standard stays the default: bf16 parity with it is not shown
+    (docs/optim_sharding.md#gram-newton-schulz)."""
 
 
 class ParallelConfig(_Strict):

@@ -59,7 +59,8 @@ def build_k3_optimizer(model: nn.Module, cfg: OptimConfig, *, groups: GradGroups
     (dense) or ``groups.expert_dp`` (``expert_params``).
     """
     table = build_param_table(model.named_parameters(), k3_param_rules(model, cfg.muon_per_head))
-    kwargs = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    kwargs = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                  ns_mode=cfg.muon_ns)
     # None: each optimizer's default (fp32 moments, or the weights' dtype), the path unchanged.
     state_dtype = None if cfg.state_dtype == "fp32" else _DTYPES[cfg.state_dtype]
     param_dtype = None if precision.param_dtype == "fp32" else _DTYPES[precision.param_dtype]
