@@ -57,6 +57,10 @@ def build_k3_optimizer(model: nn.Module, cfg: OptimConfig, *, groups: GradGroups
     (gradients reduced by ``optim.DataParallelGrads``) whose Muon, with
     ``cfg.muon_distributed``, runs Newton-Schulz once per matrix block per ``groups.dp``
     (dense) or ``groups.expert_dp`` (``expert_params``).
+
+    Every form orthogonalises a tensor-parallel weight whole (``groups.tp``: its Newton-Schulz
+    inputs all-gathered over TP, each rank keeping its slice; docs/optim_sharding.md), so
+    ``parallel.tp=2`` steps as ``tp=1`` does.
     """
     table = build_param_table(model.named_parameters(), k3_param_rules(model, cfg.muon_per_head))
     kwargs = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
@@ -73,9 +77,10 @@ def build_k3_optimizer(model: nn.Module, cfg: OptimConfig, *, groups: GradGroups
         if param_dtype is not None:
             opt = MainParamOptimizer(table, param_dtype=param_dtype, name=cfg.name, groups=groups,
                                      expert_params=expert_params, state_dtype=state_dtype,
-                                     muon_group_of=group_of, **kwargs)
+                                     muon_group_of=group_of, muon_tp_group=groups.tp, **kwargs)
             return opt, format_table(table)
-        opt = build_optimizer(table, cfg.name, muon_group_of=group_of, state_dtype=state_dtype, **kwargs)
+        opt = build_optimizer(table, cfg.name, muon_group_of=group_of, muon_tp_group=groups.tp,
+                              state_dtype=state_dtype, **kwargs)
         return opt, format_table(table)
     expert_names = {e.name for e in table if id(e.param) in expert_ids}
     opt = ShardedOptimizer(table, name=cfg.name, groups=groups, is_expert=expert_names.__contains__,
