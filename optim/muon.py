@@ -46,7 +46,7 @@ from .backends import current as current_backends
 
 __all__ = ["NS_COEFFICIENTS", "TPShard", "apply_muon_updates", "largest_first", "momentum_input",
            "newton_schulz", "muon_scale", "ns_flops", "ns_update", "scratch_muon_updates", "tp_shard",
-           "gather_tp_blocks", "tp_slice",
+           "gather_tp_blocks", "tp_gather_bytes", "tp_slice", "tp_split_dim",
            "muon_update", "muon_updates", "Muon"]
 
 # Quintic p(x) = a x + b x^3 + c x^5 applied to the singular values. The large slope a at 0
@@ -172,10 +172,20 @@ def tp_shard(p: torch.Tensor, heads: int | None, group) -> TPShard | None:
     per-head row blocks lie inside its row shard (``heads`` then counts this rank's heads).
 
     ``p``: ``[A, B]`` or ``[S, A, B]``, this rank's shard; ``partition_dim`` indexes its dims."""
-    if group is None or not getattr(p, "tensor_model_parallel", False) or not dist.is_initialized():
+    if group is None or not dist.is_initialized():
         return None
+    dim = tp_split_dim(p, heads)
     world = dist.get_world_size(group)
-    if world == 1:
+    if dim is None or world == 1:
+        return None
+    return TPShard(group, world, dist.get_rank(group), dim)
+
+
+def tp_split_dim(p: torch.Tensor, heads: int | None) -> int | None:
+    """The dim of ``p``'s Newton-Schulz blocks ``[rows, cols]`` that tensor parallelism splits
+    (-2 or -1), or None where no block straddles TP shards (``tp_shard``'s cases). Needs no
+    process group: ``p``'s megatron-core attributes decide."""
+    if not getattr(p, "tensor_model_parallel", False):
         return None
     if getattr(p, "partition_stride", 1) != 1:
         raise ValueError(f"Muon under tensor parallelism needs contiguous shards (partition_stride 1); "
@@ -183,7 +193,20 @@ def tp_shard(p: torch.Tensor, heads: int | None, group) -> TPShard | None:
     dim = p.partition_dim - p.ndim  # -3 (stack), -2 (rows), -1 (columns)
     if dim == -3 or (dim == -2 and heads is not None):
         return None
-    return TPShard(group, world, dist.get_rank(group), dim)
+    return dim
+
+
+def tp_gather_bytes(params: Iterable[tuple[torch.Tensor, int | None]], tp: int, *,
+                    element_size: int) -> int:
+    """Bytes one rank receives per step in Muon's TP all-gathers when it orthogonalises every
+    Muon parameter of ``params`` (``(this rank's shard, heads)``) itself, as the replicated Muon
+    does: ``(tp - 1) * numel`` elements of ``element_size`` (the Newton-Schulz dtype: 2 for bf16
+    on CUDA) per gathered shard. Under distributed Muon or ZeRO-1 a rank gathers only the blocks
+    it owns, about ``1 / dp`` of this."""
+    if tp == 1:
+        return 0
+    return sum((tp - 1) * p.numel() * element_size for p, heads in params
+               if tp_split_dim(p, heads) is not None)
 
 
 def gather_tp_blocks(x: torch.Tensor, tp: TPShard) -> torch.Tensor:

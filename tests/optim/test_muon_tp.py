@@ -20,7 +20,8 @@ from k3train.model.model import build_model
 from k3train.runtime.distributed import init_distributed
 from k3train.trainer.optimizer import build_k3_optimizer, k3_param_rules
 from optim import GradGroups, build_param_table
-from optim.muon import tp_shard
+import optim.muon as muon_mod
+from optim.muon import tp_gather_bytes, tp_shard
 from tests.multiproc import run_multiprocess
 
 # The tiny model of tests.helpers.tiny_cfg with 4 heads (2 per TP rank) and both mixers.
@@ -65,9 +66,11 @@ def _set_grads(model, tp: int, step: int) -> None:
         p.grad = g.contiguous()
 
 
-def _stepped(tp: int, overrides: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, bool]]:
-    """Every parameter, whole, after two Muon steps on the fixed gradients at ``tp``; and for
-    each Muon matrix whether it is gathered over TP."""
+def _stepped(tp: int, overrides: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, bool], list[int], int]:
+    """Every parameter, whole, after two Muon steps on the fixed gradients at ``tp``; for each
+    Muon matrix whether it is gathered over TP; the bytes each DP rank (this rank's DP group)
+    received in Muon's TP all-gathers per step; and ``tp_gather_bytes``' count for the
+    replicated step."""
     init_distributed(tp=tp)
     cfg = load_config(None, [*_MODEL, *overrides])
     torch.manual_seed(3)
@@ -78,14 +81,29 @@ def _stepped(tp: int, overrides: list[str]) -> tuple[dict[str, torch.Tensor], di
                         tp=ps.get_tensor_model_parallel_group())
     experts = [p for layer in model.moe_layers() for p in layer.experts.parameters()]
     opt, _ = build_k3_optimizer(model, cfg.optim, groups=groups, expert_params=experts)
-    for step in range(2):
-        _set_grads(model, tp, step)
-        opt.step()
-        opt.zero_grad()
+    received, real = [0], muon_mod._all_gather
+
+    def counting(out, inp, group=None, **kw):
+        received[0] += (out.numel() - inp.numel()) * out.element_size()
+        return real(out, inp, group=group, **kw)
+
+    muon_mod._all_gather = counting
+    try:
+        for step in range(2):
+            _set_grads(model, tp, step)
+            opt.step()
+            opt.zero_grad()
+    finally:
+        muon_mod._all_gather = real
     heads = _heads(model, cfg)
-    gathered = {name: tp_shard(p, heads.get(name), groups.tp) is not None
-                for name, p in model.named_parameters() if name in heads}
-    return {name: _gather(p, tp) for name, p in model.named_parameters()}, gathered
+    params = dict(model.named_parameters())
+    gathered = {name: tp_shard(params[name], h, groups.tp) is not None for name, h in heads.items()}
+    expected = tp_gather_bytes([(params[name], h) for name, h in heads.items()], tp, element_size=8)
+    per_dp = [received[0] // 2]
+    if dp is not None:
+        per_dp = [None] * dist.get_world_size(dp)
+        dist.all_gather_object(per_dp, received[0] // 2, group=dp)
+    return ({name: _gather(p, tp) for name, p in params.items()}, gathered, per_dp, expected)
 
 
 def _heads(model, cfg) -> dict[str, int | None]:
@@ -96,8 +114,8 @@ def _heads(model, cfg) -> dict[str, int | None]:
 
 def _tp2_steps_as_tp1(rank: int, world: int, variants: list[str]) -> None:
     for variant in variants:
-        got, gathered = _stepped(2, _VARIANTS[variant])
-        ref, _ = _stepped(1, _VARIANTS[variant])
+        got, gathered, received, expected = _stepped(2, _VARIANTS[variant])
+        ref, *_ = _stepped(1, _VARIANTS[variant])
         assert got.keys() == ref.keys()
         for name in ref:
             torch.testing.assert_close(got[name], ref[name], rtol=1e-12, atol=1e-12,
@@ -110,6 +128,14 @@ def _tp2_steps_as_tp1(rank: int, world: int, variants: list[str]) -> None:
             assert not any(g for n, g in gathered.items() if ".q_proj." in n or ".kv_up." in n), gathered
         else:
             assert all(g for n, g in gathered.items() if ".q_proj." in n), gathered
+        # The TP all-gathers' bytes per step: (tp - 1) slices received per gathered shard this
+        # rank orthogonalises; all of them in the replicated step, each one on one DP rank with
+        # owners (distributed Muon, ZeRO-1), so their sum over DP is the replicated step's.
+        assert expected > 0
+        if variant == "replicated":
+            assert received == [expected] * len(received), (variant, received, expected)
+        else:
+            assert sum(received) == expected and min(received) >= 0, (variant, received, expected)
 
 
 def test_muon_tp2_steps_as_tp1():
