@@ -18,7 +18,7 @@ from megatron.core import parallel_state as ps
 from k3train.config import load_config
 from k3train.model.model import build_model
 from k3train.runtime.distributed import init_distributed
-from k3train.trainer.optimizer import build_k3_optimizer, k3_param_rules
+from k3train.trainer.optimizer import build_k3_optimizer, k3_param_rules, muon_ns_flops_per_rank
 from optim import GradGroups, build_param_table
 import optim.muon as muon_mod
 from optim.muon import tp_gather_bytes, tp_shard
@@ -66,11 +66,11 @@ def _set_grads(model, tp: int, step: int) -> None:
         p.grad = g.contiguous()
 
 
-def _stepped(tp: int, overrides: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, bool], list[int], int]:
+def _stepped(tp: int, overrides: list[str]):
     """Every parameter, whole, after two Muon steps on the fixed gradients at ``tp``; for each
     Muon matrix whether it is gathered over TP; the bytes each DP rank (this rank's DP group)
-    received in Muon's TP all-gathers per step; and ``tp_gather_bytes``' count for the
-    replicated step."""
+    received in Muon's TP all-gathers per step; ``tp_gather_bytes``' count for the replicated
+    step; and ``muon_ns_flops_per_rank`` at DP = 1."""
     init_distributed(tp=tp)
     cfg = load_config(None, [*_MODEL, *overrides])
     torch.manual_seed(3)
@@ -99,11 +99,13 @@ def _stepped(tp: int, overrides: list[str]) -> tuple[dict[str, torch.Tensor], di
     params = dict(model.named_parameters())
     gathered = {name: tp_shard(params[name], h, groups.tp) is not None for name, h in heads.items()}
     expected = tp_gather_bytes([(params[name], h) for name, h in heads.items()], tp, element_size=8)
+    # The Newton-Schulz FLOPs a rank runs at DP = 1, gathered matrices counted whole.
+    (flops,) = muon_ns_flops_per_rank(model, cfg.optim, dp=1, tp=tp)
     per_dp = [received[0] // 2]
     if dp is not None:
         per_dp = [None] * dist.get_world_size(dp)
         dist.all_gather_object(per_dp, received[0] // 2, group=dp)
-    return ({name: _gather(p, tp) for name, p in params.items()}, gathered, per_dp, expected)
+    return ({name: _gather(p, tp) for name, p in params.items()}, gathered, per_dp, expected, flops)
 
 
 def _heads(model, cfg) -> dict[str, int | None]:
@@ -114,8 +116,11 @@ def _heads(model, cfg) -> dict[str, int | None]:
 
 def _tp2_steps_as_tp1(rank: int, world: int, variants: list[str]) -> None:
     for variant in variants:
-        got, gathered, received, expected = _stepped(2, _VARIANTS[variant])
-        ref, *_ = _stepped(1, _VARIANTS[variant])
+        got, gathered, received, expected, flops = _stepped(2, _VARIANTS[variant])
+        ref, _, _, _, ref_flops = _stepped(1, _VARIANTS[variant])
+        # Gathered matrices cost a TP rank TP=1's FLOPs; local per-head blocks half of them.
+        per_head = "optim.muon_per_head=false" not in _VARIANTS[variant]
+        assert (flops < ref_flops) if per_head else (flops == ref_flops), (variant, flops, ref_flops)
         assert got.keys() == ref.keys()
         for name in ref:
             torch.testing.assert_close(got[name], ref[name], rtol=1e-12, atol=1e-12,
