@@ -1,6 +1,7 @@
 """``k3train train`` with ``optim.name=muon`` at ``parallel.tp=2`` trains as at ``tp=1`` (gloo ranks).
 
-Three steps of the small model in fp32 on CPU; the logged losses and every weight of the final
+Three steps of the small model in fp32 on CPU (alone, with ZeRO-1, at DP = 2 and at CP = 2); the
+logged losses and every weight of the final
 checkpoint (consolidated whole) are compared with the TP=1 run of the same layout otherwise.
 TP changes only the order of fp32 sums (the row-parallel matmuls), so the runs agree to fp32
 rounding carried through three steps: losses within ``rel=1e-6``, weights within ``atol=1e-5``
@@ -61,3 +62,13 @@ def test_muon_dp2_tp2_trains_as_dp2(tmp_path):
     for flags in (["optim.muon_distributed=true"], ["optim.zero1=true"]):
         ref = _run(tmp_path, f"dp2-{flags[0]}", 2, flags)
         _assert_same_run(_run(tmp_path, f"dp2-tp2-{flags[0]}", 4, ["parallel.tp=2", *flags]), ref)
+
+
+@pytest.mark.slow  # two training runs of 2 and 4 gloo ranks
+@pytest.mark.timeout(900)
+def test_muon_cp2_tp2_trains_as_cp2(tmp_path):
+    """TP = 2 x CP = 2 against CP = 2: distributed Muon's owners over the DP x CP group (here
+    the two CP ranks), each gathering its TP-split blocks over its TP group."""
+    flags = ["optim.muon_distributed=true", "parallel.cp=2"]
+    ref = _run(tmp_path, "cp2", 2, flags)
+    _assert_same_run(_run(tmp_path, "cp2-tp2", 4, ["parallel.tp=2", *flags]), ref)
