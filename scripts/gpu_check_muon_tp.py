@@ -13,7 +13,9 @@ below ``--tol`` (default 0.03: bf16 Newton-Schulz, the same inputs, other batche
 shard-local contrast's is at least 10x larger (the check can tell them apart). Exit 1
 otherwise. Writes ``$OUT/muon_tp.json`` when ``OUT`` is set.
 
-    torchrun --nproc_per_node 2 scripts/gpu_check_muon_tp.py [--tol 0.03]
+    torchrun --nproc_per_node 2 scripts/gpu_check_muon_tp.py [--tol 0.03] [--device cpu]
+
+``--device cpu`` runs the same on gloo in fp32 (a dry run of the script: errors ~1e-6).
 
 Expected runtime on two H200s: well under a minute (mostly imports and Triton autotuning).
 """
@@ -44,7 +46,7 @@ SMALL = ["model.hidden_size=64", "model.num_layers=4", "model.kda.num_heads=2", 
          "model.mla.num_heads=2", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=32",
          "model.mla.qk_nope_head_dim=16", "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=16",
          "model.ffn.intermediate_size=128", "moe.num_experts=4", "moe.latent_size=32",
-         "moe.expert_ffn_size=32", "moe.shared_ffn_size=64", "train.device=cuda", "optim.name=muon"]
+         "moe.expert_ffn_size=32", "moe.shared_ffn_size=64", "optim.name=muon"]
 
 
 def _whole(p: torch.Tensor, tp: int) -> torch.Tensor:
@@ -56,12 +58,12 @@ def _whole(p: torch.Tensor, tp: int) -> torch.Tensor:
     return torch.cat(parts, dim=p.partition_dim)
 
 
-def _deltas(tp: int, flags: list[str], with_tp_group: bool) -> tuple[dict, list[str]]:
+def _deltas(tp: int, flags: list[str], with_tp_group: bool, device: str) -> tuple[dict, list[str]]:
     """{name: whole weight after - before} for two steps at ``tp``; the gathered Muon names."""
-    init_distributed(tp=tp, device="cuda")
-    cfg = load_config("configs/k3_tiny.yaml", [*SMALL, *flags])
+    init_distributed(tp=tp, device=device)
+    cfg = load_config("configs/k3_tiny.yaml", [*SMALL, f"train.device={device}", *flags])
     torch.manual_seed(3)
-    model = build_model(cfg).cuda()
+    model = build_model(cfg).to(device)
     before = {n: _whole(p, tp) for n, p in model.named_parameters()}
     groups = GradGroups(tp=ps.get_tensor_model_parallel_group() if with_tp_group else None)
     experts = [p for layer in model.moe_layers() for p in layer.experts.parameters()]
@@ -75,7 +77,7 @@ def _deltas(tp: int, flags: list[str], with_tp_group: bool) -> tuple[dict, list[
             g = torch.randn(shape, generator=torch.Generator().manual_seed(1000 * step + i))
             if split:
                 g = g.chunk(tp, dim=p.partition_dim)[ps.get_tensor_model_parallel_rank()]
-            p.grad = g.contiguous().cuda()
+            p.grad = g.contiguous().to(device)
         opt.step()
         opt.zero_grad()
     table = build_param_table(model.named_parameters(), k3_param_rules(model, cfg.optim.muon_per_head))
@@ -86,12 +88,13 @@ def _deltas(tp: int, flags: list[str], with_tp_group: bool) -> tuple[dict, list[
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tol", type=float, default=0.03)
+    ap.add_argument("--device", default="cuda", help="cuda (NCCL; the check) or cpu (gloo, fp32: a dry run)")
     args = ap.parse_args()
     results, ok = {}, True
     for form, flags in (("replicated", ["optim.muon_distributed=false"]), ("zero1", ["optim.zero1=true"])):
-        fixed, gathered = _deltas(2, flags, True)
-        local, _ = _deltas(2, flags, False)
-        ref, _ = _deltas(1, flags, True)
+        fixed, gathered = _deltas(2, flags, True, args.device)
+        local, _ = _deltas(2, flags, False, args.device)
+        ref, _ = _deltas(1, flags, True, args.device)
 
         def err(d):
             return {n: ((d[n] - ref[n]).norm() / ref[n].norm()).item() for n in gathered}
