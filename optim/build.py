@@ -103,6 +103,7 @@ def build_optimizer(
     muon_lr: float | None = None,
     muon_momentum: float = 0.95,
     muon_group_of: Callable[[torch.Tensor], Any] | None = None,
+    muon_tp_group: Any = None,
     state_dtype: torch.dtype | None = None,
     ns_mode: str = "standard",
 ) -> CombinedOptimizer:
@@ -120,6 +121,9 @@ def build_optimizer(
     expert DP): Muon is then ``DistributedMuon``, which runs Newton-Schulz once per matrix block
     per group and all-gathers the updates (same update, same checkpoint state).
 
+    muon_tp_group: the tensor-parallel group (None: no TP); Muon then orthogonalises each
+    TP-sharded matrix whole (``optim.muon.tp_shard``), all-gathering its inputs over the group.
+
     state_dtype: the dtype of AdamW's moments and Muon's momentum; None: each parameter's own
     (today's optimizers, unchanged). A narrower one (bf16) gives AdamW as ``NarrowStateAdamW``.
 
@@ -133,7 +137,7 @@ def build_optimizer(
     if muon_plans:
         mlr = lr if muon_lr is None else muon_lr
         kw = dict(lr=mlr, weight_decay=weight_decay, momentum=muon_momentum, nesterov=True,
-                  state_dtype=state_dtype, ns_mode=ns_mode)
+                  state_dtype=state_dtype, ns_mode=ns_mode, tp_group=muon_tp_group)
         groups = _torch_groups(muon_plans, muon=True)
         optimizers.append(Muon(groups, **kw) if muon_group_of is None else
                           DistributedMuon(groups, group_of=muon_group_of, **kw))

@@ -19,21 +19,35 @@ Per-head Muon (``heads=H``) splits the momentum's rows into ``H`` blocks ``[H, A
 block per attention head of a q/k/v projection) and orthogonalises each block on its own. The
 scale then uses the block's shape, ``0.2 * sqrt(max(A/H, B))``, so that each block's update, and
 hence the whole matrix's, still has RMS ~0.2.
+
+Tensor parallelism (``tp_group``): a weight sharded over TP ranks (megatron-core's
+``tensor_model_parallel`` / ``partition_dim`` attributes) is orthogonalised as the whole matrix
+it is a slice of, because Newton-Schulz of a slice is not the slice of Newton-Schulz of the
+matrix. Where a block straddles the shards (``TPShard``: a column-parallel weight's rows, a
+row-parallel weight's columns), every TP rank all-gathers the momentum-applied inputs of its
+shard, runs the iteration on the whole blocks (and the scale on their whole shape) and keeps
+its own slice. Where the blocks lie inside one shard (per-head blocks of a row-sharded q/k/v
+projection, whose ``heads`` counts this rank's heads; the experts of a stack sharded along
+the stack) the local step is already exact and nothing is gathered
+(docs/optim_sharding.md#muon-under-tensor-parallelism).
 """
 from __future__ import annotations
 
 import functools
 import importlib
 import math
+from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
 import torch
+import torch.distributed as dist
 
 from .backends import current as current_backends
 from .ns_gram import NS_MODES, NSMode, gram_iterate, use_gram
 
-__all__ = ["NS_COEFFICIENTS", "apply_muon_updates", "largest_first", "momentum_input", "newton_schulz",
-           "muon_scale", "ns_flops", "scratch_muon_updates",
+__all__ = ["NS_COEFFICIENTS", "TPShard", "apply_muon_updates", "largest_first", "momentum_input",
+           "newton_schulz", "muon_scale", "ns_flops", "ns_update", "scratch_muon_updates", "tp_shard",
+           "gather_tp_blocks", "tp_gather_bytes", "tp_slice", "tp_split_dim",
            "muon_update", "muon_updates", "Muon"]
 
 # Quintic p(x) = a x + b x^3 + c x^5 applied to the singular values. The large slope a at 0
@@ -137,6 +151,111 @@ def ns_flops(rows: int, cols: int, steps: int = 5) -> int:
     return steps * (4 * a * a * b + 2 * a ** 3)
 
 
+# torch 2.13 renamed the flat all-gather; keep the old name for torch 2.8 .. 2.12.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """How a Muon parameter's Newton-Schulz blocks are split over tensor parallelism: rank
+    ``rank`` of the ``world`` ranks of ``group`` holds the ``rank``-th contiguous slice of every
+    block ``[rows, cols]`` along ``dim`` (-2: rows, -1: columns), megatron-core's layout.
+
+    ``group=None`` is a shape-only stand-in (``scratch``): the "gather" then tiles this rank's
+    slice ``world`` times, with no communication, so compile-ahead sees the whole shapes."""
+
+    group: Any
+    world: int
+    rank: int
+    dim: int
+
+    def scratch(self) -> "TPShard":
+        return replace(self, group=None)
+
+
+def tp_shard(p: torch.Tensor, heads: int | None, group) -> TPShard | None:
+    """``p``'s ``TPShard`` over the tensor-parallel ``group``, or None where Muon's local step on
+    ``p`` is already exact: ``p`` is not TP-sharded (no ``tensor_model_parallel``), ``group``
+    has one rank (None: no TP), ``p`` is a stack ``[S, A, B]`` sharded along ``S``, or its
+    per-head row blocks lie inside its row shard (``heads`` then counts this rank's heads).
+
+    ``p``: ``[A, B]`` or ``[S, A, B]``, this rank's shard; ``partition_dim`` indexes its dims."""
+    if group is None or not dist.is_initialized():
+        return None
+    dim = tp_split_dim(p, heads)
+    world = dist.get_world_size(group)
+    if dim is None or world == 1:
+        return None
+    return TPShard(group, world, dist.get_rank(group), dim)
+
+
+def tp_split_dim(p: torch.Tensor, heads: int | None) -> int | None:
+    """The dim of ``p``'s Newton-Schulz blocks ``[rows, cols]`` that tensor parallelism splits
+    (-2 or -1), or None where no block straddles TP shards (``tp_shard``'s cases). Needs no
+    process group: ``p``'s megatron-core attributes decide."""
+    if not getattr(p, "tensor_model_parallel", False):
+        return None
+    if getattr(p, "partition_stride", 1) != 1:
+        raise ValueError(f"Muon under tensor parallelism needs contiguous shards (partition_stride 1); "
+                         f"a parameter of shape {tuple(p.shape)} has partition_stride {p.partition_stride}")
+    dim = p.partition_dim - p.ndim  # -3 (stack), -2 (rows), -1 (columns)
+    if dim == -3 or (dim == -2 and heads is not None):
+        return None
+    return dim
+
+
+def tp_gather_bytes(params: Iterable[tuple[torch.Tensor, int | None]], tp: int, *,
+                    element_size: int) -> int:
+    """Bytes one rank receives per step in Muon's TP all-gathers when it orthogonalises every
+    Muon parameter of ``params`` (``(this rank's shard, heads)``) itself, as the replicated Muon
+    does: ``(tp - 1) * numel`` elements of ``element_size`` (the Newton-Schulz dtype: 2 for bf16
+    on CUDA) per gathered shard. Under distributed Muon or ZeRO-1 a rank gathers only the blocks
+    it owns, about ``1 / dp`` of this."""
+    if tp == 1:
+        return 0
+    return sum((tp - 1) * p.numel() * element_size for p, heads in params
+               if tp_split_dim(p, heads) is not None)
+
+
+def gather_tp_blocks(x: torch.Tensor, tp: TPShard) -> torch.Tensor:
+    """``x: [m, r, c]`` (this rank's slice of ``m`` blocks) -> the whole blocks ``[m, W r, c]``
+    (``tp.dim`` -2) or ``[m, r, W c]`` (-1), ``W = tp.world``: one all-gather over ``tp.group``."""
+    x = x.contiguous()
+    if tp.group is None:
+        parts = [x] * tp.world
+    else:
+        flat = torch.empty(tp.world * x.numel(), dtype=x.dtype, device=x.device)
+        _all_gather(flat, x.view(-1), group=tp.group)
+        parts = list(flat.view(tp.world, *x.shape).unbind(0))
+    return torch.cat(parts, dim=tp.dim)
+
+
+def tp_slice(whole: torch.Tensor, tp: TPShard) -> torch.Tensor:
+    """This rank's slice ``[m, r, c]`` of whole blocks ``[m, W r, c]`` / ``[m, r, W c]`` (a view)."""
+    size = whole.shape[tp.dim] // tp.world
+    return whole.narrow(tp.dim, tp.rank * size, size)
+
+
+def ns_update(blocks: torch.Tensor, steps: int, alpha: float, tp: TPShard | None = None, *,
+              mode: NSMode = "standard") -> torch.Tensor:
+    """``alpha * muon_scale(rows, cols) * newton_schulz(blocks)`` for Newton-Schulz inputs
+    ``blocks: [m, r, c]``; ``[rows, cols]`` is the shape of a whole block.
+
+    ``tp`` None: the blocks are whole (``rows, cols = r, c``). Otherwise they are this rank's
+    slices of blocks split over TP: all-gathered to the whole blocks (every rank of ``tp.group``
+    calls this with the same shapes, in the same order), orthogonalised and scaled whole, and
+    this rank's slice returned, ``[m, r, c]`` (a view; not contiguous). Every TP rank runs the
+    same iteration on the same input, rather than one owner scattering the result: one
+    collective instead of two, no owner plan to keep in step, and each rank's Newton-Schulz
+    FLOPs for these blocks are the TP=1 run's. ``mode``: the Newton-Schulz form (``optim.ns_gram``)."""
+    if tp is None:
+        rows, cols = blocks.shape[-2:]
+        return newton_schulz(blocks, steps, out_scale=alpha * muon_scale(rows, cols), mode=mode)
+    whole = gather_tp_blocks(blocks, tp)
+    rows, cols = whole.shape[-2:]
+    return tp_slice(newton_schulz(whole, steps, out_scale=alpha * muon_scale(rows, cols), mode=mode), tp)
+
+
 def _check_matrix(shape: tuple[int, ...], heads: int | None, name: str | None) -> None:
     """A Muon parameter is a matrix ``[A, B]`` or a stack ``[S, A, B]``; heads split 2-D rows."""
     what = f"parameter {name!r}" if name else "parameter"
@@ -210,9 +329,14 @@ def muon_updates(
     ns_steps: int,
     alpha: float = 1.0,
     ns_mode: NSMode = "standard",
+    tp: TPShard | None = None,
 ) -> list[torch.Tensor]:
     """``alpha`` times ``muon_update`` for several matrices (or stacks) of one shape
     ``[A, B]`` / ``[S, A, B]``.
+
+    ``tp``: None, or how these matrices (this rank's shards, all split alike) are split over
+    tensor parallelism; the blocks are then gathered, orthogonalised and scaled whole
+    (``ns_update``), and this rank's slices returned. Collective over ``tp.group``.
 
     All matrices (all their head blocks) go through one batched Newton-Schulz
     ``[n * H, A/H, B]``: a handful of kernel launches instead of ~25 per matrix, which is what
@@ -228,8 +352,7 @@ def muon_updates(
         momentum_input(g, buf, u[i], momentum=momentum, nesterov=nesterov)
     rows, cols = u.shape[-2:]
     h = heads or 1
-    ortho = newton_schulz(u.view(-1, rows // h, cols), ns_steps,
-                          out_scale=alpha * muon_scale(rows // h, cols), mode=ns_mode)
+    ortho = ns_update(u.view(-1, rows // h, cols), ns_steps, alpha, tp, mode=ns_mode)
     # reshape, not view: tall blocks come back transposed (non-contiguous) from newton_schulz
     return list(ortho.reshape(u.shape).unbind(0))
 
@@ -297,6 +420,11 @@ class Muon(torch.optim.Optimizer):
     ``momentum_buffer`` (same shape as the parameter; its dtype is ``state_dtype``, None: the
     parameter's, e.g. ``torch.bfloat16`` for bf16 momentum). ``ns_mode``: the Newton-Schulz
     form, "standard", "gram" or "auto" (``optim.ns_gram``; the same map, other FLOPs).
+
+    ``tp_group``: the tensor-parallel group (None: no TP). TP-sharded parameters whose blocks
+    straddle the shards (``tp_shard``) are then orthogonalised whole: each step all-gathers
+    their Newton-Schulz inputs over it, so every rank of the group must step together. The
+    state stays this rank's shard.
     """
 
     def __init__(
@@ -310,6 +438,7 @@ class Muon(torch.optim.Optimizer):
         heads: int | None = None,
         state_dtype: torch.dtype | None = None,
         ns_mode: NSMode = "standard",
+        tp_group: Any = None,
     ) -> None:
         if lr < 0:
             raise ValueError(f"Muon: lr must be >= 0, got {lr}")
@@ -325,6 +454,7 @@ class Muon(torch.optim.Optimizer):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum,
                         nesterov=nesterov, ns_steps=ns_steps, heads=heads, state_dtype=state_dtype)
         super().__init__(params, defaults)
+        self._tp_group = tp_group
 
     @staticmethod
     def _per_param(group: dict[str, Any]) -> list[tuple[torch.Tensor, str | None, int | None]]:
@@ -350,16 +480,19 @@ class Muon(torch.optim.Optimizer):
             raise
 
     def _update_batches(self, group: dict[str, Any], only: set[int] | None = None
-                        ) -> list[tuple[int | None, list[torch.Tensor]]]:
-        """``(heads, params)`` per Newton-Schulz call of ``step`` for ``group``: parameters with a
-        gradient (and, given ``only``, whose id is in it), batched by shape, head split, dtype
-        and device, largest first."""
+                        ) -> list[tuple[int | None, TPShard | None, list[torch.Tensor]]]:
+        """``(heads, tp, params)`` per Newton-Schulz call of ``step`` for ``group``: parameters
+        with a gradient (and, given ``only``, whose id is in it), batched by shape, head split,
+        TP split (``tp_shard``), dtype and device, largest first. The same on every TP rank
+        (their shards have the same shapes), so the TP all-gathers pair up."""
         same: dict[tuple, list[torch.Tensor]] = {}
         for p, _name, heads in self._per_param(group):
             if p.grad is not None and (only is None or id(p) in only):
-                same.setdefault((tuple(p.shape), heads, p.dtype, p.grad.dtype, p.device), []).append(p)
-        return [(heads, ps) for (_shape, heads, *_), params in largest_first(same, torch.Tensor.numel)
-                for ps in _batches(params, params[0].numel())]
+                tp = tp_shard(p, heads, self._tp_group)
+                same.setdefault((tuple(p.shape), heads, tp, p.dtype, p.grad.dtype, p.device), []).append(p)
+        # A TP-split batch holds whole matrices W times its shards: cap by the whole size.
+        return [(heads, tp, ps) for (_shape, heads, tp, *_), params in largest_first(same, torch.Tensor.numel)
+                for ps in _batches(params, params[0].numel() * (tp.world if tp else 1))]
 
     def momentum_buffer(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         """``p``'s momentum (``[*p.shape]`` in the group's ``state_dtype``), zeros at first use."""
@@ -380,13 +513,13 @@ class Muon(torch.optim.Optimizer):
     def _step_group(self, group: dict[str, Any], only: set[int] | None = None) -> None:
         """The update of ``group``'s parameters with a gradient (those in ``only``, if given)."""
         lr, wd = group["lr"], group["weight_decay"]
-        for heads, ps in self._update_batches(group, only):
+        for heads, tp, ps in self._update_batches(group, only):
             for p in ps:
                 self.momentum_buffer(p, group)
             updates = muon_updates(
                 [p.grad for p in ps], [self.state[p]["momentum_buffer"] for p in ps],
                 momentum=group["momentum"], nesterov=group["nesterov"], heads=heads,
-                ns_steps=group["ns_steps"], alpha=-lr, ns_mode=self.ns_mode)
+                ns_steps=group["ns_steps"], alpha=-lr, ns_mode=self.ns_mode, tp=tp)
             apply_muon_updates(ps, updates, 1.0 - lr * wd)
 
     @torch.no_grad()
@@ -405,7 +538,7 @@ class Muon(torch.optim.Optimizer):
         scratch tensors of every shape and batch it will use; no parameter, gradient or state
         changes. See ``scratch_muon_updates``."""
         for group in self.param_groups:
-            for heads, ps in self._update_batches(group):
+            for heads, tp, ps in self._update_batches(group):
                 scratch_muon_updates([p.grad for p in ps], ps, momentum=group["momentum"],
                                      nesterov=group["nesterov"], heads=heads, ns_steps=group["ns_steps"],
-                                     alpha=-group["lr"], ns_mode=self.ns_mode)
+                                     alpha=-group["lr"], ns_mode=self.ns_mode, tp=tp and tp.scratch())

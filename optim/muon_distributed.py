@@ -22,6 +22,11 @@ gradient, repeated on each of the group's ``W`` ranks. ``DistributedMuon`` split
   gathered updates) stay bounded as the replicated step's batches are.
 * A parameter no other rank holds (a one-rank group: DP=1, or experts at EP = DP) steps exactly
   as in ``Muon`` (same batches, same memory).
+* Under tensor parallelism (``tp_group``) a block split over TP ranks (``optim.muon.tp_shard``)
+  is orthogonalised whole by the owner slot: the owner and its TP peers (which derive the same
+  plan from the same shard shapes, hence own the same blocks in the same batches) all-gather
+  their slices over TP, run the iteration on the whole block and keep their own slice, which the
+  DP all-gather then shares as before.
 
 Same arithmetic per block as ``Muon.step`` (``momentum_input``, ``newton_schulz`` with the same
 ``out_scale``, ``apply_muon_updates``), so the update equals the replicated one; only the batch
@@ -39,8 +44,9 @@ import torch
 import torch.distributed as dist
 
 from .grads import group_size
-from .muon import (Muon, _batches, _ns_dtype, apply_muon_updates, largest_first, momentum_input,
-                   muon_scale, newton_schulz, ns_flops)
+from .muon import (Muon, TPShard, _batches, _ns_dtype, apply_muon_updates, gather_tp_blocks,
+                   largest_first, momentum_input, muon_scale, newton_schulz, ns_flops, tp_shard,
+                   tp_slice)
 
 __all__ = ["DistributedMuon", "gather_bytes", "muon_blocks", "ns_flops_per_rank", "plan_ns_owners"]
 
@@ -109,10 +115,19 @@ class _Item:
     rows: int
     cols: int
     owners: list[int] = field(default_factory=list)  # per block
+    tp: TPShard | None = None  # blocks split over TP: rows, cols are this rank's slice
 
     @property
     def numel(self) -> int:
         return self.n * self.rows * self.cols
+
+    @property
+    def whole(self) -> tuple[int, int]:
+        """A block's whole ``(rows, cols)`` (the slice's, times the TP size along the split)."""
+        if self.tp is None:
+            return self.rows, self.cols
+        w = self.tp.world
+        return (self.rows * w, self.cols) if self.tp.dim == -2 else (self.rows, self.cols * w)
 
 
 @dataclass
@@ -128,8 +143,8 @@ class _Round:
     """Whole items whose updates travel in one all-gather of ``world * length`` elements."""
     items: list[int]
     length: int  # L_max: every rank's send buffer, padded
-    # Batches this rank orthogonalises: (param group, rows, cols, [(item, owned block idx)]).
-    mine: list[tuple[int, int, int, list[tuple[int, list[int]]]]]
+    # Batches this rank orthogonalises: (param group, rows, cols, TP split, [(item, owned block idx)]).
+    mine: list[tuple[int, int, int, TPShard | None, list[tuple[int, list[int]]]]]
     runs: dict[int, list[_Run]]  # per item: where its blocks lie in the gathered buffer
 
 
@@ -141,7 +156,7 @@ _ROUND_ELEMS = 1 << 28
 def _rounds(items: list[_Item], world: int, rank: int, steps: int) -> list[_Round]:
     """Owners for every block of ``items`` (one plan over all of them), then the items cut into
     rounds of at most ``_ROUND_ELEMS`` elements (an item larger than that alone)."""
-    costs = [ns_flops(it.rows, it.cols, steps) for it in items for _ in range(it.n)]
+    costs = [ns_flops(*it.whole, steps) for it in items for _ in range(it.n)]
     flat = plan_ns_owners(costs, world)
     k = 0
     for it in items:
@@ -160,23 +175,23 @@ def _rounds(items: list[_Item], world: int, rank: int, steps: int) -> list[_Roun
 def _round(items: list[_Item], idx: list[int], world: int, rank: int) -> _Round:
     # Each rank's share, batched by (param group, block shape) in the replicated step's order
     # (largest total first); blocks of one item stay in index order within a batch.
-    keyed: dict[tuple[int, int, int], list[int]] = {}
+    keyed: dict[tuple[int, int, int, TPShard | None], list[int]] = {}
     for i in idx:
         it = items[i]
-        keyed.setdefault((it.group, it.rows, it.cols), []).append(i)
+        keyed.setdefault((it.group, it.rows, it.cols, it.tp), []).append(i)
     order = largest_first(keyed, lambda i: items[i].numel)
     runs: dict[int, list[_Run]] = {i: [] for i in idx}
     mine, ends = [], []
     for r in range(world):
         off = 0
-        for (gi, rows, cols), same in order:
+        for (gi, rows, cols, tp), same in order:
             batch = [(i, [b for b in range(items[i].n) if items[i].owners[b] == r]) for i in same]
             batch = [(i, bs) for i, bs in batch if bs]
             for i, bs in batch:
                 runs[i].append(_Run(off, bs))
                 off += len(bs) * rows * cols
             if r == rank and batch:
-                mine.append((gi, rows, cols, batch))
+                mine.append((gi, rows, cols, tp, batch))
         ends.append(off)
     length = max(ends)
     # Offsets so far are within each rank's share: shift rank r's by r * L_max (the gathered
@@ -222,7 +237,8 @@ class DistributedMuon(Muon):
                     continue
                 dtype = _ns_dtype(p.grad)
                 n, rows, cols = muon_blocks(tuple(p.shape), heads)
-                out.setdefault((id(pg), dtype), (pg, dtype, []))[2].append(_Item(gi, p, n, rows, cols))
+                out.setdefault((id(pg), dtype), (pg, dtype, []))[2].append(
+                    _Item(gi, p, n, rows, cols, tp=tp_shard(p, heads, self._tp_group)))
         return alone, list(out.values())
 
     def _plan(self, pg, dtype: torch.dtype, items: list[_Item]) -> tuple[list[_Item], list[_Round]]:
@@ -269,13 +285,18 @@ class DistributedMuon(Muon):
         # 2. Newton-Schulz on the owned blocks, written into this rank's send buffer.
         send = torch.zeros(rnd.length, dtype=dtype, device=device)
         off = 0
-        for gi, rows, cols, batch in rnd.mine:
+        for gi, rows, cols, tp, batch in rnd.mine:
             group = self.param_groups[gi]
             stack = torch.cat([owned.pop(i) for i, _ in batch]) if len(batch) > 1 else owned.pop(batch[0][0])
-            alpha = -group["lr"] * muon_scale(rows, cols)
-            for chunk in _batches(list(range(stack.shape[0])), rows * cols):
+            # TP-split blocks: this rank and its TP peers gather, orthogonalise and scale whole
+            # blocks (the same batches on each: they own the same blocks), each keeping its slice.
+            for chunk in _batches(list(range(stack.shape[0])), rows * cols * (tp.world if tp else 1)):
                 lo, hi = chunk[0], chunk[-1] + 1
-                out = newton_schulz(stack[lo:hi], group["ns_steps"], out_scale=alpha, mode=self.ns_mode)
+                blocks = stack[lo:hi] if tp is None else gather_tp_blocks(stack[lo:hi], tp)
+                out = newton_schulz(blocks, group["ns_steps"], mode=self.ns_mode,
+                                    out_scale=-group["lr"] * muon_scale(*blocks.shape[-2:]))
+                if tp is not None:
+                    out = tp_slice(out, tp)
                 send[off + lo * rows * cols:off + hi * rows * cols].view(hi - lo, rows, cols).copy_(out)
             off += stack.shape[0] * rows * cols
             del stack

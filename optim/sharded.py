@@ -33,7 +33,8 @@ from .adamw_state import adamw_update
 from .grads import GradGroups, clip_grads_, global_grad_norm, group_size, sum_of_squares
 from .main_grads import MainGrads
 from .main_params import cast_params_
-from .muon import _batches, _check_matrix, apply_muon_updates, largest_first, muon_updates, scratch_muon_updates
+from .muon import (TPShard, _batches, _check_matrix, apply_muon_updates, largest_first, muon_updates,
+                   scratch_muon_updates, tp_shard)
 from .param_groups import plan_param_groups
 from .param_table import ParamEntry
 
@@ -304,16 +305,20 @@ class ShardedOptimizer:
         return norm
 
     # ---- update ----------------------------------------------------------------------------
-    @staticmethod
-    def _muon_batches(d: "_Domain") -> list[tuple[int, int | None, list]]:
-        """``(group index, heads, entries)`` per Newton-Schulz call over the matrices this rank
-        owns in domain ``d``: batched by group, shape, head split and dtypes as in Muon.step."""
+    def _muon_batches(self, d: "_Domain") -> list[tuple[int, int | None, TPShard | None, list]]:
+        """``(group index, heads, TP split, entries)`` per Newton-Schulz call over the matrices
+        this rank owns in domain ``d``: batched by group, shape, head split, TP split and dtypes
+        as in Muon.step. A matrix split over TP (``optim.muon.tp_shard`` over ``groups.tp``) is
+        gathered and orthogonalised whole; its TP peers own it too (the same plan from the same
+        shard shapes) and reach the same batch in the same order."""
         same: dict[tuple, list] = {}
         for e, gi in d.owned_muon():
             p = d.mains.get(e.name, e.param)  # what is stepped: the main parameter, if any
-            same.setdefault((gi, tuple(p.shape), e.heads, p.dtype, d.momentum[e.name].dtype), []).append(e)
-        return [(gi, heads, es) for (gi, _shape, heads, *_), entries in largest_first(same, lambda e: e.param.numel())
-                for es in _batches(entries, entries[0].param.numel())]
+            tp = tp_shard(e.param, e.heads, self.groups.tp)
+            same.setdefault((gi, tuple(p.shape), e.heads, tp, p.dtype, d.momentum[e.name].dtype), []).append(e)
+        return [(gi, heads, tp, es)
+                for (gi, _shape, heads, tp, *_), entries in largest_first(same, lambda e: e.param.numel())
+                for es in _batches(entries, entries[0].param.numel() * (tp.world if tp else 1))]
 
     @torch.no_grad()
     def warm_kernels(self) -> None:
@@ -321,13 +326,13 @@ class ShardedOptimizer:
         batch this rank will orthogonalise; nothing of the optimizer or model changes (see
         ``optim.muon.scratch_muon_updates``). AdamW shards run torch kernels only."""
         for d in self.domains:
-            for gi, heads, es in self._muon_batches(d):
+            for gi, heads, tp, es in self._muon_batches(d):
                 # Templates only (shape, dtype): the main parameter stands in for its fp32 gradient.
                 grads = [d.mains[e.name] if self.main else e.param.grad for e in es]
                 scratch_muon_updates(grads, [d.momentum[e.name] for e in es],
                                      momentum=self.muon_momentum, nesterov=True, heads=heads,
                                      ns_steps=self.ns_steps, alpha=-self.param_groups[gi]["lr"],
-                                     ns_mode=self.ns_mode)
+                                     ns_mode=self.ns_mode, tp=tp and tp.scratch())
 
     @torch.no_grad()
     def step(self, max_grad_norm: float | None = None) -> torch.Tensor:
@@ -339,12 +344,12 @@ class ShardedOptimizer:
         for d in self.domains:
             for b in d.buckets:
                 self._adamw_shard(b, beta1, beta2)
-            for gi, heads, es in self._muon_batches(d):
+            for gi, heads, tp, es in self._muon_batches(d):
                 lr, wd = self.param_groups[gi]["lr"], self.param_groups[gi]["weight_decay"]
                 ps = [d.mains[e.name] if self.main else e.param for e in es]
                 updates = muon_updates([self._grad(e.param) for e in es], [d.momentum[e.name] for e in es],
                                        momentum=self.muon_momentum, nesterov=True, heads=heads,
-                                       ns_steps=self.ns_steps, alpha=-lr, ns_mode=self.ns_mode)
+                                       ns_steps=self.ns_steps, alpha=-lr, ns_mode=self.ns_mode, tp=tp)
                 apply_muon_updates(ps, updates, 1.0 - lr * wd)
                 if self.main:  # the owner's weight, rounded; the broadcast shares it
                     for e, main in zip(es, ps):

@@ -20,6 +20,7 @@ from k3train.model.kda_layer import KimiDeltaAttention
 from k3train.model.mla import GatedMLA
 from optim import (GradGroups, MainParamOptimizer, ParamRule, ShardedOptimizer, build_optimizer,
                    build_param_table, format_table, ns_flops_per_rank)
+from optim.muon import tp_split_dim
 
 _NO_DECAY = r"(norm|\.query$|A_log|dt_bias|bias$|o_norm_weight)"
 _ADAMW = r"(embed\.|head\.|router\.|_conv$|\.b_proj\.|\.f_down\.|\.f_up\.|\.f_head\.)"
@@ -57,6 +58,10 @@ def build_k3_optimizer(model: nn.Module, cfg: OptimConfig, *, groups: GradGroups
     (gradients reduced by ``optim.DataParallelGrads``) whose Muon, with
     ``cfg.muon_distributed``, runs Newton-Schulz once per matrix block per ``groups.dp``
     (dense) or ``groups.expert_dp`` (``expert_params``).
+
+    Every form orthogonalises a tensor-parallel weight whole (``groups.tp``: its Newton-Schulz
+    inputs all-gathered over TP, each rank keeping its slice; docs/optim_sharding.md), so
+    ``parallel.tp=2`` steps as ``tp=1`` does.
     """
     table = build_param_table(model.named_parameters(), k3_param_rules(model, cfg.muon_per_head))
     kwargs = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
@@ -74,9 +79,10 @@ def build_k3_optimizer(model: nn.Module, cfg: OptimConfig, *, groups: GradGroups
         if param_dtype is not None:
             opt = MainParamOptimizer(table, param_dtype=param_dtype, name=cfg.name, groups=groups,
                                      expert_params=expert_params, state_dtype=state_dtype,
-                                     muon_group_of=group_of, **kwargs)
+                                     muon_group_of=group_of, muon_tp_group=groups.tp, **kwargs)
             return opt, format_table(table)
-        opt = build_optimizer(table, cfg.name, muon_group_of=group_of, state_dtype=state_dtype, **kwargs)
+        opt = build_optimizer(table, cfg.name, muon_group_of=group_of, muon_tp_group=groups.tp,
+                              state_dtype=state_dtype, **kwargs)
         return opt, format_table(table)
     expert_names = {e.name for e in table if id(e.param) in expert_ids}
     opt = ShardedOptimizer(table, name=cfg.name, groups=groups, is_expert=expert_names.__contains__,
@@ -84,13 +90,15 @@ def build_k3_optimizer(model: nn.Module, cfg: OptimConfig, *, groups: GradGroups
     return opt, format_table(table)
 
 
-def muon_ns_flops_per_rank(model: nn.Module, cfg: OptimConfig, *, dp: int, ep: int = 1,
+def muon_ns_flops_per_rank(model: nn.Module, cfg: OptimConfig, *, dp: int, ep: int = 1, tp: int = 1,
                            distributed: bool = True, steps: int = 5) -> list[int]:
     """Newton-Schulz FLOPs per step on each of ``dp`` data-parallel ranks for ``model`` (one
     rank's parameters: its expert shard at ``ep``) under ``cfg``'s Muon table: every rank all of
     them (replicated), or its owned blocks (``cfg.muon_distributed``'s plan: dense blocks over
     DP, routed-expert blocks over the ``dp / ep`` expert-DP copies; rank ``r`` is expert-DP rank
-    ``r // ep``, megatron-core's layout). 0 for every rank when the optimizer is not Muon."""
+    ``r // ep``, megatron-core's layout). 0 for every rank when the optimizer is not Muon.
+    ``tp``: the TP size ``model`` was built at; a matrix whose blocks straddle its TP shards
+    counts whole (each TP rank orthogonalises it whole: ``optim.muon.tp_shard``)."""
     if cfg.name != "muon":
         return [0] * dp
     if dp % ep:
@@ -98,8 +106,18 @@ def muon_ns_flops_per_rank(model: nn.Module, cfg: OptimConfig, *, dp: int, ep: i
     table = [e for e in build_param_table(model.named_parameters(), k3_param_rules(model, cfg.muon_per_head))
              if e.optimizer == "muon"]
     expert = [bool(re.search(_EXPERTS, e.name)) for e in table]
-    dense = ns_flops_per_rank([(e.shape, e.heads) for e, x in zip(table, expert) if not x], dp,
+    shapes = [_whole_shape(e.param, e.heads, tp) for e in table]
+    dense = ns_flops_per_rank([(s, e.heads) for s, e, x in zip(shapes, table, expert) if not x], dp,
                               steps=steps, distributed=distributed)
-    experts = ns_flops_per_rank([(e.shape, e.heads) for e, x in zip(table, expert) if x], dp // ep,
+    experts = ns_flops_per_rank([(s, e.heads) for s, e, x in zip(shapes, table, expert) if x], dp // ep,
                                 steps=steps, distributed=distributed)
     return [dense[r] + experts[r // ep] for r in range(dp)]
+
+
+def _whole_shape(p: torch.Tensor, heads: int | None, tp: int) -> tuple[int, ...]:
+    """The shape Muon orthogonalises ``p`` (a TP shard) at: whole along a split its blocks straddle."""
+    shape = list(p.shape)
+    dim = tp_split_dim(p, heads) if tp > 1 else None
+    if dim is not None:
+        shape[dim] *= tp
+    return tuple(shape)
