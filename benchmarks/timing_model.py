@@ -49,6 +49,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from k3train.config import load_config
+from k3train.model.flops import flops_breakdown, flops_per_token
+from k3train.ops.context_parallel import causal_pairs_per_rank, cp_bytes_per_rank
+from k3train.profiling.predict import (H200_LINK, chunk_costs, flop_scaled_layer_costs, format_table, layout_messages,
+                                       measure_chunk_times, predict_table, run_predict, variant_config)
+from k3train.runtime.cuda_env import prepare_cuda_env
+from k3train.runtime.distributed import init_distributed, parallel_context
+from k3train.trainer.parts import build_parts
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # k3_tiny's shape (8 layers KKKM, hidden 256, MoE, AttnRes blocks of 2) with fewer tokens per
@@ -58,7 +67,6 @@ OVERRIDES = ["train.micro_batch_size=2", "train.seq_len=64", "logging.wandb.mode
 
 
 def _cfg(args, pp: int, vpp: int, transport: str = "cached"):
-    from k3train.config import load_config
 
     return load_config(str(ROOT / "configs/k3_tiny.yaml"),
                        [*OVERRIDES, f"train.microbatches={args.microbatches}", f"parallel.pp={pp}",
@@ -70,7 +78,6 @@ def measure_worker(args) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from k3train.profiling.predict import measure_chunk_times
 
     f, b = measure_chunk_times(_cfg(args, 1, 1), args.chunks, steps=args.steps, warmup=2)
     Path(args.out).write_text(json.dumps({"fwd_s": f, "bwd_s": b}))
@@ -81,8 +88,6 @@ def engine_worker(args) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from k3train.runtime.distributed import init_distributed, parallel_context
-    from k3train.trainer.parts import build_parts
     from pipeline import CommRecorder
 
     P = int(os.environ["WORLD_SIZE"])
@@ -164,7 +169,6 @@ def check_main(args) -> None:
     if args.engine_worker:
         return engine_worker(args)
 
-    from k3train.profiling.predict import layout_messages
     from pipeline.timing_model import LinkCost, OpCosts, predict_step
 
     # gloo on localhost: a few tens of microseconds and ~1-2 GB/s through the host; the
@@ -251,10 +255,6 @@ M, P = 8, 2
 def account_main(args) -> None:
     from benchmarks.bench_pipeline import BASE
 
-    from k3train.config import load_config
-    from k3train.model.flops import flops_per_token
-    from k3train.profiling.predict import (H200_LINK, chunk_costs, flop_scaled_layer_costs, format_table,
-                                          layout_messages, predict_table, variant_config)
     from pipeline.timing_model import predict_step
 
     mini = load_config(str(ROOT / "configs/k3_mini.yaml"),
@@ -344,9 +344,6 @@ def account_main(args) -> None:
 def gpu_main(args) -> None:
     from benchmarks.bench_pipeline import BASE, SMALL
 
-    from k3train.config import load_config
-    from k3train.runtime.cuda_env import prepare_cuda_env
-    from k3train.profiling.predict import run_predict
 
     cfg = load_config(str(ROOT / "configs/k3_tiny.yaml"),
                       [*BASE, *(SMALL if args.small else []), f"train.device={args.device}", *args.overrides])
@@ -367,10 +364,6 @@ INTER_NODE_BPS = 50e9              # 400 Gb/s per GPU between nodes
 
 
 def cp_main(args) -> None:
-    from k3train.config import load_config
-    from k3train.model.flops import flops_breakdown
-    from k3train.ops.context_parallel import causal_pairs_per_rank, cp_bytes_per_rank
-    from k3train.profiling.predict import H200_LINK
 
     cfg = load_config(str(ROOT / "configs/k3_slice.yaml"))
     m = cfg.model
@@ -415,9 +408,6 @@ GRAPHS_MEASURED = ROOT / "benchmarks/results/2026-12-04_h200_chunk-graphs/chunk_
 
 
 def graphs_main(args) -> None:
-    from k3train.config import load_config
-    from k3train.model.flops import flops_per_token
-    from k3train.profiling.predict import H200_LINK, chunk_costs, flop_scaled_layer_costs, layout_messages
     from pipeline.timing_model import predict_step
 
     measured = json.loads(Path(args.measured).read_text())

@@ -1,4 +1,4 @@
-"""benchmarks/bench_capacity.py's search, against a fake out-of-memory threshold and a fake clock.
+"""The capacity benchmark's search (benchmarks/capacity_search.py), against a fake out-of-memory threshold and a fake clock.
 
 The GPU part (real steps, real memory) runs on an H200; here the logic that decides which
 lengths are tried, which is the longest, and what the budget skips is checked against answers
@@ -6,10 +6,12 @@ worked out by hand.
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from benchmarks.bench_capacity import (doubling_lengths, longest, loglog_slope, predict_seconds,
-                                       search_lengths)
+from benchmarks.bench_capacity import main
+from benchmarks.capacity_search import doubling_lengths, longest, loglog_slope, predict_seconds, search_lengths
 
 
 class FakeGPU:
@@ -87,10 +89,6 @@ def test_loglog_slope_tells_linear_from_quadratic():
 def test_cli_dry_run_on_cpu_finds_the_fake_limit(tmp_path):
     """The whole script on CPU with tiny widths: real training steps in child processes, the
     out-of-memory path driven by --fake-oom-tokens; the JSON says what the table says."""
-    import json
-
-    from benchmarks.bench_capacity import main
-
     out = tmp_path / "cap.json"
     result = main(["--device", "cpu", "--small", "--min-seq", "32", "--max-seq", "256", "--fake-oom-tokens", "64",
                    "--modes", "full,full+offload", "--one-child", "--parts", "modes", "--budget-s", "300",
