@@ -35,6 +35,11 @@ import tempfile
 import warnings
 from pathlib import Path
 
+import torch
+
+from k3train.config import load_config
+from k3train.trainer.loop import Trainer
+
 warnings.filterwarnings("ignore")
 
 LAYOUTS = {
@@ -44,17 +49,13 @@ LAYOUTS = {
 }
 
 
+class NoSaveTrainer(Trainer):
+    def _save(self, step: int) -> None:  # a K3 slice checkpoint is tens of GB: not wanted here
+        pass
+
+
 def child(args) -> None:
     """One layout's run in this process: the trainer's set-up and loop, without checkpoints."""
-    import torch
-
-    from k3train.config import load_config
-    from k3train.trainer.loop import Trainer
-
-    class NoSaveTrainer(Trainer):
-        def _save(self, step: int) -> None:  # a K3 slice checkpoint is tens of GB: not wanted here
-            pass
-
     overrides = [*LAYOUTS[args.layout], f"train.steps={args.steps}", f"train.microbatches={args.microbatches}",
                  "train.log_interval=1", f"train.eval_interval={10 * args.steps}", "train.cuda_graph=false",
                  "optim.zero1=false", "logging.wandb.mode=disabled", "logging.progress_bar=false"]
@@ -122,7 +123,6 @@ def main() -> int:
                 continue
             results[name] = json.loads(result.read_text())
 
-    from k3train.config import load_config
     optim_name = load_config(args.config, []).optim.name
     ok_runs = [n for n in layouts if not results[n].get("failed")]
     print("\nstep  " + "".join(f"{n:>14}" for n in ok_runs))

@@ -6,6 +6,7 @@ in the window (does the model use its context?). See docs/checkpoints.md."""
 from __future__ import annotations
 
 from k3train.commands.common import RUN_CONFIG_HELP, add_checkpoint_arg
+from k3train.errors import UsageError
 
 HELP = ("a checkpoint's loss, perplexity and bits per byte on a dataset's validation split "
         "(any layout; parallel.*=... overrides, torchrun)")
@@ -29,7 +30,6 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     import os
 
-    from k3train.errors import UsageError
     from k3train.trainer.evaluate import evaluate_checkpoint, format_result
     from k3train.trainer.position_loss import format_rows, plot_rows
 

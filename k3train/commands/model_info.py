@@ -8,6 +8,7 @@ predicted MFU. See docs/memory.md."""
 from __future__ import annotations
 
 from k3train.commands.common import add_config_args
+from k3train.errors import UsageError
 
 HELP = "print parameters per component and the per-rank memory of the layout"
 
@@ -57,7 +58,6 @@ def run(args) -> int:
 
 
 def _run_fit(cfg, args) -> int:
-    from k3train.errors import UsageError
     from k3train.profiling.layout_fit import fit_layouts, format_fits
     from k3train.runtime.one_process import process_groups
 

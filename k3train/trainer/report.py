@@ -71,10 +71,10 @@ def depth_attention_weights(state, batch: torch.Tensor, targets) -> list[torch.T
     replicas) the lowest rank's, which saw the main rank's batch, is kept."""
     modules = _depth_modules(state.model)
     state.model.eval()
-    # As the evaluation runs (no grad, the run's autocast): in fp32 with grad, fla's forward
+    # As the evaluation runs (no grad: the decorator; the run's autocast): in fp32 with grad, fla's forward
     # kernels met launches (fp32 tensors) that neither compile-ahead nor the shipped autotune
     # picks cover, and a fresh machine tuned 8 of them for about 90 s at the end of a run.
-    with torch.no_grad(), state.autocast, record_depth_weights(state.model) as rec:
+    with state.autocast, record_depth_weights(state.model) as rec:
         if state.engine is not None:
             # The interleaved schedule (vpp > 1) needs at least P microbatches: run the same one
             # P times, so every recorded weight is still this batch's.

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from k3train.trainer.optim_state import main_param_values
 from optim import MainGrads, MainParamOptimizer, build_optimizer
 from optim.grads import GradGroups
 from optim.sharded import ShardedOptimizer
@@ -170,7 +171,6 @@ def test_bf16_state_dtype_keeps_bf16_moments_near_the_fp32_ones(zero1):
 
 # ---- (c) ZeRO-1 DP=2 with bf16 weights = DP=1 with bf16 weights ------------------------------
 def _dp2_body(rank: int, world: int) -> None:
-    from k3train.trainer.optim_state import main_param_values
 
     def is_expert(name: str) -> bool:
         return name.startswith("experts.")

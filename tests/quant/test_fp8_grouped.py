@@ -18,12 +18,14 @@ import pytest
 import torch
 
 from k3train.config import load_config
+from k3train.config.schema import PrecisionConfig
 from k3train.errors import UsageError
 from k3train.model.model import build_model
 from k3train.quant import fp8_grouped
 from k3train.quant.fp8_grouped import EmulatedFp8GroupedMM, Fp8GroupedGemm, fake_quant_e4m3, pow2_scale
 from k3train.quant.mx import elem_code_table
-from k3train.quant.recipes import DEFAULT_SCOPES, FP8_EXPERTS_SCOPE, scope_patterns, _apply_fp8, _apply_mx, fp8_linear_config, select_scope
+from k3train.quant.recipes import (DEFAULT_SCOPES, FP8_EXPERTS_SCOPE, _apply_fp8, _apply_mx, fp8_linear_config,
+                                   scope_patterns, select_scope)
 from k3train.quant.spec import MX_SPECS
 from moe import GroupedExperts
 from moe.group_pad import pad_groups
@@ -172,7 +174,6 @@ def _model(*extra):
 def test_fp8_experts_field_adds_the_experts_to_the_default_scope():
     """precision.fp8_experts (default off) puts the routed experts in fp8's default scope; an
     explicit scope is taken as given."""
-    from k3train.config.schema import PrecisionConfig
 
     assert FP8_EXPERTS_SCOPE not in scope_patterns(PrecisionConfig(recipe="fp8"))
     assert scope_patterns(PrecisionConfig(recipe="fp8", fp8_experts=True)) == FP8_WITH_EXPERTS

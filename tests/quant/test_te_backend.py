@@ -17,7 +17,7 @@ from k3train.config import load_config
 from k3train.errors import ConfigError, UsageError
 from k3train.model.model import build_model
 from k3train.quant import te_backend
-from k3train.quant.recipes import DEFAULT_SCOPES, apply_precision, select_scope, te_targets
+from k3train.quant.recipes import DEFAULT_SCOPES, _apply_fp8, apply_precision, fp8_linear_config, select_scope, te_targets
 
 from tests.helpers import SMALL
 
@@ -75,7 +75,6 @@ def test_missing_transformer_engine_is_one_line_naming_the_install():
 def test_te_selects_the_modules_torchao_converts(world1):
     """The plan against torchao's own conversion (CPU emulation) of the same default scope."""
     torchao = pytest.importorskip("torchao.float8")  # noqa: F841 - in the dev extra
-    from k3train.quant.recipes import _apply_fp8, fp8_linear_config
 
     for extra in ([], ["model.mla.qk_rope_head_dim=8"]):   # the second has an unfit kv_down (40 wide)
         model = _model(*extra)
