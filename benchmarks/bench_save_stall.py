@@ -1,7 +1,7 @@
 """How long a checkpoint save stops training: a synchronous save against ``train.async_save``,
 side by side in one run, on the K3 slice (configs/k3_slice.yaml: 6.5B parameters on one H200).
 
-    python3 -m benchmarks.bench_save_stall --out /path/with/room [--json OUT]
+    python3 -m benchmarks.bench_save_stall --out /path/with/room [--modes sync,async] [--json OUT]
     python3 -m benchmarks.bench_save_stall --device cpu --small --seq 32 --microbatches 2 --out /tmp/s
 
 One model (``TrainState``, as ``k3train train`` builds it), random batches, and these phases:
@@ -10,10 +10,13 @@ One model (``TrainState``, as ``k3train train`` builds it), random batches, and 
 * ``sync``: ``CheckpointWriter(asynchronous=False).save``, what every save cost before
   ``train.async_save``: training stops for the whole write (``stall_s``);
 * ``async``: ``CheckpointWriter(asynchronous=True).save``: training stops only for the host
-  snapshot (``stall_s``, the call's return); then training steps run while the background thread
-  writes (``steps_during_write`` and their median ``step_ms_during_write``, which shows what the
-  write's host copy and disk traffic cost the steps), and ``wait_s`` is what is left of the write
-  after those steps (the loop waits there at the next save, a signal or its end).
+  snapshot (``stall_s``, the call's return; the first save also allocates the writer's pinned
+  host buffers, k3train/trainer/host_buffers.py); then training steps run while the background
+  thread writes (``steps_during_write`` and their median ``step_ms_during_write``, which shows
+  what the write's host copy and disk traffic cost the steps), and ``wait_s`` is what is left of
+  the write after those steps (the loop waits there at the next save, a signal or its end);
+  ``next_stall_s``: a later save's stop, its snapshot into the kept buffers (timed without a
+  second write, which would repeat the first one's disk time).
 
 Both saves write the same step's state (``bytes``), each into its own directory, and the
 synchronous one is deleted before the asynchronous one starts, so the disk needs room for one
@@ -88,16 +91,20 @@ def measure(args) -> dict:
     result = {"config": args.config, "device": args.device, "step_ms": step_s * 1e3,
               "params": sum(p.numel() for p in state.params)}
 
-    sync_writer = CheckpointWriter(asynchronous=False)
-    sync_dir = out / "sync"
-    result["sync"] = {"stall_s": _timed(lambda: sync_writer.save(
-        sync_dir, 1, lambda: rank_state(state, 1, {}), layout=LAYOUT, keep_last=1, coords=COORDS), args.device)}
-    result["sync"]["bytes"] = _bytes(sync_dir)
-    shutil.rmtree(sync_dir)  # room for the next one
+    if "sync" in args.modes:
+        sync_writer = CheckpointWriter(asynchronous=False)
+        sync_dir = out / "sync"
+        result["sync"] = {"stall_s": _timed(lambda: sync_writer.save(
+            sync_dir, 1, lambda: rank_state(state, 1, {}), layout=LAYOUT, keep_last=1, coords=COORDS), args.device)}
+        result["sync"]["bytes"] = _bytes(sync_dir)
+        shutil.rmtree(sync_dir)  # room for the next one
+    if "async" not in args.modes:
+        shutil.rmtree(out)
+        return result
 
     async_writer = CheckpointWriter(asynchronous=True)
     async_dir = out / "async"
-    stall = _timed(lambda: async_writer.save(async_dir, 1, lambda: rank_state(state, 1, {}, snapshot=True),
+    stall = _timed(lambda: async_writer.save(async_dir, 1, lambda: rank_state(state, 1, {}, host=async_writer.host),
                                              layout=LAYOUT, keep_last=1, coords=COORDS), args.device)
     during = []
     while async_writer.in_flight and len(during) < args.max_steps_during_write:
@@ -105,7 +112,12 @@ def measure(args) -> dict:
     wait_s = _timed(async_writer.wait, args.device)
     result["async"] = {"stall_s": stall, "steps_during_write": len(during),
                        "step_ms_during_write": statistics.median(during) * 1e3 if during else None,
-                       "wait_s": wait_s, "bytes": _bytes(async_dir)}
+                       "wait_s": wait_s, "bytes": _bytes(async_dir), "host_buffer_bytes": async_writer.host.nbytes}
+    # A later save stops training for its snapshot alone (save() = wait for the previous write,
+    # none here, then this), into the buffers the first save allocated: timed without a second
+    # write, which would only repeat the first one's disk time.
+    step()
+    result["async"]["next_stall_s"] = _timed(lambda: rank_state(state, 2, {}, host=async_writer.host), args.device)
     shutil.rmtree(out)
     return result
 
@@ -122,19 +134,30 @@ def main() -> None:
     ap.add_argument("--max-steps-during-write", type=int, default=50,
                     help="at most this many steps while the background save writes")
     ap.add_argument("--out", required=True, help="a directory on the checkpoint disk, room for one checkpoint")
+    ap.add_argument("--modes", default="sync,async", type=lambda v: v.split(","),
+                    help="comma list of sync, async (sync: the whole write stops training)")
     ap.add_argument("--override", nargs="*", default=[], metavar="key.sub=value")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    bad = sorted(set(args.modes) - {"sync", "async"})
+    if bad:
+        ap.error(f"--modes: {','.join(bad)} is not a mode; allowed: sync, async")
     r = measure(args)
-    gib = r["sync"]["bytes"] / 2**30
+    gib = r[args.modes[0]]["bytes"] / 2**30
     print(f"{r['config']} on {r['device']}: {r['params'] / 1e9:.2f}B parameters, step {r['step_ms']:.0f} ms, "
           f"checkpoint {gib:.1f} GiB")
-    print(f"  sync save : training stopped {r['sync']['stall_s']:.2f} s "
-          f"({gib / max(r['sync']['stall_s'], 1e-9):.2f} GiB/s)")
-    a = r["async"]
-    during = "-" if a["step_ms_during_write"] is None else f"{a['step_ms_during_write']:.0f} ms"
-    print(f"  async save: training stopped {a['stall_s']:.2f} s (host snapshot); {a['steps_during_write']} "
-          f"step(s) ran during the write (median {during}); {a['wait_s']:.2f} s of the write left after them")
+    if "sync" in r:
+        print(f"  sync save : training stopped {r['sync']['stall_s']:.2f} s "
+              f"({gib / max(r['sync']['stall_s'], 1e-9):.2f} GiB/s)")
+    if "async" in r:
+        a = r["async"]
+        during = "-" if a["step_ms_during_write"] is None else f"{a['step_ms_during_write']:.0f} ms"
+        print(f"  async save: training stopped {a['stall_s']:.2f} s (host snapshot, allocating its buffers); "
+              f"{a['steps_during_write']} step(s) ran during the write (median {during}); {a['wait_s']:.2f} s "
+              f"of the write left after them")
+        print(f"  a later async save: training stops {a['next_stall_s']:.2f} s (snapshot into the kept "
+              f"{a['host_buffer_bytes'] / 2**30:.1f} GiB of host buffers, "
+              f"{a['host_buffer_bytes'] / 2**30 / max(a['next_stall_s'], 1e-9):.1f} GiB/s)")
     save_json(args.json, r)
 
 

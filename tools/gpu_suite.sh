@@ -115,7 +115,7 @@ stage study_mqar_pairs 540 python3 -m k3train sweep configs/ablations/gpu/mqar_p
 # step's logits against eager, the FP8 routed experts' kernel against its emulation, bf16
 # weights on the slice, the capacity table and 1M tokens (bench_capacity's five calls), TE
 # (te_receive/te_install first), the planner against the slice's measured peak.
-stage save_stall 540 python3 -m benchmarks.bench_save_stall --out /tmp/save_stall --microbatches 4 \
+stage save_stall 540 python3 -m benchmarks.bench_save_stall --out /tmp/save_stall --microbatches 4 ${SAVE_MODES:+--modes $SAVE_MODES} \
   --max-steps-during-write 30 --override kernels.autotune=fixed --json "$OUT/save_stall.json"
 stage decode_compile 240 python3 -m benchmarks.bench_decode --config configs/k3_mini.yaml --batch 1,16 --tokens 128 \
   --compile --json "$OUT/decode_compile.json"

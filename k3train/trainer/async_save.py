@@ -1,7 +1,8 @@
 """Checkpoint saves that do not stop training (``train.async_save``).
 
 ``CheckpointWriter.save`` takes the rank's state as a host-memory snapshot (the only part that
-holds the step) and hands it to a background thread, which runs the ordinary
+holds the step), into the writer's ``HostBuffers`` (pinned on CUDA, allocated at the first save
+and refilled by each later one), and hands it to a background thread, which runs the ordinary
 ``save_checkpoint``: rank files into ``.tmp-step_*``, the ranks' outcomes exchanged, and only
 when every rank's file is complete the manifest, the rename and ``latest`` (the commit). The
 next steps train meanwhile. At most one save is in flight: a second ``save`` first waits for the
@@ -20,6 +21,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from k3train.trainer.checkpoint import save_checkpoint
+from k3train.trainer.host_buffers import HostBuffers
 
 
 class CheckpointWriter:
@@ -29,6 +31,8 @@ class CheckpointWriter:
     def __init__(self, *, asynchronous: bool = False):
         self.asynchronous = asynchronous
         self.group = None
+        # the snapshot's host tensors (k3train/trainer/host_buffers.py); None: a synchronous save
+        self.host = HostBuffers() if asynchronous else None
         if asynchronous and dist.is_initialized() and dist.get_world_size() > 1:
             self.group = dist.new_group(backend="gloo")
         self._thread: threading.Thread | None = None
@@ -37,7 +41,7 @@ class CheckpointWriter:
 
     def save(self, ckpt_dir: Path, step: int, build: Callable[[], tuple[dict, dict]], **kwargs) -> None:
         """Save step ``step``: ``build()`` returns (rank file content, piece index), a snapshot
-        in host memory when asynchronous (``rank_state(..., snapshot=True)``); it is called only
+        in host memory when asynchronous (``rank_state(..., host=writer.host)``); it is called only
         after the previous save has finished, so at most one snapshot is held. ``kwargs`` go to
         ``save_checkpoint``. Collective, like ``save_checkpoint``."""
         self.wait()

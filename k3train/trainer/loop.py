@@ -222,7 +222,7 @@ class Trainer:
         coords = {"pp": ctx.pp_rank, "tp": ctx.tp_rank, "ep": ctx.ep_rank, "dp": ctx.dp_rank}
         self.writer.save(self.ckpt_dir, step, lambda: rank_state(state, step, self.data.train.state_dict(),
                                                                  data_source(self.cfg),
-                                                                 snapshot=self.writer.asynchronous,
+                                                                 host=self.writer.host,
                                                                  data_record=self.data_record),
                          layout=self.layout, keep_last=self.cfg.checkpoint.keep_last, coords=coords)
 

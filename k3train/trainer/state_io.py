@@ -16,6 +16,7 @@ import torch
 
 from k3train.errors import CheckpointError
 from k3train.trainer.checkpoint import verify_checkpoint
+from k3train.trainer.host_buffers import HostBuffers
 from k3train.trainer.optim_state import (load_main_param_values, load_per_param_state,
                                          main_param_values, param_kinds, per_param_state)
 from k3train.trainer.reshard import PieceReader, global_names, local_pieces, writes_piece
@@ -55,14 +56,14 @@ def _expert_names(state) -> set[str]:
 
 
 def rank_state(state, step: int, data_state: dict, data_source: str = "", *,
-               snapshot: bool = False, data_record: dict | None = None) -> tuple[dict, dict]:
+               host: HostBuffers | None = None, data_record: dict | None = None) -> tuple[dict, dict]:
     """(this rank's file content, its index {global name: piece json with "optim" keys}).
     data_source names the training data (a resume on other data warns naming both);
     data_record (``restore.data_record``) goes into the manifest as ``data``.
-    snapshot: every tensor of the content is a host copy of its own (on CPU too, where
+    host: given, every tensor of the content is a copy in ``host``'s buffers (on CPU too, where
     ``.cpu()`` would alias the live weights), so the next steps may run while a background
-    thread writes it (``train.async_save``). Collective (ZeRO-1 gathers its optimizer shards):
-    every rank calls it."""
+    thread writes it (``train.async_save``); the buffers are refilled by the next snapshot.
+    Collective (ZeRO-1 gathers its optimizer shards): every rank calls it."""
     ctx = state.parallel
     pieces = local_pieces(state.model, state.info.tp, ctx.tp_rank)
     optim, optim_step = per_param_state(state.optimizer)
@@ -77,10 +78,11 @@ def rank_state(state, step: int, data_state: dict, data_source: str = "", *,
         if not writes_piece(piece, g in experts, ctx):
             continue
         t = main_by_name.get(g, t)
-        tensors[g] = t.detach().to("cpu", copy=True) if snapshot else t.cpu()
+        tensors[g] = host.copy(("tensor", g), t) if host is not None else t.detach().cpu()
         entry = piece.as_json(_length(t, piece))
         if g in by_name:
-            moments[g] = {k: v.cpu() for k, v in by_name[g].items()}
+            moments[g] = (host.copy_tree(("optim", g), by_name[g]) if host is not None
+                          else {k: v.cpu() for k, v in by_name[g].items()})
             entry["optim"] = sorted(moments[g])
         if g in kinds:
             entry["optimizer"] = kinds[g]
@@ -91,21 +93,11 @@ def rank_state(state, step: int, data_state: dict, data_source: str = "", *,
                "rng": torch.get_rng_state(),
                "cuda_rng": torch.cuda.get_rng_state() if state.device.type == "cuda" else None,
                "data": data_state, "data_source": data_source, "data_record": data_record}
-    if snapshot:  # the optimizer moments are copies already (per_param_state clones them)
-        content["moe_loads"] = _host_copy(content["moe_loads"])
+    if host is not None:  # the RNG states are new tensors already
+        content["moe_loads"] = host.copy_tree("moe_loads", content["moe_loads"])
         content["data"] = copy.deepcopy(data_state)
+        host.ready()
     return content, index
-
-
-def _host_copy(obj):
-    """``obj`` (nested dicts/lists of tensors and plain values) with every tensor copied to host."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _host_copy(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_host_copy(v) for v in obj)
-    return copy.deepcopy(obj)
 
 
 def weights_state(model, step: int = 0, source: str = "") -> tuple[dict, dict]:
