@@ -234,8 +234,13 @@ def worker_check(args) -> None:
     """Offload against no offload on the device: the forward/backward of one sequence of
     ``--check-seq`` tokens under ``full``, twice (the control: is the GPU step itself
     deterministic?), then under ``full+offload``, same weights and batch; the loss and every
-    gradient compared. PASS: offload's largest difference is no larger than the control's (both
-    0 where the kernels are deterministic) and the hooks moved bytes to the host."""
+    gradient compared. PASS: the loss is bitwise equal, offload's largest gradient difference is
+    within twice the control's (the backward's atomics make the control non-zero on CUDA; the
+    first version asked for <= the control, which two draws of the same noise fail half the
+    time: 1.15e-3 against 1.10e-3 on the H200, 2026-12-04) and the hooks moved bytes to the host.
+    Each pass's gradients are kept on the host, so the peaks compare the passes alone (the
+    first version kept them on the device: the offload pass's peak carried two copies of the
+    gradients, 10.9 -> 18.1 GiB at 16K on k3_mini)."""
     out = open(args.worker_out, "a")
     T = args.check_seq
     cfg = load_config(args.config, [*base_overrides(args, T), *mode_overrides("full"),
@@ -250,14 +255,14 @@ def worker_check(args) -> None:
         _free(args.device)
         loss = state._forward_backward(batch)
         _sync(args.device)
-        g = [p.grad.detach().clone() if p.grad is not None else None for p in state.params]
+        g = [p.grad.detach().cpu() if p.grad is not None else None for p in state.params]
         offload = getattr(state.model, "offload", None)
         moved = offload.stats.offloaded_bytes if offload is not None else 0
         state.optimizer.zero_grad(set_to_none=True)
         for layer in state.moe_layers:
             layer.routing.clear()
         peak = torch.cuda.max_memory_allocated() / GiB if args.device == "cuda" else None
-        return loss.detach().clone(), g, moved, peak
+        return loss.detach().cpu(), g, moved, peak
 
     def diff(a, b) -> float:
         (la, ga, _, _), (lb, gb, _, _) = a, b
@@ -276,7 +281,7 @@ def worker_check(args) -> None:
     row = {"seq_len": T, "loss_full": ref[0].item(), "loss_offload": off[0].item(),
            "control_max_diff": control, "offload_max_diff": offload_diff,
            "offloaded_gib": off[2] / GiB, "peak_gib_full": ref[3], "peak_gib_offload": off[3],
-           "pass": offload_diff <= control and off[2] > 0}
+           "pass": bool(torch.equal(ref[0], off[0])) and offload_diff <= 2 * control and off[2] > 0}
     out.write(json.dumps(row) + "\n")
     out.flush()
 
