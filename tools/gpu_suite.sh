@@ -38,7 +38,15 @@ stage() {
   local t0=$SECONDS
   echo "== $name (limit ${limit}s)"
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "rc=$? seconds=$((SECONDS - t0))" >> "$OUT/$name.log"
+  local rc=$?
+  echo "rc=$rc seconds=$((SECONDS - t0))" >> "$OUT/$name.log"
+  # timeout kills the stage's own process only: a child it started (a training subprocess) can
+  # live on holding GPU memory, which made the next stage run out of memory (2026-12-04).
+  if [ "$rc" -eq 124 ]; then
+    for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do
+      kill -9 "$pid" 2>/dev/null && echo "killed leftover GPU process $pid" >> "$OUT/$name.log"
+    done
+  fi
   tail -4 "$OUT/$name.log"
   if [ -n "${PACK_TO:-}" ]; then tar czf "$PACK_TO" --exclude=checkpoints -C "$(dirname "$OUT")" "$(basename "$OUT")"; fi
 }
