@@ -338,7 +338,9 @@ class TrainConfig(_Strict):
     async_save: bool = False
     """Checkpoints written by a background thread from a host-memory snapshot while the next
     steps train (k3train/trainer/async_save.py); at most one save in flight, committed (manifest,
-    latest) only when every rank's file is complete. false: training waits for each save."""
+    latest) only when every rank's file is complete. The snapshot's host buffers (pinned on
+    CUDA) are kept for the run: one checkpoint's worth of host memory per rank, allocated at the
+    first save (docs/checkpoints.md). false: training waits for each save."""
 
 
 class OptimConfig(_Strict):
