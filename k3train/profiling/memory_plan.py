@@ -240,6 +240,36 @@ def _offload_bytes_per_token(cfg: RunConfig, index: int, mode: str, ops: str, T:
     return kept + w.D * a, max(half_a, half_b)
 
 
+def records_bytes_per_token(cfg: RunConfig, layers: list[int], a: int) -> float:
+    """What the MoE layers' routing records keep until the step ends, per token: each training
+    forward's ``RouterOutput`` (moe/routing_record.py, ``step``), the logits and scores ``[E]`` in
+    the router's dtype (the activation dtype ``a``), the top-k ids (int64) and weights. Recompute
+    does not drop them (the recomputed forward's record is discarded, the first one kept)."""
+    w = Widths.of(cfg)
+    moe = sum(1 for i in layers if i >= cfg.model.dense_layers)
+    return moe * (2 * w.E * a + w.k * 8 + w.k * a)
+
+
+def block_grads_bytes_per_token(cfg: RunConfig, index: int, a: int) -> float:
+    """Gradients live in the backward of layer ``index`` besides its own: with AttnRes, one
+    accumulator per block made before it (every later region's depth mix sends each block a
+    gradient, summed in autograd's input buffer until the backward reaches the block's producing
+    layer), plus the gradient of the layer's output; the residual stream's gradient otherwise."""
+    D = cfg.model.hidden_size
+    if not cfg.model.attnres.enabled:
+        return D * a
+    return (1 + index // cfg.model.attnres.block_size + 1) * D * a
+
+
+# Measured, not derived: the backward of a recomputed half-layer region on CUDA (fla's chunk_kda
+# and fused AttnRes backward, the MoE experts' backward) holds this many times the half's planned
+# activations on top of them, from k3_mini at 262,144 tokens under full + offload on one H200
+# (49.7 GiB peak, benchmarks/2026-12-04_h200_save-stall-fp8x-capacity.md) after every term the
+# CPU measurement explains (tests/profiling/test_memory_plan_offload_peak.py). Workspaces of GPU
+# kernels and the autocast cache cannot be seen on CPU; see docs/memory.md.
+FUSED_HALF_BACKWARD = 1.54
+
+
 def head_bytes_per_token(cfg: RunConfig, mode: str, ops: str, a: int) -> float:
     """Embedding ids, the final depth mix (own region under recompute), norm, head input,
     fp32 log-softmax over the vocabulary and the targets."""
@@ -507,10 +537,18 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
                 schedule = schedule or build_schedule(p.pp, p.vpp, cfg.train.microbatches, r)
                 plan.peak_activations[mode], plan.in_flight = _schedule_peak(
                     p.pp, p.vpp, cfg.train.microbatches, r, per_chunk, schedule)
-            if mode != "none":
+            if mode != "none" and not offload:
                 live = max(_recomputed_bytes_per_token(cfg, i, mode, ops, T, act_bytes) for i in layers)
-                if offload:   # one half-layer region recomputed at a time, its kept bytes copied back
-                    live = max(_offload_bytes_per_token(cfg, i, mode, ops, T, act_bytes)[1] for i in layers)
+                plan.peak_activations[mode] += live * tokens
+            elif mode != "none":
+                # Under offload the backward of one half-layer region at a time sets the peak: its
+                # recomputed activations and kept bytes copied back (on CUDA kernels, times the
+                # measured backward factor), the gradients of the blocks and of the stream live
+                # beside them, and the routing records of the forwards in flight.
+                half = {i: _offload_bytes_per_token(cfg, i, mode, ops, T, act_bytes)[1] for i in layers}
+                scale = 1.0 if ops == "torch" else 1.0 + FUSED_HALF_BACKWARD
+                live = max(half[i] * scale + block_grads_bytes_per_token(cfg, i, act_bytes) for i in layers)
+                live += records_bytes_per_token(cfg, layers, act_bytes) * plan.in_flight
                 plan.peak_activations[mode] += live * tokens
         if cfg.model.attnres.enabled and C > 1:
             # Blocks a later local chunk reads: every block made before the rank's last chunk.
