@@ -34,7 +34,15 @@ Offload (``train.offload_activations``, k3train/model/offload.py): under ``full`
 the schedule's peak of it), and each layer is two regions (mixer half, FFN half), whose
 boundary tensor is one more kept ``[T, D]`` per layer, on the host; the device keeps the head's
 activations and, while a half is recomputed, that half's activations and its kept bytes copied
-back (the larger half of any layer).
+back (the larger half of any layer). Beside that half, the backward holds terms no op saves,
+found by tracking every live tensor at the CPU allocator's peak (tests/profiling/
+test_memory_plan_offload_peak.py, within 10%; 19% under without them): the gradient
+accumulators of the AttnRes blocks made below the half plus the stream's gradient
+(``block_grads_bytes_per_token``), and every MoE layer's routing record of each in-flight
+forward, kept until the step ends (``records_bytes_per_token``). On CUDA kernels the half's
+backward holds ``FUSED_HALF_BACKWARD`` times its planned activations more (kernel workspaces:
+fla's chunk_kda and fused AttnRes backward, the experts' grouped GEMMs), a factor measured once
+on one H200 (k3_mini, 256K tokens), not derived: the CPU cannot see those workspaces.
 """
 from __future__ import annotations
 
