@@ -604,7 +604,10 @@ def format_plan(cfg: RunConfig, plans: list[RankPlan], *, dp: int, ops: str) -> 
         lines.append("in pinned host memory (train.offload_activations), heaviest rank: "
                      + ", ".join(f"{m}: {max(q.host_offload[m] for q in plans) / GiB:.2f} GiB"
                                  for m in MODES if m in plans[0].host_offload)
-                     + "; not in the totals below")
+                     + "; not in the totals below"
+                     + ("" if ops == "torch" else
+                        f"; the device's activations include {FUSED_HALF_BACKWARD:.2f} x the recomputed half's "
+                        "for the CUDA kernels' backward (measured on one H200, docs/memory.md)"))
     if cp > 1:
         lines.append("CP exchanges kept (gathered MLA latent and expanded keys/values, KDA fold states), last CP rank: "
                      + ", ".join(f"{m}: {max(q.cp_extra[m] for q in plans) / GiB:.2f} GiB" for m in MODES))
