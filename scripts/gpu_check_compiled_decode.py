@@ -19,10 +19,10 @@ random-init router's sigmoid scores sit within a bf16 ulp of each other, so a ro
 difference (inductor fuses and keeps fp32 intermediates where eager rounds to bf16) picks
 another expert; one flip moves that layer's output by a whole expert's share, which the KDA
 state and the latent cache then carry into later steps. The CPU measurement that found this
-is in docs/inference.md (compiled decode step).
+is in tests/infer/test_compiled_decode.py.
 
-Gate (exit 0): in fp32 every step of both compiled decoders is within ``--fp32-tol`` (1e-3,
-TF32 off) of the eager step. A dropped or misplaced state update (KDA state, conv tails, latent
+Gate (exit 0): in fp32 every step of both compiled decoders before the first routing flip (all
+steps if none; at least one) is within ``--fp32-tol`` (1e-3, TF32 off) of the eager step. A dropped or misplaced state update (KDA state, conv tails, latent
 slot, position) would show there as errors of order 1e-1. bf16 is reported, not gated.
 
     python scripts/gpu_check_compiled_decode.py --config configs/k3_mini.yaml --steps 16 [--json OUT]
@@ -68,12 +68,12 @@ def forced(dec: Decoder, prompts: list[list[int]], tokens: torch.Tensor, record_
     the CPU: prefill's then each step's, routing per step or None)."""
     n = tokens.shape[1]
     buf = dec.prefill(prompts, max(len(p) for p in prompts) + n + 1)
-    out, rts = [buf.logits.double().cpu()], []
+    out, rts = [buf.logits.double().cpu().clone()], []
     key = (buf.batch, buf.max_len, 0.0, 1.0)
     for i in range(n):
         buf.token.copy_(tokens[:, i].to(buf.token.device))
         dec.graphed.run(key, lambda: dec._step(buf, 0.0, 1.0))
-        out.append(buf.logits.double().cpu())
+        out.append(buf.logits.double().cpu().clone())
         if record_routes:
             rts.append(routes(dec.cached))
     return torch.stack(out), (rts if record_routes else None)
@@ -122,8 +122,14 @@ def main() -> int:
             row["eager_vs_fp32"] = rel_per_step(le, ref32)
         res[name] = row
         del cached, eager
-    worst = max(max(res["fp32"]["compiled"]), max(res["fp32"]["compiled_graphed"]))
-    res["fp32_worst"], res["ok"] = worst, worst <= args.fp32_tol
+    # Gated: the fp32 steps before the first routing flip (a flip is a near-tie of router scores
+    # decided by rounding, not a wrong computation; in fp32 it is rare but possible).
+    r32 = res["fp32"]
+    flipped = [t for t, f in enumerate(r32["flips"], start=1) if f]
+    upto = flipped[0] if flipped else args.steps + 1
+    worst = max(max(r32["compiled"][:upto]), max(r32["compiled_graphed"][:upto]))
+    res["fp32_steps_gated"], res["fp32_worst"] = upto, worst
+    res["ok"] = worst <= args.fp32_tol and upto > 1
     for name in ("fp32", "bf16"):
         r = res[name]
         print(f"{name}: step  compiled  compiled+graphed  routing flips" + ("  eager vs fp32" if "eager_vs_fp32" in r else ""))
@@ -131,7 +137,8 @@ def main() -> int:
             flips = "prefill" if t == 0 else r["flips"][t - 1]
             extra = f"  {r['eager_vs_fp32'][t]:.2e}" if "eager_vs_fp32" in r else ""
             print(f"  {t:4d}  {r['compiled'][t]:.2e}  {r['compiled_graphed'][t]:.2e}  {flips}{extra}")
-    print(f"{'PASS' if res['ok'] else 'FAIL'}: fp32 compiled vs eager worst {worst:.2e} (gate {args.fp32_tol:.0e})")
+    print(f"{'PASS' if res['ok'] else 'FAIL'}: fp32 compiled vs eager worst {worst:.2e} over prefill and the "
+          f"{upto - 1} steps before any routing flip (gate {args.fp32_tol:.0e}, at least 1 step)")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(res, fh, indent=1)
