@@ -41,6 +41,7 @@ from k3train.infer.cache import CachedModel
 from k3train.infer.decoder import Decoder
 from k3train.model.model import build_model
 from k3train.ops.kernels import apply as apply_kernels
+from k3train.ops.triton_compile import compile_ahead
 from k3train.runtime.distributed import init_distributed
 from moe import LatentMoE
 
@@ -108,6 +109,8 @@ def main() -> int:
         torch._dynamo.reset()
         cached = build(args.config, dev, dtype, args.overrides)
         eager = Decoder(cached, cuda_graph=False)
+        if graphs:  # fla's kernels compiled at once, as bench_decode does (untimed here too)
+            compile_ahead(lambda: eager.generate([[1] * 16], 2), label="decoding")
         if tokens is None:  # the eager fp32 greedy tokens: every decoder below is fed these
             ids, _ = eager.generate(prompts, args.steps + 1)
             tokens = torch.tensor(ids)[:, :args.steps]
