@@ -14,7 +14,11 @@ limit, so later variants run their frames eagerly: the mixed compiled/eager path
   the caches carry the difference. This is why ``bench_decode --compile`` in bf16 parts from
   the eager tokens with a large eager top-2 margin (docs/checkpoints.md#generate).
 """
+import importlib.util
+import json
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +28,9 @@ from k3train.infer.decoder import Decoder, bind
 from k3train.model.model import build_model
 from k3train.runtime.distributed import init_distributed, shutdown_distributed
 from moe import LatentMoE
-from tests.helpers import small_cfg
+from tests.helpers import SMALL, small_cfg
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check_compiled_decode.py"
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
@@ -98,3 +104,25 @@ def test_bf16_compiled_step_parts_from_eager_only_where_routing_flips(build):
     s = first + 1
     scale = ref[s].abs().max()
     assert (comp[s] - eager[s]).abs().max() / scale > (eager[s] - ref[s]).abs().max() / scale, flips
+
+
+def test_gpu_check_script_dry_run(tmp_path, monkeypatch):
+    """``scripts/gpu_check_compiled_decode.py`` on the CPU with ``aot_eager`` (dynamo and
+    functionalization without inductor's rounding): both compiled decoders equal the eager step
+    in fp32 and in bf16, no routing flips, and the gate passes; bf16 eager differs from fp32."""
+    spec = importlib.util.spec_from_file_location("gpu_check_compiled_decode", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "out.json"
+    monkeypatch.setattr(sys, "argv", ["x", "--device", "cpu", "--config", "configs/k3_tiny.yaml", "--backend",
+                                      "aot_eager", "--steps", "3", "--prompt-len", "13", "--json", str(out), *SMALL])
+    try:
+        assert mod.main() == 0
+    finally:
+        shutdown_distributed()
+    res = json.loads(out.read_text())
+    for name in ("fp32", "bf16"):
+        assert len(res[name]["compiled"]) == 4 and res[name]["flips"] == [0, 0, 0]
+        assert max(res[name]["compiled"] + res[name]["compiled_graphed"]) < 1e-12, res[name]
+    assert res["ok"] and res["fp32_steps_gated"] == 4
+    assert max(res["bf16"]["eager_vs_fp32"]) > 1e-3  # the bf16 model is a different rounding
