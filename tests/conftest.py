@@ -1,3 +1,4 @@
+import os
 import warnings
 from pathlib import Path
 
@@ -31,6 +32,20 @@ def _seed_and_clean_process_group():
 
 def _tree(root: Path) -> dict[str, float]:
     return {str(p.relative_to(root)): p.stat().st_mtime for p in root.rglob("*")} if root.exists() else {}
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _inductor_cache_in_tmp(tmp_path_factory):
+    """torch.compile's inductor writes its cache under the session's temporary directory, not
+    the user's (/tmp/torchinductor_$USER): tests write only to temporary directories they own,
+    and every run compiles cold, as on a fresh CI machine."""
+    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor"))
+    yield
+    if old is None:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    else:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
 
 
 @pytest.fixture(autouse=True, scope="session")

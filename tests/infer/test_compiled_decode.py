@@ -7,12 +7,13 @@ limit, so later variants run their frames eagerly: the mixed compiled/eager path
 * fp32: free-running greedy decode, 10 tokens (9 compiled steps): the same tokens, logits within
   1e-5 of the largest logit (measured 3.5e-7): the compiled step updates the KDA state, the conv
   tails, the latent slot and the position as the eager step does.
-* bf16, teacher-forced (both decoders fed the same tokens): up to the first step where an MoE
-  layer picks a different expert set, the compiled logits are closer to the eager bf16 ones than
-  eager bf16 is to fp64 (measured: 8e-3 against 2.4e-2); at step 3 the compiled step routes 3
-  layers differently (random-init router scores within a bf16 ulp of each other), and from there
-  the caches carry the difference. This is why ``bench_decode --compile`` in bf16 parts from
-  the eager tokens with a large eager top-2 margin (docs/checkpoints.md#generate).
+* bf16 is not asserted here (a cold inductor compile per dtype costs the suite ~45 s): measured
+  on the CPU, teacher-forced, the compiled logits stay closer to the eager bf16 ones than eager
+  bf16 is to fp64 (8e-3 against 2.4e-2) until an MoE layer picks a different expert set
+  (random-init router scores within a bf16 ulp of each other), and from there the caches carry
+  the difference: why ``bench_decode --compile`` in bf16 parts from the eager tokens with a
+  large eager top-2 margin (docs/checkpoints.md#generate).
+  ``python scripts/gpu_check_compiled_decode.py --device cpu --backend inductor`` measures it.
 """
 import importlib.util
 import json
@@ -24,10 +25,9 @@ import pytest
 import torch
 
 from k3train.infer.cache import CachedModel
-from k3train.infer.decoder import Decoder, bind
+from k3train.infer.decoder import Decoder
 from k3train.model.model import build_model
 from k3train.runtime.distributed import init_distributed, shutdown_distributed
-from moe import LatentMoE
 from tests.helpers import SMALL, small_cfg
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check_compiled_decode.py"
@@ -69,41 +69,6 @@ def test_inductor_step_decodes_as_the_eager_step_fp32(build):
     ref, out = torch.stack(ref), torch.stack(out)
     err = (out - ref).abs().amax(dim=(1, 2)) / ref.abs().amax(dim=(1, 2))
     assert err.max() < 1e-5, err
-
-
-@torch.no_grad()
-def _forced(dec: Decoder, tokens: list[int]):
-    """Prefill, then one step per token of ``tokens`` fed as its input -> (logits per step
-    [1, vocab] fp64 with prefill's first, each step's MoE expert sets)."""
-    buf = dec.prefill(_prompt(), 13 + len(tokens) + 1)
-    logits, routes = [buf.logits.double().clone()], []  # clone: .double() of fp64 is the buffer itself
-    for t in tokens:
-        bind(dec.cached, buf)  # decoders sharing one model: point its mixers at this one's buffers
-        buf.token.fill_(t)
-        dec._step(buf, 0.0, 1.0)
-        logits.append(buf.logits.double().clone())
-        routes.append([layer.ffn.routing.last.indices.sort(-1).values.tolist()
-                       for layer in dec.cached.model.layers if isinstance(layer.ffn, LatentMoE)])
-    return logits, routes
-
-
-def test_bf16_compiled_step_parts_from_eager_only_where_routing_flips(build):
-    ref_model, model = build(torch.float64), build(torch.bfloat16)
-    tokens = Decoder(ref_model, vocab=VOCAB).generate(_prompt(), 7)[0][0][:6]
-    ref, _ = _forced(Decoder(ref_model, vocab=VOCAB), tokens)
-    eager, routes_e = _forced(Decoder(model, vocab=VOCAB), tokens)
-    comp, routes_c = _forced(Decoder(model, vocab=VOCAB, compile_step="inductor"), tokens)
-    flips = [sum(a != b for a, b in zip(x, y)) for x, y in zip(routes_e, routes_c)]
-    first = next(i for i, f in enumerate(flips) if f)  # step index (0 = the first decode step)
-    assert first >= 1, flips  # at least one compiled step before the first flip is compared
-    for s in range(first + 1):  # logits index s: prefill (0) and the steps before the flip
-        scale = ref[s].abs().max()
-        bf16_rounding = float((eager[s] - ref[s]).abs().max() / scale)
-        assert float((comp[s] - eager[s]).abs().max() / scale) < bf16_rounding, s
-    # The flipped step moves the logits by more than the bf16 rounding of the eager step.
-    s = first + 1
-    scale = ref[s].abs().max()
-    assert (comp[s] - eager[s]).abs().max() / scale > (eager[s] - ref[s]).abs().max() / scale, flips
 
 
 def test_gpu_check_script_dry_run(tmp_path, monkeypatch):
