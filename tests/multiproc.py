@@ -6,14 +6,18 @@ port on localhost, calls ``fn(rank, world_size, *args)`` in each, and re-raises 
 failure in the parent with the child's traceback. ``fn`` must be a module-level function so
 that the child can import it.
 
-The ranks fork from a ``forkserver`` that imported torch and megatron-core once (about 9 s of
-one core per process on the CI machine, which spawning paid for every rank of every test).
-A fork from the server would inherit the server's environment and working directory, so each
-rank takes the parent's current ones first: a test's ``monkeypatch.setenv`` and ``chdir``
-reach its ranks as they did with spawn. Only torch and megatron-core are preloaded, so
-k3train's own modules import in the rank after its environment is set. Triton, which
-megatron-core imports, decides on its interpreter at import: with ``TRITON_INTERPRET`` set the
-ranks are spawned fresh instead.
+The ranks fork from a ``forkserver`` that imported torch, megatron-core and k3train's trainer
+(with the model, data, ``moe``, ``optim``, ``pipeline`` and matplotlib under it) once: about 9 s
+of one core per process on the CI machine, which spawning paid for every rank of every test,
+and then about 1 s per rank of every call for k3train's own modules, which the server now holds
+too. The server only imports them (nothing of theirs but their import has run there), so each rank starts
+from the state a fresh import gives. A fork from the server would inherit the server's
+environment and working directory, so each rank takes the parent's current ones first: a
+test's ``monkeypatch.setenv`` and ``chdir`` reach its ranks as they did with spawn. That
+holds for the preloaded modules because they read the environment (``K3TRAIN_FAULTS``,
+``K3TRAIN_KERNELS``, ``RANK``, ...) when called, never at import (tests/test_multiproc_harness.py
+checks it). Triton, which megatron-core imports, decides on its interpreter at import: with
+``TRITON_INTERPRET`` set the ranks are spawned fresh instead.
 """
 from __future__ import annotations
 
@@ -32,7 +36,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-_PRELOAD = ["torch", "torch.distributed", "megatron.core.parallel_state"]
+# What the server imports once (a module that fails to import is skipped by multiprocessing,
+# and the rank imports it itself, as before).
+_PRELOAD = ["torch", "torch.distributed", "megatron.core.parallel_state", "k3train.trainer.loop"]
 
 
 def _entry(rank: int, world_size: int, port: int, fn, args, errors, env, cwd) -> None:

@@ -6,7 +6,7 @@ What is not run as written, and why: the ``pip install`` parts of the set-up lin
 and minutes) are checked instead to be the documented ones and to name only extras pyproject
 declares; the activated environment is stood in for by this interpreter (``k3train`` ->
 ``python -m k3train`` with the copy first on ``PYTHONPATH``); the quickstart's ``train.steps``
-is cut to 2 by an override (the README says any key can be overridden); the fast tier is
+is cut to 1 by an override (the README says any key can be overridden); the fast tier is
 collected (``--collect-only``), not run: the suite inside the suite would take minutes.
 """
 from __future__ import annotations
@@ -79,11 +79,11 @@ def test_the_readme_in_order_in_a_fresh_home(tmp_path):
     _run([python3, "-m", "venv", ".venv"], copy, env, timeout=300)
     assert (copy / ".venv" / "bin" / "python").exists()
 
-    # 2. the quickstart, as written plus train.steps=2
+    # 2. the quickstart, as written plus train.steps=1
     argv = shlex.split(quickstart)
     assert argv[:1] == ["k3train"] and argv[1:] == ["train", "--config", "configs/k3_tiny.yaml"]
-    done = _run([sys.executable, "-m", "k3train", *argv[1:], "train.steps=2"], copy, env, timeout=600)
-    assert "[k3train] done: step 2," in done.stdout
+    done = _run([sys.executable, "-m", "k3train", *argv[1:], "train.steps=1"], copy, env, timeout=600)
+    assert "[k3train] done: step 1," in done.stdout
     run_dir = copy / "runs" / "k3_tiny"
     assert [r for r in (run_dir / "metrics.jsonl").read_text().splitlines()] and (run_dir / "checkpoints" / "latest").is_file()
     assert not (home / "runs").exists()

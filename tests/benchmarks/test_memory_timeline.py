@@ -7,6 +7,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 from benchmarks.memory_timeline import format_peak, phase_of, profile_peak  # noqa: E402
+from k3train.config import load_config  # noqa: E402
+from k3train.runtime.distributed import init_distributed  # noqa: E402
+from k3train.trainer.state import TrainState  # noqa: E402
+from tests.helpers import SMALL  # noqa: E402
 
 N = 4_000_000  # floats: 16 MB
 
@@ -35,14 +39,14 @@ def test_phase_of_reads_the_enclosing_frames():
     assert phase_of(["aten::add"]) == "other"
 
 
-@pytest.mark.slow   # the profiler's memory analysis of a whole step: ~30 s on two CPU cores
+@pytest.mark.slow   # the profiler's memory analysis of a whole step
 def test_a_training_step_shows_its_parameters_and_optimizer_state(world1):
-    from k3train.config import load_config
-    from k3train.runtime.distributed import init_distributed
-    from k3train.trainer.state import TrainState
-
-    cfg = load_config("configs/k3_tiny.yaml", ["train.device=cpu", "train.recompute=none",
-                                               "train.microbatches=2", "train.micro_batch_size=2", "train.seq_len=32"])
+    # The small model (tests/helpers.py SMALL) at two layers (KDA dense, MLA MoE): the
+    # profiler's cost is per recorded op and allocation, and the categories' bytes are exact at
+    # any width or depth.
+    cfg = load_config("configs/k3_tiny.yaml", [*SMALL, "model.num_layers=2", "model.layer_pattern=KM",
+                                               "train.device=cpu", "train.recompute=none", "train.microbatches=2",
+                                               "train.micro_batch_size=2", "train.seq_len=32"])
     state = TrainState(cfg, init_distributed(device="cpu"), torch.device("cpu"))
     batch = torch.randint(0, cfg.model.vocab_size, (4, 33), generator=torch.Generator().manual_seed(0))
     state.train_step(batch)                         # the optimizer state exists from here on

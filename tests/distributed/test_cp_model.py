@@ -25,9 +25,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from k3train.config import load_config
 from k3train.model.model import build_model
 from k3train.ops.context_parallel import CPCommLog, cp_bytes_per_rank
 from k3train.runtime.distributed import init_distributed, parallel_context
+from k3train.trainer.loop import train
 from k3train.trainer.state import TrainState
 from tests.helpers import SMALL, tiny_cfg
 from tests.multiproc import run_multiprocess
@@ -178,17 +180,24 @@ def test_cp_training_step_equals_data_parallel(world, cp, documents, recompute):
     run_multiprocess(_trainer_body, world, cp, documents, recompute)
 
 
-def _train(run_dir, nproc: int, *overrides: str, resume: bool = False) -> list[float]:
-    """``k3train train`` on configs/k3_tiny.yaml (small) in ``nproc`` processes; the logged losses."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    cmd = [*(launcher if nproc > 1 else [sys.executable]), "-m", "k3train", "train", "--config",
-           "configs/k3_tiny.yaml", "--run-dir", str(run_dir), *(["--resume"] if resume else []), *SMALL,
-           "train.log_interval=1", *overrides]
+CLI_ARGS = [*SMALL, "train.log_interval=1"]
+
+
+def _losses(run_dir) -> list[float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "loss" in r]
+
+
+def _train(run_dir, *overrides: str, resume: bool = False) -> list[float]:
+    """``k3train train`` on configs/k3_tiny.yaml (small) under torchrun, two CPU processes; the
+    logged losses."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "k3train", "train", "--config", "configs/k3_tiny.yaml", "--run-dir", str(run_dir),
+           *(["--resume"] if resume else []), *CLI_ARGS, *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in records if "loss" in r]
+    return _losses(run_dir)
 
 
 @pytest.mark.slow
@@ -196,10 +205,13 @@ def _train(run_dir, nproc: int, *overrides: str, resume: bool = False) -> list[f
 def test_cli_cp2_trains_and_resumes_as_cp1(tmp_path):
     """torchrun, two CPU processes, parallel.cp=2, document-masked windows (the default): 3 steps,
     a checkpoint (each dense piece written once, by CP rank 0), a resume to step 5; every logged loss equals the one-process run's to
-    fp32 rounding (the ranks sum their shares of each window in another order)."""
-    _train(tmp_path / "cp1", 1, "train.steps=3")  # the same schedule: 3 steps, then resumed to 5
-    one = _train(tmp_path / "cp1", 1, "train.steps=5", resume=True)
-    _train(tmp_path / "cp2", 2, "parallel.cp=2", "train.steps=3")
-    two = _train(tmp_path / "cp2", 2, "parallel.cp=2", "train.steps=5", resume=True)
+    fp32 rounding (the ranks sum their shares of each window in another order). The one-process
+    reference (the same schedule: 3 steps, then resumed to 5) runs in this process: ``k3train
+    train`` calls the same ``train``, and a second interpreter would only add its start-up."""
+    train(load_config("configs/k3_tiny.yaml", [*CLI_ARGS, "train.steps=3"]), tmp_path / "cp1")
+    train(load_config("configs/k3_tiny.yaml", [*CLI_ARGS, "train.steps=5"]), tmp_path / "cp1", resume=True)
+    one = _losses(tmp_path / "cp1")
+    _train(tmp_path / "cp2", "parallel.cp=2", "train.steps=3")
+    two = _train(tmp_path / "cp2", "parallel.cp=2", "train.steps=5", resume=True)
     assert len(one) == len(two) == 5
     torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=2e-5, atol=0)

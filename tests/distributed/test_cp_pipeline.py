@@ -18,7 +18,7 @@ parameter gradient equal the one-process run's to ``1e-10``, under recompute non
 and full; the step's returned loss (cast to fp32 by the engine) and the validation loss to
 fp32 rounding. A negative control runs the same step with pipeline groups that pair CP rank 0
 of one stage with CP rank 1 of the other (the wrong tokens' activations and blocks arrive):
-its loss must differ. The CLI test runs the whole trainer under torchrun (fp32, ``2e-5``).
+its loss must differ. The CLI test runs the whole trainer (its resume under torchrun; fp32, ``2e-5``).
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ from k3train.ops.context_parallel import cp_bytes_per_rank
 from k3train.profiling.predict import layout_messages
 from k3train.runtime.distributed import init_distributed
 from k3train.trainer.parts import _check_cp_pairing
+from k3train.trainer.loop import train
 from k3train.trainer.state import TrainState
 from pipeline import PipelineEngine, PipelineLayout
 from tests.helpers import SMALL, read_records, tiny_cfg
@@ -206,27 +207,39 @@ def test_cp_pipeline_step_equals_one_process(recompute):
     run_multiprocess(_body, PP * CP, recompute)
 
 
-def _train(run_dir, nproc: int, *overrides: str, resume: bool = False) -> None:
-    """``k3train train`` on configs/k3_tiny.yaml (small, four layers) in ``nproc`` processes."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    cmd = [*(launcher if nproc > 1 else [sys.executable]), "-m", "k3train", "train", "--config",
-           "configs/k3_tiny.yaml", "--run-dir", str(run_dir), *(["--resume"] if resume else []), *SMALL,
-           "model.num_layers=4", "train.microbatches=2", "train.log_interval=1", *overrides]
+CLI_ARGS = [*SMALL, "model.num_layers=4", "train.microbatches=2", "train.log_interval=1"]
+
+
+def _train(run_dir, *overrides: str, resume: bool = False) -> None:
+    """``k3train train`` on configs/k3_tiny.yaml (small, four layers) under torchrun, four CPU
+    processes."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(PP * CP),
+           "-m", "k3train", "train", "--config", "configs/k3_tiny.yaml", "--run-dir", str(run_dir),
+           *(["--resume"] if resume else []), *CLI_ARGS, *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def _train_rank(rank, world, run_dir, overrides):
+    train(load_config("configs/k3_tiny.yaml", [*CLI_ARGS, *overrides]), run_dir)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_cli_pp2_vpp2_cp2_trains_and_resumes_as_one_process(tmp_path):
     """torchrun, four CPU processes, pp=2 x vpp=2 x cp=2 on document-masked windows (the
-    default): 3 steps, a checkpoint, a resume to step 5 (validation at steps 3 and 5, the
-    end-of-run plots on the slices); every logged loss and validation loss equals the
-    one-process run's to fp32 rounding (the ranks sum their shares in another order)."""
-    for run, nproc, extra in (("one", 1, []), ("pp-cp", 4, LAYOUT)):
-        _train(tmp_path / run, nproc, *extra, "train.steps=3")
-        _train(tmp_path / run, nproc, *extra, "train.steps=5", resume=True)
+    default): 3 steps and a checkpoint on four gloo ranks (run_multiprocess: the same ``train``
+    that ``k3train train`` calls, without four interpreters' start-up), then ``k3train train
+    --resume`` under torchrun to step 5 (validation at steps 3 and 5, the end-of-run plots on the
+    slices); every logged loss and validation loss equals the one-process run's to fp32 rounding
+    (the ranks sum their shares in another order). The one-process reference (the same config,
+    3 steps and a resume to 5) runs in this process. A fresh start under torchrun with CP is
+    test_cp_model.py's CLI test."""
+    train(load_config("configs/k3_tiny.yaml", [*CLI_ARGS, "train.steps=3"]), tmp_path / "one")
+    train(load_config("configs/k3_tiny.yaml", [*CLI_ARGS, "train.steps=5"]), tmp_path / "one", resume=True)
+    run_multiprocess(_train_rank, PP * CP, tmp_path / "pp-cp", [*LAYOUT, "train.steps=3"])
+    _train(tmp_path / "pp-cp", *LAYOUT, "train.steps=5", resume=True)
     one, got = (read_records(tmp_path / run) for run in ("one", "pp-cp"))
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
     for key in ("loss", "val_loss"):

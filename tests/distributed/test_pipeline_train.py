@@ -2,7 +2,10 @@
 import json
 
 import pytest
+import torch
 
+import k3train.trainer.report as report
+from k3train.trainer.checkpoint import latest_checkpoint
 from k3train.trainer.loop import train
 from tests.helpers import small_cfg
 from tests.multiproc import run_multiprocess
@@ -17,13 +20,13 @@ from tests.distributed.helpers import STEPS, read_losses, train_rank
       "pipeline.p2p_backend=gloo"], 4),
 ], ids=["pp2-vpp2-cached", "pp2-standard-residual", "pp2-dp2-naive-gloo-groups"])
 @pytest.mark.slow
-def test_pipeline_training_matches_single_process(tmp_path, overrides, world):
+def test_pipeline_training_matches_single_process(tmp_path, overrides, world, reference_run):
     base = [o for o in overrides if not o.startswith(("parallel.", "pipeline."))]
     dp = world // 2
     ref_overrides = [*base, f"train.micro_batch_size={4 * dp}"] if dp > 1 else base
-    train(small_cfg(*STEPS, *ref_overrides), tmp_path / "ref")
+    ref_dir = reference_run(small_cfg(*STEPS, *ref_overrides))
     run_multiprocess(train_rank, world, tmp_path / "pp", overrides)
-    ref, got = read_losses(tmp_path / "ref"), read_losses(tmp_path / "pp")
+    ref, got = read_losses(ref_dir), read_losses(tmp_path / "pp")
     assert len(ref) == len(got) == 3
     # fp32; gradients sum in a different order, and three AdamW steps amplify that a little.
     assert got == pytest.approx(ref, rel=1e-4, abs=1e-5)
@@ -34,8 +37,6 @@ def test_pipeline_training_matches_single_process(tmp_path, overrides, world):
 @pytest.mark.slow
 def test_checkpoint_survives_a_data_parallel_resize(tmp_path, capsys):
     """Saved by DP=2 (two gloo ranks), resumed by one process: the replicated state loads."""
-    from k3train.trainer.checkpoint import latest_checkpoint
-
     run_multiprocess(train_rank, 2, tmp_path, ["train.steps=4"])
     summary = train(small_cfg(*STEPS, "train.steps=6"), tmp_path, resume=True, stop_at=5)
     assert "resumed from" in capsys.readouterr().out and summary["steps"] == 5
@@ -49,10 +50,6 @@ MOE_STEPS = ["train.steps=2", "train.log_interval=1", "train.eval_interval=2", "
 def _save_plot_inputs(run_dir):
     """Wrap the two heatmap writers so the matrix and weights they draw are saved next to the
     PNGs (the test compares the data, not the pixels)."""
-    import torch
-
-    import k3train.trainer.report as report
-
     draw_loads, draw_depth = report.plot_expert_load_heatmap, report.plot_attnres_depth_heatmap
 
     def loads(mat, path, *args, **kwargs):
@@ -67,10 +64,28 @@ def _save_plot_inputs(run_dir):
 
 
 def _train_rank_saving_plots(rank, world_size, run_dir, overrides):
-    import k3train.trainer.report as report
-
     report.plot_expert_load_heatmap, report.plot_attnres_depth_heatmap = _save_plot_inputs(run_dir)
     train(small_cfg(*MOE_STEPS, *overrides), run_dir)
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tmp_path_factory):
+    """The one-process run with its plot inputs saved, once per reference config for the module
+    (pp2-vpp2 and tp2 share theirs); the tests only read it."""
+    runs: dict = {}
+
+    def run(ref_overrides: list[str]):
+        key = tuple(ref_overrides)
+        if key not in runs:
+            ref = runs[key] = tmp_path_factory.mktemp("moe-ref")
+            loads, depth = _save_plot_inputs(ref)
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(report, "plot_expert_load_heatmap", loads)
+                mp.setattr(report, "plot_attnres_depth_heatmap", depth)
+                train(small_cfg(*MOE_STEPS, *ref_overrides), ref)
+        return runs[key]
+
+    return run
 
 
 @pytest.mark.slow
@@ -81,22 +96,14 @@ def _train_rank_saving_plots(rank, world_size, run_dir, overrides):
     # uses the main rank's validation batch, half of the reference's.
     (["parallel.ep=2"], ["train.micro_batch_size=8"], False),
 ], ids=["pp2-vpp2", "tp2", "ep2"])
-def test_moe_metrics_and_plots_cover_every_rank(tmp_path, monkeypatch, overrides, ref_overrides,
+def test_moe_metrics_and_plots_cover_every_rank(tmp_path, moe_reference, overrides, ref_overrides,
                                                 same_val_batch):
     """Two ranks. pp=2, vpp=2: one layer per chunk, rank 0 holds MoE layer 1 (chunk 2), rank 1
     MoE layers 0 and 2 (chunks 1 and 3); tp/ep=2: the AttnRes forward needs both ranks. The
     logged moe/* metrics, the expert load heatmap and the AttnRes depth heatmap must cover
     every layer, as the one-process run does (under PP they covered rank 0's layers only, and
     attnres_depth.png was written under none of the three)."""
-    import torch
-
-    import k3train.trainer.report as report
-
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    loads, depth = _save_plot_inputs(ref)
-    monkeypatch.setattr(report, "plot_expert_load_heatmap", loads)
-    monkeypatch.setattr(report, "plot_attnres_depth_heatmap", depth)
-    train(small_cfg(*MOE_STEPS, *ref_overrides), ref)
+    ref, run = moe_reference(ref_overrides), tmp_path / "run"
     run_multiprocess(_train_rank_saving_plots, 2, run, overrides)
     want, got = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
                  for d in (ref, run)]

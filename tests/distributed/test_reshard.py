@@ -11,6 +11,9 @@ import json
 import pytest
 import torch
 
+from k3train.quant.export import load_mxfp4_export
+from k3train.trainer.evaluate import evaluate_checkpoint
+from k3train.trainer.export import export_mxfp4
 from k3train.trainer.loop import train
 from k3train.trainer.state_io import consolidated_state
 from tests.helpers import small_cfg
@@ -52,16 +55,31 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Layout B's uninterrupted 4-step run, trained once per layout for the module (tp2-to-1 and
+    ep2-to-ep1 share theirs); the tests only read it."""
+    runs: dict = {}
+
+    def run(world: int, overrides: list[str]):
+        key = (world, tuple(overrides))
+        if key not in runs:
+            runs[key] = tmp_path_factory.mktemp("ref")
+            _launch(world, runs[key], overrides)
+        return runs[key]
+
+    return run
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_resume_under_another_layout_continues_the_run(tmp_path, case):
+def test_resume_under_another_layout_continues_the_run(tmp_path, case, uninterrupted):
     (world_a, a), (world_b, b) = CASES[case]
     _launch(world_a, tmp_path / "run", a, stop_at=2)
     _launch(world_b, tmp_path / "run", b, resume=True)
-    _launch(world_b, tmp_path / "ref", b)
-
+    ref_dir = uninterrupted(world_b, b)
     saved = consolidated_state(tmp_path / "run" / "checkpoints" / "step_00000002")
-    ref = consolidated_state(tmp_path / "ref" / "checkpoints" / "step_00000002")
+    ref = consolidated_state(ref_dir / "checkpoints" / "step_00000002")
     assert sorted(saved["model"]) == sorted(ref["model"])
     # Two AdamW steps of lr 3e-3 move a weight by up to 6e-3; a shard put in the wrong place is
     # off by the weights' scale (~0.05). Summation order alone moves an element by up to ~2e-4
@@ -69,7 +87,7 @@ def test_resume_under_another_layout_continues_the_run(tmp_path, case):
     # one element of 4096 in tp2-to-1, 2026-12-04), so the bound sits between the two.
     for name, t in ref["model"].items():
         torch.testing.assert_close(saved["model"][name], t, rtol=1e-3, atol=1e-3, msg=name)
-    got, want = _losses(tmp_path / "run"), _losses(tmp_path / "ref")
+    got, want = _losses(tmp_path / "run"), _losses(ref_dir)
     assert sorted(got) == [1, 2, 3, 4]
     assert [got[3], got[4]] == pytest.approx([want[3], want[4]], rel=1e-4, abs=1e-5)
     if world_a > 1:  # export reads the multi-rank checkpoint as the one-process model
@@ -77,9 +95,6 @@ def test_resume_under_another_layout_continues_the_run(tmp_path, case):
 
 
 def _export_matches(tmp_path, model):
-    from k3train.quant.export import load_mxfp4_export
-    from k3train.trainer.export import export_mxfp4
-
     out = export_mxfp4(tmp_path / "run" / "checkpoints" / "step_00000002", tmp_path / "export",
                        config=tmp_path / "run" / "config.yaml")
     meta, loaded = json.loads((out / "export.json").read_text()), load_mxfp4_export(out)
@@ -90,8 +105,6 @@ def _export_matches(tmp_path, model):
 
 
 def _eval_rank(rank, world_size, ckpt, overrides, out):
-    from k3train.trainer.evaluate import evaluate_checkpoint
-
     result = evaluate_checkpoint(ckpt, overrides=overrides, batches=4, progress=False)
     if rank == 0:
         out.write_text(json.dumps(result))
@@ -101,8 +114,6 @@ def _eval_rank(rank, world_size, ckpt, overrides, out):
 def test_eval_under_tensor_and_data_parallel_equals_one_process(tmp_path):
     """A one-process checkpoint evaluated by two gloo ranks at TP=2, and at DP=2, gives the
     one-process loss (fp32)."""
-    from k3train.trainer.evaluate import evaluate_checkpoint
-
     _launch(1, tmp_path / "run", [], stop_at=2)
     ckpt = tmp_path / "run" / "checkpoints"
     want = evaluate_checkpoint(ckpt, batches=4, progress=False)

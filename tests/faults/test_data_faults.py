@@ -222,27 +222,40 @@ def test_sweep_stopped_with_variants_left_exits_with_its_own_status(tmp_path, mo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signalled_sweep_exits_3_and_starts_no_further_variant(tmp_path, sig):
+def test_signalled_sweep_exits_3_and_starts_no_further_variant(tmp_path):
     """A real ``k3train sweep`` process signalled while its first variant trains: the variant
-    saves, the second variant never starts, and the process exits 3."""
-    path = tmp_path / "ablation.yaml"
-    path.write_text(yaml.safe_dump({"name": "unit", "base": str(Path("configs/k3_tiny.yaml").resolve()),
-                                    "overrides": [*SMALL, "train.steps=100000", "train.log_interval=1"],
-                                    "grid": {"optim.lr": [1e-3, 2e-3]}}))
-    out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "k3train", "sweep", str(path), "--out", str(out)],
-                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    first = out / "lr-0.001" / "metrics.jsonl"
+    saves, the second variant never starts, and the process exits 3. SIGTERM and SIGINT, one
+    sweep each, run side by side (each child trains on one thread; the machine has two)."""
+    procs = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        path = tmp_path / sig.name / "ablation.yaml"
+        path.parent.mkdir()
+        path.write_text(yaml.safe_dump({"name": "unit", "base": str(Path("configs/k3_tiny.yaml").resolve()),
+                                        "overrides": [*SMALL, "train.steps=100000", "train.log_interval=1"],
+                                        "grid": {"optim.lr": [1e-3, 2e-3]}}))
+        out = tmp_path / sig.name / "out"
+        procs[sig] = out, subprocess.Popen([sys.executable, "-m", "k3train", "sweep", str(path), "--out", str(out)],
+                                           env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    signalled, logs = set(), {}
     try:
-        assert wait_for(lambda: first.exists() and len(first.read_text().splitlines()) >= 2)
+        for sig, (out, proc) in procs.items():
+            first = out / "lr-0.001" / "metrics.jsonl"
+            try:
+                assert wait_for(lambda: first.exists() and len(first.read_text().splitlines()) >= 2), sig.name
+            finally:
+                proc.send_signal(sig)
+                signalled.add(sig)
     finally:
-        proc.send_signal(sig)
-        log, _ = proc.communicate(timeout=180)
-    assert proc.returncode == 3, log
-    assert (out / "lr-0.001" / "checkpoints" / "latest").is_file(), log
-    assert not (out / "lr-0.002").exists(), log
-    assert "Traceback" not in log and "1 variant(s) left" not in log and "2 variant(s) left" in log, log
+        for sig, (out, proc) in procs.items():
+            if sig not in signalled:  # an earlier wait failed: this one must not train on
+                proc.kill()
+            logs[sig], _ = proc.communicate(timeout=180)
+    for sig, (out, proc) in procs.items():
+        log = logs[sig]
+        assert proc.returncode == 3, (sig.name, log)
+        assert (out / "lr-0.001" / "checkpoints" / "latest").is_file(), (sig.name, log)
+        assert not (out / "lr-0.002").exists(), (sig.name, log)
+        assert "Traceback" not in log and "1 variant(s) left" not in log and "2 variant(s) left" in log, (sig.name, log)
 
 
 def test_dataset_records_its_content_hash(tmp_path):

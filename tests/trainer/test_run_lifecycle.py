@@ -10,6 +10,7 @@ import pytest
 
 from k3train.cli import main as cli_main
 from k3train.errors import RunDirError
+from k3train.trainer.checkpoint import latest_checkpoint, verify_checkpoint
 from k3train.trainer.run_lock import RunDirLock
 from k3train.trainer.stop import SignalGuard as _SignalGuard
 from tests.cli_runs import CLI, cli_env as _env, wait_for as _wait_for
@@ -19,6 +20,8 @@ from tests.helpers import SMALL, small_cfg, read_records
 
 @pytest.mark.slow
 def test_second_run_on_a_locked_run_dir_refuses_naming_the_holder(tmp_path, capsys):
+    """A run in a subprocess holds the lock; a second run in this process is refused in one line
+    naming the holder; SIGTERM then makes the first save and exit 0, releasing the lock."""
     first = subprocess.Popen([*CLI, "--run-dir", str(tmp_path), "train.steps=100000", "train.log_interval=1"],
                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -37,7 +40,11 @@ def test_second_run_on_a_locked_run_dir_refuses_naming_the_holder(tmp_path, caps
     finally:
         first.send_signal(signal.SIGTERM)
         out, _ = first.communicate(timeout=120)
+    # SIGTERM: the first run saves a checkpoint that verifies and exits 0 (this launch was also
+    # test_reliability.py's test_sigterm_saves_and_exits_zero, merged here).
     assert first.returncode == 0, out
+    manifest = verify_checkpoint(latest_checkpoint(tmp_path / "checkpoints"), world_size=1)
+    assert 1 <= manifest["step"] < 100000 and "signal received" in out, out
     # The lock went with its holder: the directory is usable again.
     with RunDirLock(tmp_path):
         pass
