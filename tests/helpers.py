@@ -73,3 +73,19 @@ def readme_commands(readme: str | Path = "README.md") -> list[str]:
     text = Path(readme).read_text()
     block = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
     return [line.strip() for line in block.strip().splitlines()]
+
+
+def allocator_peak(fn) -> tuple[int, int]:
+    """(peak, net) bytes the CPU allocator held above its level before ``fn()``, from the
+    profiler's memory events in time order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    live = peak = 0
+    for _, n in events:
+        live += n
+        peak = max(peak, live)
+    return peak, live

@@ -26,7 +26,7 @@ import torch
 from k3train.profiling.memory_plan import StateLayout, plan_memory
 from k3train.runtime.distributed import init_distributed
 from k3train.trainer.state import TrainState
-from tests.helpers import small_cfg
+from tests.helpers import allocator_peak, small_cfg
 from tests.multiproc import run_multiprocess
 
 B, T, M = 2, 32, 2      # micro-batch, tokens, microbatches
@@ -35,22 +35,6 @@ B, T, M = 2, 32, 2      # micro-batch, tokens, microbatches
 def _cfg(*extra):
     return small_cfg("train.device=cpu", f"train.micro_batch_size={B}", f"train.seq_len={T}",
                      f"train.microbatches={M}", "optim.zero1=true", "kernels.backend=torch", *extra)
-
-
-def allocator_peak(fn) -> tuple[int, int]:
-    """(peak, net) bytes the CPU allocator held above its level before ``fn()``, from the
-    profiler's memory events in time order."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    live = peak = 0
-    for _, n in events:
-        live += n
-        peak = max(peak, live)
-    return peak, live
 
 
 def _storage_bytes(tensors) -> int:

@@ -25,7 +25,8 @@ import torch
 
 from k3train.model.model import build_model
 from k3train.profiling.memory_plan import _offload_bytes_per_token, head_bytes_per_token, plan_memory
-from tests.helpers import tiny_cfg
+from tests.helpers import allocator_peak, tiny_cfg
+
 
 T = 128
 
@@ -56,21 +57,6 @@ def _like_cuda(offload) -> None:
     offload.unpack = lambda p: torch.from_numpy(p.array).clone() if isinstance(p, _Host) else p
 
 
-def _allocator_peak(fn) -> int:
-    """Peak bytes the CPU allocator held above its level before ``fn()`` (profiler memory events)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    live = peak = 0
-    for _, n in events:
-        live += n
-        peak = max(peak, live)
-    return peak
-
-
 def _measured_peak(cfg) -> int:
     torch.manual_seed(0)
     model = build_model(cfg)
@@ -86,7 +72,7 @@ def _measured_peak(cfg) -> int:
     step()                      # allocates every gradient; the measured pass accumulates into them
     for layer in model.moe_layers():
         layer.routing.clear()
-    return _allocator_peak(step)
+    return allocator_peak(step)[0]
 
 
 def test_offload_device_peak_matches_the_allocator_within_10_percent(world1):
