@@ -19,12 +19,12 @@ the step ends (``records_bytes_per_token``). Before those two terms the planner 
 """
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from k3train.model.model import build_model
-from k3train.profiling.memory_plan import _offload_bytes_per_token, head_bytes_per_token, plan_memory
+from k3train.profiling.memory_plan import plan_memory
+from k3train.profiling.activation_bytes import head_bytes_per_token, offload_bytes_per_token
 from tests.helpers import allocator_peak, tiny_cfg
 
 
@@ -84,6 +84,6 @@ def test_offload_device_peak_matches_the_allocator_within_10_percent(world1):
     assert predicted == pytest.approx(measured, rel=0.10), (predicted, measured, predicted / measured)
     # The planner before the two backward terms (the head, the larger half with its inputs
     # copied back, the MoE buffers) is more than 10% under: they are what closes the gap.
-    half = max(_offload_bytes_per_token(cfg, i, "full", "torch", T, 4)[1] for i in plan.layers)
+    half = max(offload_bytes_per_token(cfg, i, "full", "torch", T, 4)[1] for i in plan.layers)
     before = (head_bytes_per_token(cfg, "full", "torch", 4) + half) * T + plan.moe_buffers
     assert before < 0.9 * measured, (before, measured)
