@@ -31,11 +31,11 @@ slot, position) would show there as errors of order 1e-1. bf16 is reported, not 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 
+from benchmarks.common import save_json
 from k3train.config import load_config
 from k3train.infer.cache import CachedModel
 from k3train.infer.decoder import Decoder
@@ -142,9 +142,7 @@ def main() -> int:
             print(f"  {t:4d}  {r['compiled'][t]:.2e}  {r['compiled_graphed'][t]:.2e}  {flips}{extra}")
     print(f"{'PASS' if res['ok'] else 'FAIL'}: fp32 compiled vs eager worst {worst:.2e} over prefill and the "
           f"{upto - 1} steps before any routing flip (gate {args.fp32_tol:.0e}, at least 1 step)")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(res, fh, indent=1)
+    save_json(args.json, res)
     return 0 if res["ok"] else 1
 
 
