@@ -4,8 +4,8 @@
 #
 #   here:   bash tools/te_device.sh fetch        # downloads into .te/ and splits .te/parts/te.tar.part-*
 #   device: bash tools/te_device.sh receive      # one call per part, carry [".te/parts/te.tar.part-aa"], ...
-#                                                  # (a 50 MB part travels alone: with .whl/ it passes 64 MiB;
-#                                                  #  the last, 41 MB, fits beside .whl/)
+#                                                  # (5 parts of 59 MB: each travels alone, beside the 7 MB
+#                                                  #  working tree, under the 64 MiB a call carries)
 #   device: bash tools/te_device.sh install      # after the last part: install, build the torch binding
 #   device: bash tools/te_device.sh bench        # benchmarks/bench_te_linear.py at the slice's shapes
 #
@@ -29,8 +29,8 @@ fetch)
   # fetch the archive itself from the index.
   url=$(curl -s https://pypi.org/simple/transformer-engine-torch/ | grep -o "https://[^\"#]*transformer_engine_torch-$TE_VERSION.tar.gz" | head -1)
   curl -s -o ".te/dl/transformer_engine_torch-$TE_VERSION.tar.gz" "$url" || exit 1
-  # Wheels are compressed already: a plain tar, in 50 MB parts (each call carries one).
-  tar cf - -C .te/dl . | split -b 50000000 - .te/parts/te.tar.part-
+  # Wheels are compressed already: a plain tar, in 59 MB parts (each call carries one).
+  tar cf - -C .te/dl . | split -b 59000000 - .te/parts/te.tar.part-
   ls -la .te/parts ;;
 receive)
   : "${OUT:?OUT must be set}"
