@@ -37,6 +37,12 @@ def _aligned_2d(t: torch.Tensor) -> bool:
 
 def grouped_mm_supported(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm(a [M, K], b [G, K, N], offs)`` accepts these operands."""
+    if a.is_cuda and a.dtype != torch.bfloat16 and torch.compiler.is_compiling():
+        # Under torch.compile on CUDA, _grouped_mm's fake-tensor rule (torch 2.11) accepts bf16
+        # only, though the eager CUDA kernel runs fp32: an fp32 compiled step (the compiled
+        # decode check's exact reference, scripts/gpu_check_compiled_decode.py) failed to trace
+        # on an H200 (2026-12-04). Such operands take the per-expert loop.
+        return False
     return (a.dtype == b.dtype and a.dtype in _GMM_DTYPES and a.device == b.device
             and _aligned_2d(a) and _aligned_2d(b))
 

@@ -87,7 +87,11 @@ def _cuda_kernel(t: torch.Tensor, family: str, module: str, name: str):
 
 def _baddbmm(X: torch.Tensor):
     """The ``baddbmm(C, A, B, beta=, alpha=)`` to use for tensors like ``X``."""
-    # The Triton grid puts the stack on its second axis, which CUDA caps at 65535.
+    # The Triton grid puts the stack on its second axis, which CUDA caps at 65535. The kernel
+    # accumulates in fp32, so fp64 (a reference run) takes torch's: Triton refused to compile it
+    # for fp64 operands on an H200 (2026-12-04, benchmarks/bench_gram_ns.py's fp64 map).
+    if X.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return torch.baddbmm
     ours = _cuda_kernel(X, "ns_gemm", "ns_gemm_triton", "baddbmm_triton")
     return ours if ours is not None and X.shape[0] <= 65535 else torch.baddbmm
 

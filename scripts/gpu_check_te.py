@@ -88,10 +88,14 @@ def run_tests(env: dict) -> dict:
     except ImportError:
         return {"rc": 1, "tail": ["pytest is not importable: install its wheel (pytest, pluggy, iniconfig, "
                                   "packaging) into /tmp/site, or pass --skip-tests"]}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+    # -rfEs and --tb=line: the first run on an H200 (2026-12-04) printed "3 failed" and, with
+    # -rs alone, not which three; the whole output also goes to $OUT when that is set.
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfEs", "--tb=line", "-p", "no:cacheprovider",
                            "tests/quant/test_te_backend.py"], cwd=ROOT, capture_output=True, text=True,
                           env=env, timeout=300)
-    tail = proc.stdout.strip().splitlines()[-15:]
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "te_tests.log").write_text(proc.stdout + proc.stderr)
+    tail = proc.stdout.strip().splitlines()[-40:]
     return {"rc": proc.returncode, "tail": tail}
 
 
@@ -134,7 +138,7 @@ def main() -> int:
     t_start = time.time()
     if not args.skip_tests:
         report["tests"] = run_tests(env)
-        print("\n".join(report["tests"]["tail"][-4:]), flush=True)
+        print("\n".join(report["tests"]["tail"]), flush=True)
     half = args.steps // 2
     common = [f"train.steps={args.steps}", "train.log_interval=1", f"train.eval_interval={10 * args.steps}",
               "train.cuda_graph=false", "logging.wandb.mode=disabled", "logging.progress_bar=false",

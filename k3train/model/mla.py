@@ -22,7 +22,7 @@ from k3train.ops.layers import (
 from k3train.model.recompute import keep_output
 from k3train.model.cp_documents import same_document_causal_mask_cp
 from k3train.ops.context_parallel import CPCommLog, all_gather_cp, mla_attention_cp
-from k3train.ops.documents import same_document_causal_mask
+from k3train.ops.documents import document_attention
 
 
 class GatedMLA(nn.Module):
@@ -82,13 +82,14 @@ class GatedMLA(nn.Module):
             attn = keep_output(self._documents_cp, q, latent, cu_seqlens)
         else:
             k, v = self._expand(latent)
-            # The attention core's output is kept under train.recompute=selective. With documents
-            # the causal mask is one boolean [B, 1, T, T] tensor (B*T*T bytes): the one code path
-            # for CPU and GPU; a varlen kernel (FlexAttention, flash varlen) would avoid it.
-            mask = None if cu_seqlens is None else same_document_causal_mask(cu_seqlens, B, T)
-            attn = keep_output(
-                F.scaled_dot_product_attention, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                attn_mask=mask, is_causal=mask is None, scale=self.scale,
-            ).transpose(1, 2)  # [B, T, H, v_dim]
+            # The attention core's output is kept under train.recompute=selective. With documents,
+            # long ones attend one causal call each and short ones through one dense mask
+            # (document_attention): the same code path on CPU and GPU.
+            qkv = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            if cu_seqlens is None:
+                attn = keep_output(F.scaled_dot_product_attention, *qkv, is_causal=True, scale=self.scale)
+            else:
+                attn = keep_output(document_attention, *qkv, cu_seqlens, scale=self.scale)
+            attn = attn.transpose(1, 2)  # [B, T, H, v_dim]
         gate = torch.sigmoid(self.gate_proj(x)).view(B, T, H, self.v_dim)
         return self.o_proj((attn * gate).reshape(B, T, H * self.v_dim))
