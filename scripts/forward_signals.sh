@@ -1,5 +1,10 @@
 # Sourced by run_torchrun.sh and worker_exit_status.sh: run a command in the background, hand
 # SIGTERM/SIGINT on to it, and wait for its own exit status.
+# Every signal is forwarded, though the command often got its own copy too (SLURM signals every
+# process of a step, a terminal every process of its foreground group): bash cannot tell who
+# else was signalled, and a signal sent to this shell alone must still reach the command. The
+# commands take repeats as one request: k3train (repeats within 5 s) and torchrun's agent via
+# torchrun_stop_once.py (everything after its first stop signal).
 #   forward_signals_run CMD...   -> sets FORWARDED_RC (the command's status) and
 #                                   FORWARDED_SIGNAL (1 if a signal was forwarded)
 forward_signals_run() {

@@ -10,6 +10,11 @@
 # this script exits 0. Any other outcome passes torchrun's status through (non-zero).
 # Signals reaching this script go to torchrun, which forwards them to the workers; k3train
 # treats repeats of one stop request (SLURM signals every process of a step) as one.
+# torchrun runs through scripts/torchrun_stop_once.py, whose agent acts on its first stop
+# signal only: the agent often gets one request twice (its own copy from SLURM or the process
+# group, and this script's), and torchrun's own agent, signalled again while it stops the
+# workers, starts its shutdown a second time (it hung so in CI). This script cannot tell
+# whether torchrun already got the signal, so it forwards every one it gets.
 # TORCH_ELASTIC_SHUTDOWN_TIMEOUT (default here 300 s; torchrun's own default is 30 s): how
 # long torchrun lets signalled workers finish their step and save before it SIGKILLs them.
 set -u
@@ -26,7 +31,7 @@ trap 'rm -rf "$status_dir"' EXIT
 export K3TRAIN_WORKER_STATUS_DIR=$status_dir
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}
 . "$here/forward_signals.sh"
-forward_signals_run "${TORCHRUN:-torchrun}" ${opts[@]+"${opts[@]}"} --no-python bash "$here/worker_exit_status.sh" \
+forward_signals_run "${PYTHON:-python3}" "$here/torchrun_stop_once.py" ${opts[@]+"${opts[@]}"} --no-python bash "$here/worker_exit_status.sh" \
   "${PYTHON:-python3}" -m k3train "$@"
 rc=$FORWARDED_RC
 if [[ $rc -ne 0 && $FORWARDED_SIGNAL -eq 1 ]]; then
