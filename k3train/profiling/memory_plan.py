@@ -427,7 +427,7 @@ def format_plan(cfg: RunConfig, plans: list[RankPlan], *, dp: int, ops: str) -> 
     lines.append("heaviest rank's total (params + grads + main copy + optimizer + peak activations + cache + MoE buffers"
                  + (" + CP exchanges" if cp > 1 else "") + "):")
     lines.append("  " + ", ".join(f"{m}: {top[(m, False)]:.1f} GiB ({top[(m, True)]:.1f} with ZeRO-1)" for m in MODES))
-    lines.append("  activations are the schedule's peak over in-flight microbatches (1F1B warmup depth); "
+    lines.append("  activations are the schedule's peak over in-flight microbatches (1F1B warmup depth), with the step's routing records; "
                  f"{st.param_dtype} weights{' + fp32 main copy' if st.param_dtype == 'bf16' else ''}, fp32 gradients, "
                  f"{cfg.optim.name} state in {st.state_dtype}; see docs/memory.md")
     return "\n".join(lines)
