@@ -197,13 +197,29 @@ def offload_bytes_per_token(cfg: RunConfig, index: int, mode: str, ops: str, T: 
 
 
 def records_bytes_per_token(cfg: RunConfig, layers: list[int], a: int) -> float:
-    """What the MoE layers' routing records keep until the step ends, per token: each training
-    forward's ``RouterOutput`` (moe/routing_record.py, ``step``), the logits and scores ``[E]`` in
-    the router's dtype (the activation dtype ``a``), the top-k ids (int64) and weights. Recompute
-    does not drop them (the recomputed forward's record is discarded, the first one kept)."""
+    """What the MoE layers among ``layers`` keep in their routing records per token of one
+    microbatch, until the step ends: each training forward's ``RouterOutput`` (moe/
+    routing_record.py, ``step``, cleared by the trainer after the optimizer step and the
+    balancer), the logits and scores ``[E]`` in the router's dtype (the activation dtype ``a``),
+    the top-k ids (int64) and weights. Every microbatch of the step adds its own, pipelined or
+    accumulated alike. Recompute does not drop them (the recomputed forward's record is
+    discarded, the first one kept)."""
     w = Widths.of(cfg)
     moe = sum(1 for i in layers if i >= cfg.model.dense_layers)
     return moe * (2 * w.E * a + w.k * 8 + w.k * a)
+
+
+def records_shared_bytes_per_token(cfg: RunConfig, layers: list[int], mode: str, a: int) -> float:
+    """Of ``records_bytes_per_token``, what autograd saves for the backward too (so the layers'
+    activations count it already) until the microbatch's backward has run: under ``none`` the
+    scores (the sigmoid's saved output) and the top-k ids (the gather's); none under
+    ``selective``/``full``, which recompute the MoE layers and keep the first forward's routing
+    in the record alone."""
+    if mode != "none":
+        return 0.0
+    w = Widths.of(cfg)
+    moe = sum(1 for i in layers if i >= cfg.model.dense_layers)
+    return moe * (w.E * a + w.k * 8)
 
 
 def block_grads_bytes_per_token(cfg: RunConfig, index: int, a: int) -> float:
@@ -221,7 +237,7 @@ def block_grads_bytes_per_token(cfg: RunConfig, index: int, a: int) -> float:
 # and fused AttnRes backward, the MoE experts' backward) holds this many times the half's planned
 # activations on top of them, from k3_mini at 262,144 tokens under full + offload on one H200
 # (49.7 GiB peak, benchmarks/2026-12-04_h200_save-stall-fp8x-capacity.md) after every term the
-# CPU measurement explains (tests/profiling/test_memory_plan_offload_peak.py). Workspaces of GPU
+# CPU measurement explains (tests/profiling/test_memory_plan_peak.py). Workspaces of GPU
 # kernels and the autocast cache cannot be seen on CPU; see docs/memory.md.
 FUSED_HALF_BACKWARD = 1.54
 

@@ -204,7 +204,8 @@ def _plans(cfg: RunConfig, lay: Layout, seq_len: int):
     cannot split the model so (``plan_memory``'s ValueError)."""
     short = Layout(**{**lay.__dict__, "microbatches": memory_microbatches(lay.pp, lay.vpp, lay.microbatches)})
     try:
-        return plan_memory(_layout_cfg(cfg, short, seq_len), ops="fused", act_bytes=2, dp=lay.dp, cp=lay.cp)
+        return plan_memory(_layout_cfg(cfg, short, seq_len), ops="fused", act_bytes=2, dp=lay.dp, cp=lay.cp,
+                           step_microbatches=lay.microbatches)
     except ValueError:
         return None
 

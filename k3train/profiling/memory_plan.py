@@ -17,10 +17,27 @@ LatentMoE, AttnRes mixes), counted op by op from what each op saves for backward
 * ``fused``: CUDA with fla's chunk_kda and fused AttnRes, compiled norms and SiTU-GLU and flash
   attention (bf16 activations); counted from the kernels' saved inputs, checked against
   ``torch.cuda.max_memory_allocated`` by benchmarks/bench_memory_plan.py.
-Under PP, a rank holds the activations of its in-flight (chunk, microbatch) forwards, counted by
-replaying its interleaved 1F1B schedule (``pipeline.schedule``), plus the AttnRes block cache:
-the blocks its later chunks read, one set per in-flight microbatch. MoE dispatch buffers are the
-permuted tokens of one layer at capacity (transient, live during one layer's forward/backward).
+Beside what autograd saves, a step holds two terms no op saves, found by tracking every live
+tensor at the CPU allocator's peak (tests/profiling/test_memory_plan_peak.py: ``none``,
+``selective``, ``full`` and ``full`` + offload each within 10% of the allocator; ``full`` 14%
+under without them, offload 19%): in a layer's backward, the gradient accumulators of the
+AttnRes blocks made below it plus the stream's gradient (``block_grads_bytes_per_token``); and
+every MoE layer's routing record of every training forward of the step, which the trainer
+keeps until the step ends (moe/routing_record.py: the balancer and the load metrics read the
+whole step's routing after the optimizer step, then ``clear``): logits and scores ``[E]``,
+top-k ids and weights per token (``records_bytes_per_token``), every microbatch's, pipelined or
+accumulated alike. Under ``none`` the scores and ids in a record are saved for backward too
+until the microbatch's backward (``records_shared_bytes_per_token``, not counted twice).
+
+A rank's peak is found by replaying its schedule (interleaved 1F1B under PP, ``pipeline.
+schedule``; forward, backward per microbatch without): a forward adds its chunk's kept
+activations and records, a backward frees the activations only; during a chunk's forward and
+backward its largest layer's recomputed activations (under ``selective``/``full``) and, in
+backward, that layer's block gradients live beside what is held. Under PP a rank also holds the
+AttnRes block cache: the blocks its later chunks read, one set per in-flight microbatch. MoE
+dispatch buffers are the permuted tokens of one layer at capacity (transient, live during one
+layer's forward/backward). A shortened replay (the layout search's) counts the records of the
+step's left-out microbatches from its start (``step_microbatches``).
 
 Context parallelism (``cp``, predicted: not yet measured): each CP rank keeps the activations of
 its ``seq_len / cp`` tokens, and on top of them what the exchanges leave (docs/long_context.md):
@@ -34,13 +51,8 @@ Offload (``train.offload_activations``, k3train/model/offload.py): under ``full`
 the schedule's peak of it), and each layer is two regions (mixer half, FFN half), whose
 boundary tensor is one more kept ``[T, D]`` per layer, on the host; the device keeps the head's
 activations and, while a half is recomputed, that half's activations and its kept bytes copied
-back (the larger half of any layer). Beside that half, the backward holds terms no op saves,
-found by tracking every live tensor at the CPU allocator's peak (tests/profiling/
-test_memory_plan_offload_peak.py, within 10%; 19% under without them): the gradient
-accumulators of the AttnRes blocks made below the half plus the stream's gradient
-(``block_grads_bytes_per_token``), and every MoE layer's routing record of each in-flight
-forward, kept until the step ends (``records_bytes_per_token``). On CUDA kernels the half's
-backward holds ``FUSED_HALF_BACKWARD`` times its planned activations more (kernel workspaces:
+back (the larger half of any layer), beside the block gradients and the records above. On
+CUDA kernels the half's backward holds ``FUSED_HALF_BACKWARD`` times its planned activations more (kernel workspaces:
 fla's chunk_kda and fused AttnRes backward, the experts' grouped GEMMs), a factor measured once
 on one H200 (k3_mini, 256K tokens), not derived: the CPU cannot see those workspaces.
 """
@@ -59,7 +71,7 @@ from k3train.model.model import build_model
 from k3train.profiling.activation_bytes import (FUSED_HALF_BACKWARD, OPS, Widths, block_grads_bytes_per_token,
                                                head_bytes_per_token, layer_bytes_per_token,
                                                offload_bytes_per_token, recomputed_bytes_per_token,
-                                               records_bytes_per_token)
+                                               records_bytes_per_token, records_shared_bytes_per_token)
 from k3train.trainer.optimizer import k3_param_rules
 from optim import build_param_table
 from pipeline import PipelineLayout
@@ -69,14 +81,28 @@ GiB = 1024 ** 3
 
 
 def _schedule_peak(pp: int, vpp: int, m: int, rank: int, chunk_bytes: dict[int, float],
-                   schedule: list | None = None) -> tuple[float, int]:
-    """(peak activation bytes, peak in-flight microbatches) of ``rank`` over its 1F1B schedule
-    (``schedule``: that rank's ops when already built)."""
+                   schedule: list | None = None, *, records: dict[int, float] | None = None,
+                   forward: dict[int, float] | None = None, backward: dict[int, float] | None = None,
+                   records_before: float = 0.0) -> tuple[float, int]:
+    """(peak bytes, peak in-flight microbatches) of ``rank`` over its 1F1B schedule
+    (``schedule``: that rank's ops when already built; pp = 1 is F, B per microbatch).
 
-    live, peak, peak_mbs, held, in_flight = 0.0, 0.0, 0, {}, 0
+    chunk_bytes: what a chunk's forward keeps until its backward; records: what it keeps until
+    the step ends (the routing records); forward / backward: bytes live beside those while the
+    chunk's forward / backward runs (a layer's activations, recomputed ones and gradients);
+    records_before: records of earlier microbatches of the step that the replay leaves out."""
+
+    records, forward, backward = records or {}, forward or {}, backward or {}
+    live, peak, peak_mbs, held, in_flight = records_before, records_before, 0, {}, 0
     for op in schedule if schedule is not None else build_schedule(pp, vpp, m, rank):
+        c = op.chunk
+        if op.kind == "F":
+            peak = max(peak, live + forward.get(c, 0.0))
+            live += chunk_bytes[c] + records.get(c, 0.0)
+        else:
+            peak = max(peak, live + backward.get(c, 0.0))
+            live -= chunk_bytes[c]
         sign = 1 if op.kind == "F" else -1
-        live += sign * chunk_bytes[op.chunk]
         before = held.get(op.microbatch, 0)
         held[op.microbatch] = before + sign
         # microbatches with a forward still to be undone, counted as they come and go
@@ -248,13 +274,17 @@ def cp_extra_bytes(cfg: RunConfig, layers: list[int], act_bytes: int, cp: int) -
 
 
 def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: int = 1,
-                cp: int | None = None, state: StateLayout | None = None) -> list[RankPlan]:
+                cp: int | None = None, state: StateLayout | None = None,
+                step_microbatches: int | None = None) -> list[RankPlan]:
     """Memory of each pipeline rank of ``cfg.parallel`` (tp, pp, vpp, ep) with ``dp`` data-parallel
     replicas per stage (ep divides dp). ops: ``fused`` (CUDA kernels, compiled norms and SiTU-GLU),
     ``fused-eager`` (the same with ``kernels.compile=false``) or ``torch``; act_bytes: 2
     under bf16 autocast, 4 in fp32. Activations are per ``train.micro_batch_size x seq_len / cp``
     tokens; cp: context-parallel ranks (default ``parallel.cp``), which divide ``seq_len``;
-    state: weight and optimizer-state dtypes (default: the config's, ``StateLayout.of``)."""
+    state: weight and optimizer-state dtypes (default: the config's, ``StateLayout.of``);
+    step_microbatches: microbatches of the step, whose routing records all live until it ends,
+    when the schedule replayed (``train.microbatches``) is a shortened one (the layout search's).
+    """
 
     if ops not in OPS:
         raise ValueError(f"ops must be one of {', '.join(OPS)}, got {ops!r}")
@@ -301,41 +331,46 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
         plan = RankPlan(pp_rank=r, layers=layers, params=full["params"], grads=full["grads"],
                         optimizer=full["optimizer"], optimizer_zero1=z1["optimizer"], master=full["master"],
                         master_zero1=z1["master"], counts=n, dp=copies, edp=edp, cp=cp)
-        schedule = None
+        m_step = cfg.train.microbatches if step_microbatches is None else step_microbatches
+        schedule = build_schedule(p.pp, p.vpp, cfg.train.microbatches, r)
         for mode in MODES:
-            per_chunk, host = {}, {}
+            per_chunk, host, records, shared, forward, backward = {}, {}, {}, {}, {}, {}
             for c in chunks:
-                b = sum(layer_bytes_per_token(cfg, i, mode, ops, T, act_bytes) for i in layout.layer_range(c))
+                lay = list(layout.layer_range(c))
+                b = sum(layer_bytes_per_token(cfg, i, mode, ops, T, act_bytes) for i in lay)
+                # The routing records stay until the step ends, every microbatch's; under
+                # ``none`` part of them is saved for backward too, counted in the layers.
+                records[c] = records_bytes_per_token(cfg, lay, act_bytes) * tokens
+                shared[c] = records_shared_bytes_per_token(cfg, lay, mode, act_bytes) * tokens
                 if offload and mode != "none":   # what the layers' regions keep is in host memory
-                    host[c] = sum(offload_bytes_per_token(cfg, i, mode, ops, T, act_bytes)[0]
-                                  for i in layout.layer_range(c)) * tokens
+                    host[c] = sum(offload_bytes_per_token(cfg, i, mode, ops, T, act_bytes)[0] for i in lay) * tokens
                     b = 0.0
                 if c == C - 1:
                     b += head_bytes_per_token(cfg, mode, ops, act_bytes)
-                per_chunk[c] = b * tokens
+                per_chunk[c] = b * tokens - shared[c]
+                # Beside what is held: the gradients of the AttnRes blocks made below a layer and
+                # of the stream (block_grads) in its backward, and under recompute the layer's
+                # activations made again (under offload, one half-layer region at a time with its
+                # kept bytes copied back; on CUDA kernels times the measured backward factor).
+                grads = {i: block_grads_bytes_per_token(cfg, i, act_bytes) for i in lay}
+                if mode == "none":
+                    again, scale = {i: 0.0 for i in lay}, 1.0
+                elif offload:
+                    scale = 1.0 if ops == "torch" else 1.0 + FUSED_HALF_BACKWARD
+                    again = {i: offload_bytes_per_token(cfg, i, mode, ops, T, act_bytes)[1] for i in lay}
+                else:
+                    again, scale = {i: recomputed_bytes_per_token(cfg, i, mode, ops, T, act_bytes) for i in lay}, 1.0
+                forward[c] = max(again.values()) * tokens
+                backward[c] = max(again[i] * scale + grads[i] for i in lay) * tokens
             if host:
-                plan.host_offload[mode] = (host[chunks[0]] if C == 1 else
-                                           _schedule_peak(p.pp, p.vpp, cfg.train.microbatches, r, host)[0])
-            plan.activations[mode] = sum(per_chunk.values())
-            if C == 1:
-                plan.peak_activations[mode], plan.in_flight = per_chunk[0], 1
-            else:
-                schedule = schedule or build_schedule(p.pp, p.vpp, cfg.train.microbatches, r)
-                plan.peak_activations[mode], plan.in_flight = _schedule_peak(
-                    p.pp, p.vpp, cfg.train.microbatches, r, per_chunk, schedule)
-            if mode != "none" and not offload:
-                live = max(recomputed_bytes_per_token(cfg, i, mode, ops, T, act_bytes) for i in layers)
-                plan.peak_activations[mode] += live * tokens
-            elif mode != "none":
-                # Under offload the backward of one half-layer region at a time sets the peak: its
-                # recomputed activations and kept bytes copied back (on CUDA kernels, times the
-                # measured backward factor), the gradients of the blocks and of the stream live
-                # beside them, and the routing records of the forwards in flight.
-                half = {i: offload_bytes_per_token(cfg, i, mode, ops, T, act_bytes)[1] for i in layers}
-                scale = 1.0 if ops == "torch" else 1.0 + FUSED_HALF_BACKWARD
-                live = max(half[i] * scale + block_grads_bytes_per_token(cfg, i, act_bytes) for i in layers)
-                live += records_bytes_per_token(cfg, layers, act_bytes) * plan.in_flight
-                plan.peak_activations[mode] += live * tokens
+                plan.host_offload[mode] = _schedule_peak(p.pp, p.vpp, cfg.train.microbatches, r, host, schedule)[0]
+            plan.activations[mode] = sum(per_chunk.values()) + sum(shared.values())   # saved for backward
+            # Microbatches the replay leaves out (the layout search replays a shortened
+            # schedule) ran before it: their records are live from its start.
+            before = sum(records.values()) * (m_step - cfg.train.microbatches)
+            plan.peak_activations[mode], plan.in_flight = _schedule_peak(
+                p.pp, p.vpp, cfg.train.microbatches, r, per_chunk, schedule, records=records,
+                forward=forward, backward=backward, records_before=before)
         if cfg.model.attnres.enabled and C > 1:
             # Blocks a later local chunk reads: every block made before the rank's last chunk.
             last = max(chunks)
@@ -392,7 +427,7 @@ def format_plan(cfg: RunConfig, plans: list[RankPlan], *, dp: int, ops: str) -> 
     lines.append("heaviest rank's total (params + grads + main copy + optimizer + peak activations + cache + MoE buffers"
                  + (" + CP exchanges" if cp > 1 else "") + "):")
     lines.append("  " + ", ".join(f"{m}: {top[(m, False)]:.1f} GiB ({top[(m, True)]:.1f} with ZeRO-1)" for m in MODES))
-    lines.append("  activations are the schedule's peak over in-flight microbatches (1F1B warmup depth); "
+    lines.append("  activations are the schedule's peak over in-flight microbatches (1F1B warmup depth), with the step's routing records; "
                  f"{st.param_dtype} weights{' + fp32 main copy' if st.param_dtype == 'bf16' else ''}, fp32 gradients, "
                  f"{cfg.optim.name} state in {st.state_dtype}; see docs/memory.md")
     return "\n".join(lines)

@@ -63,15 +63,37 @@ def test_predicted_mfu_is_the_slice_rate_where_only_compute_is_left(world1):
     assert h == pytest.approx(hidden) and e < h
 
 
-@pytest.mark.parametrize("P, V", [(2, 1), (4, 1), (4, 2), (8, 2), (3, 3)])
+@pytest.mark.parametrize("P, V", [(1, 1), (2, 1), (4, 1), (4, 2), (8, 2), (3, 3)])
 def test_memory_replay_of_a_shortened_schedule_has_the_same_peak(P, V):
+    """Also with what lives until the step ends (the routing records: every microbatch adds
+    them, so the shortened replay starts with the left-out microbatches' records) and what a
+    chunk's forward and backward hold besides (recomputed layers, gradients)."""
     chunk_bytes = {c: 1.0 + 0.37 * c for c in range(P * V)}
+    records = {c: 0.05 + 0.011 * c for c in range(P * V)}
+    forward = {c: 0.3 + 0.02 * c for c in range(P * V)}
+    backward = {c: 0.5 - 0.03 * c for c in range(P * V)}
     for m in range(P, 12 * P, P):
         check_microbatches(P, V, m)
         short = memory_microbatches(P, V, m)
         check_microbatches(P, V, short)
         for r in range(P):
             assert _schedule_peak(P, V, short, r, chunk_bytes) == _schedule_peak(P, V, m, r, chunk_bytes)
+            mine = sum(records[v * P + r] for v in range(V))     # one microbatch's, on this rank
+            full = _schedule_peak(P, V, m, r, chunk_bytes, records=records, forward=forward, backward=backward)
+            replayed = _schedule_peak(P, V, short, r, chunk_bytes, records=records, forward=forward,
+                                      backward=backward, records_before=mine * (m - short))
+            assert replayed[0] == pytest.approx(full[0], rel=1e-12) and replayed[1] == full[1]
+
+
+def test_routing_records_of_every_microbatch_count_until_the_step_ends():
+    """The records a rank holds at the end of its last backward: every microbatch's, whatever
+    the schedule (independent count: m x the records of the rank's chunks)."""
+    P, V, m = 4, 2, 16
+    chunk_bytes = {c: 0.0 for c in range(P * V)}
+    records = {c: 1.0 + c for c in range(P * V)}
+    for r in range(P):
+        mine = sum(records[v * P + r] for v in range(V))
+        assert _schedule_peak(P, V, m, r, chunk_bytes, records=records)[0] == pytest.approx(m * mine)
 
 
 def test_candidates_respect_the_layout_rules():
@@ -86,14 +108,15 @@ def test_candidates_respect_the_layout_rules():
 
 
 @pytest.mark.parametrize("lay, seq, state", [
-    (Layout(tp=1, pp=16, vpp=2, ep=32, dp=32, cp=1, micro_batch=1, microbatches=128), 4096,
-     StateLayout("fp32", "bf16", True)),
-    (Layout(tp=1, pp=16, vpp=1, ep=64, dp=128, cp=1, micro_batch=1, microbatches=4), 32768,
-     StateLayout("bf16", "bf16", True)),
+    (Layout(tp=1, pp=32, vpp=1, ep=16, dp=16, cp=1, micro_batch=1, microbatches=256), 4096,
+     StateLayout("fp32", "fp32", True)),
+    (Layout(tp=1, pp=8, vpp=2, ep=64, dp=64, cp=4, micro_batch=1, microbatches=8), 32768,
+     StateLayout("bf16", "fp32", True)),
 ], ids=["pretrain-64-nodes", "sft-256-nodes"])
 def test_k3_layouts_named_in_the_docs_fit_an_h200(world1, lay, seq, state):
-    """docs/memory.md's H200 picks (pretraining on 64 nodes, SFT on 256): the heaviest rank
-    under 141 GiB less the 10% margin, by the planner directly (not through the search)."""
+    """docs/memory.md's H200 picks (pretraining on 64 nodes, SFT at 32K on 256 with cp 4): the
+    heaviest rank under 141 GiB less the 10% margin, by the planner directly over the step's
+    whole schedule (not through the search's shortened replay)."""
     cfg = load_config("configs/k3_full.yaml")
     plans = plan_memory(_layout_cfg(cfg, lay, seq), ops="fused", act_bytes=2, dp=lay.dp)
     assert max(q.total("full", True, state) for q in plans) / GiB <= 141 * 0.9
