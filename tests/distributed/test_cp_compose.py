@@ -5,7 +5,7 @@ PP x EP x CP (trainer, fp32): PP = 2 x V = 2 x CP = 2 x EP = 2 is a world of fou
 expert group of a stage is its two CP ranks, ``check_layout`` lets EP span CP). Each case runs
 ``TrainState.train_step`` (the pipeline engine with the AttnRes block cache, each CP rank's
 tokens hopping to the same CP rank of the next stage, the experts' all-to-all carrying both CP
-ranks' tokens, quantile balancing over DP x CP, gradients reduced over DP x CP and the experts'
+ranks' tokens, quantile balancing over DP x CP or the switch aux loss over CP, gradients reduced over DP x CP and the experts'
 over the expert-DP group) for ``STEPS`` steps, against one process at pp = cp = ep = 1 with the
 same windows. The model is the tiny hybrid ``K M K M`` (one layer per chunk; the first dense,
 the rest MoE; AttnRes blocks of two layers), windows of 16 tokens whose documents cross the CP
@@ -170,6 +170,10 @@ CASES = {
     # Every chunk recomputed in backward: the CP exchanges and the experts' all-to-all run again
     # inside the same op of the same schedule on all ranks of a stage. Measured: as "fp32".
     "recompute-full": ["train.recompute=full"],
+    # The switch balance loss of each MoE layer over both CP ranks' tokens (its counts
+    # all-reduced over the CP group inside the pipeline schedule); no router biases move.
+    # Measured: as "fp32".
+    "aux-loss": ["moe.balancing=aux_loss", "moe.aux_loss_coef=0.5"],
     # The MX recipes: one step, from the same weights (why one: the module docstring).
     # Measured (three seeds of the windows): losses <= 1e-7 relative, norms <= 1.1e-7,
     # parameters <= 9e-5 (Adam's first update is nearly lr x sign(g): an element whose
