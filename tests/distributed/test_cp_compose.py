@@ -5,8 +5,8 @@ PP x EP x CP (trainer, fp32): PP = 2 x V = 2 x CP = 2 x EP = 2 is a world of fou
 expert group of a stage is its two CP ranks, ``check_layout`` lets EP span CP). Each case runs
 ``TrainState.train_step`` (the pipeline engine with the AttnRes block cache, each CP rank's
 tokens hopping to the same CP rank of the next stage, the experts' all-to-all carrying both CP
-ranks' tokens, quantile balancing over DP x CP or the switch aux loss over CP, gradients reduced over DP x CP and the experts'
-over the expert-DP group) for ``STEPS`` steps, against one process at pp = cp = ep = 1 with the
+ranks' tokens, quantile balancing over DP x CP or the switch aux loss over CP, gradients
+reduced over DP x CP and the experts' over the expert-DP group) for ``STEPS`` steps, against one process at pp = cp = ep = 1 with the
 same windows. The model is the tiny hybrid ``K M K M`` (one layer per chunk; the first dense,
 the rest MoE; AttnRes blocks of two layers), windows of 16 tokens whose documents cross the CP
 boundary (token 8), start on it and start inside the conv halo. Compared: every step's loss
