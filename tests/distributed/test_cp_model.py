@@ -221,11 +221,15 @@ def test_cli_cp2_trains_and_resumes_as_cp1(tmp_path):
     a checkpoint (each dense piece written once, by CP rank 0), a resume to step 5; every logged loss equals the one-process run's to
     fp32 rounding (the ranks sum their shares of each window in another order). The one-process
     reference (the same schedule: 3 steps, then resumed to 5) runs in this process: ``k3train
-    train`` calls the same ``train``, and a second interpreter would only add its start-up."""
+    train`` calls the same ``train``, and a second interpreter would only add its start-up.
+    The resume runs under ``parallel.cp_partition=head_tail``, the other partition (a checkpoint
+    does not depend on it): steps 1-3 are contiguous, 4 and 5 head-tail steps of the CLI (a
+    contiguous resume is the pipeline's and ZeRO-1's CLI tests')."""
     train(load_config("configs/k3_tiny.yaml", [*CLI_ARGS, "train.steps=3"]), tmp_path / "cp1")
     train(load_config("configs/k3_tiny.yaml", [*CLI_ARGS, "train.steps=5"]), tmp_path / "cp1", resume=True)
     one = _losses(tmp_path / "cp1")
     _train(tmp_path / "cp2", "parallel.cp=2", "train.steps=3")
-    two = _train(tmp_path / "cp2", "parallel.cp=2", "train.steps=5", resume=True)
+    two = _train(tmp_path / "cp2", "parallel.cp=2", "parallel.cp_partition=head_tail", "train.steps=5",
+                 resume=True)
     assert len(one) == len(two) == 5
     torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=2e-5, atol=0)
