@@ -80,9 +80,10 @@ def _cp_refusal(cfg: RunConfig) -> str | None:
                 f"or parallel.cp_partition=contiguous")
     halo = cfg.model.kda.conv_size - 1
     if t.seq_len // pieces < max(halo, 1):
-        return (f"train.seq_len={t.seq_len} over parallel.cp={p.cp} ({p.cp_partition}) leaves "
-                f"{t.seq_len // pieces} tokens per piece, fewer than the {halo} the short "
-                f"convolution's halo needs; use a longer seq_len or a smaller cp")
+        where = "rank" if p.cp_partition == "contiguous" else "head_tail piece"
+        return (f"train.seq_len={t.seq_len} over parallel.cp={p.cp} leaves {t.seq_len // pieces} tokens "
+                f"per {where}, fewer than the {halo} the short convolution's halo needs; use a longer "
+                f"seq_len or a smaller cp")
     return None
 
 
