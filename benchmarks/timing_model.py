@@ -32,8 +32,9 @@ one K3 rank's layers (``configs/k3_slice.yaml``: K3's widths, one EP rank's expe
 MLA), compute from the slice's measured forward+backward rate on one H200 (431.7 TFLOP/s:
 58.5% of the 738 TFLOP/s matmul rate measured in that run, benchmarks/2026-12-02_all_figures-page.md),
 the most loaded rank's causal attention pairs under the contiguous partition and under
-head-tail, and communication from the CP byte formula (``k3train.ops.context_parallel``) over
-NVLink (CP <= 8, one node) or 50 GB/s per GPU between nodes (CP = 16). CPU, seconds.
+head-tail, and communication from the CP byte formula (``k3train.ops.context_parallel``, each
+partition's own: head-tail sends two [E, M] per KDA layer and up to two halos) over NVLink
+(CP <= 8, one node) or 50 GB/s per GPU between nodes (CP = 16). CPU, seconds.
 
 See docs/pipeline_timing_model.md.
 """
@@ -375,7 +376,7 @@ def cp_main(args) -> None:
     print(f"PREDICTED: one K3 rank ({m.num_layers} layers: {n_kda} KDA + {n_mla} MLA, K3's widths) per CP rank, "
           f"micro-batch 1, fwd+bwd at {SLICE_RATE / 1e12:.0f} TFLOP/s")
     print(f"{'tokens':>8}{'cp':>4}{'compute s':>11}{'of which attn':>15}{'head-tail s':>13}{'comm s':>9}"
-          f"{'link':>9}{'comm/compute':>14}{'step s (overlap)':>18}")
+          f"{'ht comm s':>11}{'link':>9}{'comm/compute':>14}{'step s (overlap)':>18}")
     for T in (131072, 1048576):
         base = flops_breakdown(cfg, seq_len=T)
         linear = base["total"] - base["mla_attention"]       # per token, independent of T
@@ -386,19 +387,26 @@ def cp_main(args) -> None:
             attn, attn_ht = n_mla * per_pair * worst, n_mla * per_pair * balanced
             compute = (linear * n + attn) / SLICE_RATE
             compute_ht = (linear * n + attn_ht) / SLICE_RATE
-            b = cp_bytes_per_rank(cp=cp, rank=cp - 1, batch=1, local_tokens=n, kda_heads=k.num_heads,
-                                  kda_head_dim=k.head_dim, conv_channels=3 * k.num_heads * k.head_dim,
-                                  mla_latent_dim=a.kv_lora_rank + a.qk_rope_head_dim)
-            sent = n_kda * (b["kda_fwd"] + b["kda_bwd"] + b["conv_fwd"] + b["conv_bwd"]) \
-                + n_mla * (b["mla_fwd"] + b["mla_bwd"])
+            def sent_by(rank: int, partition: str) -> int:
+                b = cp_bytes_per_rank(cp=cp, rank=rank, batch=1, local_tokens=n, kda_heads=k.num_heads,
+                                      kda_head_dim=k.head_dim, conv_channels=3 * k.num_heads * k.head_dim,
+                                      mla_latent_dim=a.kv_lora_rank + a.qk_rope_head_dim, partition=partition)
+                return n_kda * (b["kda_fwd"] + b["kda_bwd"] + b["conv_fwd"] + b["conv_bwd"]) \
+                    + n_mla * (b["mla_fwd"] + b["mla_bwd"])
+            sent = sent_by(cp - 1, "contiguous")
+            sent_ht = sent_by(1, "head_tail")  # a middle rank: both halos go to other ranks
             bw = H200_LINK.bandwidth_Bps if cp <= 8 else INTER_NODE_BPS
             comm = sent / bw + 2 * (n_kda + n_mla) * H200_LINK.latency_s
+            comm_ht = sent_ht / bw + 2 * (n_kda + n_mla) * H200_LINK.latency_s
             row = {"tokens": T, "cp": cp, "compute_s": compute, "attention_s": attn / SLICE_RATE,
                    "compute_head_tail_s": compute_ht, "comm_s": comm, "bytes_sent": sent,
+                   "comm_head_tail_s": comm_ht, "bytes_sent_head_tail": sent_ht,
+                   "step_overlapped_head_tail_s": max(compute_ht, comm_ht),
                    "link_GBps": bw / 1e9, "step_no_overlap_s": compute + comm,
                    "step_overlapped_s": max(compute, comm)}
             rows.append(row)
             print(f"{T:>8}{cp:>4}{compute:>11.3f}{attn / SLICE_RATE:>15.3f}{compute_ht:>13.3f}{comm:>9.3f}"
+                  f"{comm_ht:>11.3f}"
                   f"{bw / 1e9:>7.0f}GB{comm / compute:>14.3f}{max(compute, comm):>18.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"predicted": True, "rate_flops": SLICE_RATE, "rows": rows}, indent=1))

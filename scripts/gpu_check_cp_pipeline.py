@@ -4,7 +4,8 @@ single-GPU run of the same model and data.
     python scripts/gpu_check_cp_pipeline.py --out DIR [--steps 30] [--only cp2_fp32,pp2_vpp2_cp2]
 
 Each variant is ``k3train train`` on ``configs/k3_tiny.yaml`` under ``torchrun`` on as many GPUs
-as its layout needs (cp2: 2; pp2 x vpp2 x cp2, also with ep2: 4), document-masked windows (the default); its
+as its layout needs (cp2: 2; pp2 x vpp2 x cp2, also with ep2: 4; ``*_head_tail``: under
+``parallel.cp_partition=head_tail``), document-masked windows (the default); its
 reference is the same command in one process on one GPU with the same global batch. The runner,
 the twin-split floor and the tolerances are ``scripts/gpu_parallel_check.py``'s (read its
 docstring): fp32 variants (TF32 off) within 2e-5 at step 1 and within max(2e-5, 10 x the twin
@@ -33,6 +34,11 @@ VARIANTS = {
     # An MX recipe under CP (bf16 autocast around the fake-quantised expert GEMMs), against the
     # same recipe on one GPU.
     "cp2_mxfp4_qat": (2, ["parallel.cp=2", "precision.recipe=mxfp4_qat", *MB], ["precision.recipe=mxfp4_qat", *MB]),
+    # parallel.cp_partition=head_tail: two pieces per rank (the fold over 2P pieces, the halos'
+    # batched NCCL send/receive, MLA per piece)
+    "cp2_head_tail_fp32": (2, ["parallel.cp=2", "parallel.cp_partition=head_tail", *MB], MB),
+    "pp2_vpp2_cp2_head_tail": (4, ["parallel.pp=2", "parallel.vpp=2", "parallel.cp=2",
+                                   "parallel.cp_partition=head_tail", *MB], MB),
 }
 
 

@@ -73,10 +73,16 @@ def _cp_refusal(cfg: RunConfig) -> str | None:
     if t.seq_len % p.cp:
         return (f"train.seq_len={t.seq_len} is not divisible by parallel.cp={p.cp} (each CP rank "
                 f"holds seq_len/cp contiguous tokens); use a multiple of {p.cp}")
+    pieces = p.cp if p.cp_partition == "contiguous" else 2 * p.cp
+    if t.seq_len % pieces:
+        return (f"train.seq_len={t.seq_len} is not divisible by 2 * parallel.cp={pieces} under "
+                f"parallel.cp_partition=head_tail (2*cp equal pieces); use a multiple of {pieces} "
+                f"or parallel.cp_partition=contiguous")
     halo = cfg.model.kda.conv_size - 1
-    if t.seq_len // p.cp < max(halo, 1):
-        return (f"train.seq_len={t.seq_len} over parallel.cp={p.cp} leaves {t.seq_len // p.cp} tokens "
-                f"per rank, fewer than the {halo} the short convolution's halo needs; use a longer "
+    if t.seq_len // pieces < max(halo, 1):
+        where = "rank" if p.cp_partition == "contiguous" else "head_tail piece"
+        return (f"train.seq_len={t.seq_len} over parallel.cp={p.cp} leaves {t.seq_len // pieces} tokens "
+                f"per {where}, fewer than the {halo} the short convolution's halo needs; use a longer "
                 f"seq_len or a smaller cp")
     return None
 

@@ -402,6 +402,13 @@ class ParallelConfig(_Strict):
     reduced over DP x CP. World = tp * pp * cp * dp. Composes with DP, PP (any vpp), EP (the
     expert group may span CP x DP), TP, ZeRO-1, Muon and every balancer; refused for now with
     and CUDA graphs. Document masking crosses ranks (a document that spans ranks passes state)."""
+    cp_partition: Literal["contiguous", "head_tail"] = "contiguous"
+    """How parallel.cp cuts each sequence: contiguous (rank r holds tokens [r T, (r+1) T), T =
+    seq_len/cp) or head_tail (2*cp pieces, rank r holds pieces r and 2*cp-1-r: every rank scores
+    the same number of causal attention pairs; the last contiguous rank does (2cp-1)/cp x the
+    mean). Every layer runs on the same pieces; head_tail doubles the KDA fold's bytes (two [E, M]
+    per rank and layer) and needs seq_len divisible by 2*cp. A checkpoint does not depend on it: a
+    run may resume under the other partition (docs/long_context.md#the-partition)."""
 
 
 class PipelineConfig(_Strict):

@@ -2,10 +2,12 @@
 
 Under ``parallel.cp > 1`` the mixers receive the **whole window's** ``cu_seqlens`` (``[N+1]``
 over the flattened ``B * T`` tokens of the full windows, ``T = cp * t`` with ``t`` local tokens,
-a boundary at every row start; ``k3train.ops.documents``) and hold global positions
-``[r t, (r+1) t)`` of each row. From it: the local document starts of each row (KDA's
-``doc_starts``), the boundaries of the conv's ``[halo, chunk]`` rows, and the document id of
-every global position (MLA's mask). Boundaries are read on the host, as document masking does.
+a boundary at every row start; ``k3train.ops.documents``) and hold the global positions of their
+pieces (``[r t, (r+1) t)`` of each row when contiguous; pieces r and ``2 cp - 1 - r`` of ``t / 2``
+tokens under head-tail, ``k3train.ops.context_parallel.cp_pieces``). From it: the local document
+starts of each row (KDA's ``doc_starts``), the boundaries of the conv's ``[halo, piece]`` rows,
+and the document id of every global position (MLA's mask). Boundaries are read on the host, as
+document masking does.
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import torch
 
 from k3train.ops.documents import document_ids
 
-__all__ = ["halo_cu_seqlens", "rank_document_starts", "same_document_causal_mask_cp"]
+__all__ = ["halo_cu_seqlens", "pieces_document_starts", "rank_document_starts", "same_document_causal_mask_at",
+           "same_document_causal_mask_cp"]
 
 
 def rank_document_starts(cu_seqlens: torch.Tensor, batch: int, seq_len: int, start: int,
@@ -29,6 +32,15 @@ def rank_document_starts(cu_seqlens: torch.Tensor, batch: int, seq_len: int, sta
     return rows
 
 
+def pieces_document_starts(cu_seqlens: torch.Tensor, batch: int, seq_len: int, pieces, n: int,
+                           before: int = 0) -> list[list[int]]:
+    """Per row ``(b, slot)`` in that order (``b`` major), the positions in ``[0, before + n)``
+    where a document starts, for pieces of ``n`` tokens at global offsets ``p n`` extended by the
+    ``before`` tokens preceding each (the conv's halo); ``rank_document_starts`` per piece."""
+    per_piece = [rank_document_starts(cu_seqlens, batch, seq_len, p * n - before, n + before) for p in pieces]
+    return [per_piece[s][b] for b in range(batch) for s in range(len(pieces))]
+
+
 def halo_cu_seqlens(starts: list[list[int]], row: int, device) -> torch.Tensor:
     """``cu_seqlens`` over the conv's rows ``[halo, chunk]`` of ``row`` tokens each, flattened:
     each row begins a sequence, and so does every document start ``s`` of ``starts`` (per row,
@@ -40,13 +52,22 @@ def halo_cu_seqlens(starts: list[list[int]], row: int, device) -> torch.Tensor:
     return torch.tensor(sorted(bounds), dtype=torch.int32, device=device)
 
 
+def same_document_causal_mask_at(cu_seqlens: torch.Tensor, batch: int, seq_len: int, positions: torch.Tensor,
+                                 keys: int) -> torch.Tensor:
+    """Where this rank's query at global position ``positions[i]`` (int64 ``[Tq]``) may attend key
+    ``s`` of the prefix ``[0, keys)`` in sequence order: ``s <= positions[i]`` and one document ->
+    bool ``[B, 1, Tq, keys]`` (SDPA's ``attn_mask``, True = attend)."""
+    ids = document_ids(cu_seqlens, batch, seq_len)
+    positions = positions.to(ids.device)
+    causal = torch.arange(keys, device=ids.device)[None, :] <= positions[:, None]
+    same = ids[:, positions, None] == ids[:, None, :keys]
+    return (same & causal).unsqueeze(1)
+
+
 def same_document_causal_mask_cp(cu_seqlens: torch.Tensor, batch: int, seq_len: int, start: int,
                                  length: int) -> torch.Tensor:
     """Where this rank's query at global position ``start + i`` may attend key ``s`` of the
     gathered prefix ``[0, start + length)``: ``s <= start + i`` and one document -> bool
     ``[B, 1, length, start + length]`` (SDPA's ``attn_mask``, True = attend)."""
-    ids = document_ids(cu_seqlens, batch, seq_len)[:, :start + length]
-    qpos = torch.arange(length, device=ids.device)[:, None] + start
-    causal = torch.arange(start + length, device=ids.device)[None, :] <= qpos
-    same = ids[:, start:start + length, None] == ids[:, None, :]
-    return (same & causal).unsqueeze(1)
+    positions = torch.arange(start, start + length, device=cu_seqlens.device)
+    return same_document_causal_mask_at(cu_seqlens, batch, seq_len, positions, start + length)

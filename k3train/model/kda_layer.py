@@ -8,8 +8,9 @@ same kernels. beta = sigmoid(linear d -> H).
 o = KDA(q, k, v, g, beta); out = o_proj(RMSNorm_head(o) * sigmoid(W_gate x)).
 Heads are sharded over tensor-parallel ranks; every per-head parameter is sharded with them.
 Under context parallelism (``cp_group`` set, ``K3Chunk.use_context_parallel``) x holds this
-rank's contiguous chunk of the sequence: the convs take the previous rank's last tokens
-(``short_conv_cp``) and the recurrence folds the state of the ranks before (``kda_cp``).
+rank's pieces of the sequence (``cp_partition``: one contiguous chunk, or pieces r and 2P-1-r):
+the convs take the last tokens of the piece before each (``short_conv_cp``) and the recurrence
+folds the state of the pieces before (``kda_cp``).
 """
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from k3train.ops.layers import (
     ColumnLinear, RowLinear, divide, replicated_linear, sharded_param, tp_rank, tp_size,
 )
 from k3train.model.recompute import keep_output
-from k3train.model.cp_documents import halo_cu_seqlens, rank_document_starts
-from k3train.ops.context_parallel import CPCommLog, kda_cp, short_conv_cp
+from k3train.model.cp_documents import halo_cu_seqlens, pieces_document_starts
+from k3train.ops.context_parallel import CPCommLog, cp_pieces, kda_cp, short_conv_cp
 from k3train.ops.gated_norm import head_norm_gate
 from k3train.ops.kda import kda_gated, kda_gated_state
 from k3train.ops.short_conv import short_conv_silu
@@ -71,6 +72,7 @@ class KimiDeltaAttention(nn.Module):
         # optional byte log of its exchanges; set by K3Chunk.use_context_parallel.
         self.cp_group = None
         self.cp_log: CPCommLog | None = None
+        self.cp_partition = "contiguous"  # parallel.cp_partition
 
     # q, k and v keep one projection and one conv each, as fla's layer does. One GEMM over the
     # concatenated weights and one conv over 3HK channels was measured too and was slower, the
@@ -78,13 +80,14 @@ class KimiDeltaAttention(nn.Module):
     # avoids (measured: see benchmarks/README.md).
     def _qkv(self, proj: ColumnLinear, conv: torch.Tensor, x: torch.Tensor,
              cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        """Under CP, ``cu_seqlens`` are the boundaries of the conv's ``[halo, chunk]`` rows
-        (``halo_cu_seqlens``)."""
+        """Under CP, ``cu_seqlens`` are the boundaries of the conv's ``[halo, piece]`` rows
+        (``halo_cu_seqlens``, rows ordered (row, slot) as ``short_conv_cp`` builds them)."""
         B, T, _ = x.shape
         if self.cp_group is not None:
             def conv_fn(z, w):
                 return short_conv_silu(z, w, cu_seqlens)
-            y = short_conv_cp(proj(x), conv, group=self.cp_group, log=self.cp_log, conv=conv_fn)
+            y = short_conv_cp(proj(x), conv, group=self.cp_group, log=self.cp_log, conv=conv_fn,
+                              partition=self.cp_partition)
         else:
             y = short_conv_silu(proj(x), conv, cu_seqlens)
         return y.view(B, T, self.num_heads, self.head_dim)
@@ -93,16 +96,17 @@ class KimiDeltaAttention(nn.Module):
         """The layer's gated KDA on this rank's chunk, its state folded over the CP group.
         Shapes as ``kda_gated``; the fold calls the layer's own kernel (fla's fused gate on
         CUDA) through an adapter, with the wide values and the state arguments it needs.
-        starts: per row, the local document starts (``rank_document_starts``); rows then run
+        starts: per row, the local document starts (positions in ``[0, T)``); rows then run
         one fold each (their boundaries differ), None: one fold for the batch."""
         def gated(q, k, v, f, b, scale=None, initial_state=None, output_final_state=False):
             return kda_gated_state(q, k, v, f, b, self.A_log, dt_bias, self.lower_bound,
                                    initial_state=initial_state, output_final_state=output_final_state)
 
         if starts is None:
-            return kda_cp(q, k, v, f, beta_logits, group=self.cp_group, kernel=gated, log=self.cp_log)
+            return kda_cp(q, k, v, f, beta_logits, group=self.cp_group, kernel=gated, log=self.cp_log,
+                          partition=self.cp_partition)
         return torch.cat([kda_cp(*(t[b:b + 1] for t in (q, k, v, f, beta_logits)), group=self.cp_group,
-                                 kernel=gated, doc_starts=row, log=self.cp_log)
+                                 kernel=gated, doc_starts=row, log=self.cp_log, partition=self.cp_partition)
                           for b, row in enumerate(starts)], dim=0)
 
     def gate_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,13 +130,17 @@ class KimiDeltaAttention(nn.Module):
         shape = (B, T, self.num_heads, self.head_dim)
         starts = None
         if self.cp_group is not None and cu_seqlens is not None:
-            # Under CP, cu_seqlens are the whole windows' (cp * T tokens per row).
+            # Under CP, cu_seqlens are the whole windows' (cp * T tokens per row); the rank holds
+            # L pieces of n tokens, concatenated.
             rank, size = dist.get_rank(self.cp_group), dist.get_world_size(self.cp_group)
-            starts = rank_document_starts(cu_seqlens, B, size * T, rank * T, T)
-            # The conv's rows are [halo, chunk]: a document starting inside the halo cuts it too.
+            pieces = cp_pieces(rank, size, self.cp_partition)
+            L, n = len(pieces), T // len(pieces)
+            per_piece = pieces_document_starts(cu_seqlens, B, size * T, pieces, n)
+            starts = [[s * n + i for s in range(L) for i in per_piece[b * L + s]] for b in range(B)]
+            # The conv's rows are [halo, piece]: a document starting inside the halo cuts it too.
             width = self.q_conv.shape[1] - 1
-            halo_starts = rank_document_starts(cu_seqlens, B, size * T, rank * T - width, T + width)
-            cu_seqlens = halo_cu_seqlens(halo_starts, T + width, x.device)
+            halo_starts = pieces_document_starts(cu_seqlens, B, size * T, pieces, n, before=width)
+            cu_seqlens = halo_cu_seqlens(halo_starts, n + width, x.device)
         v = self._qkv(self.v_proj, self.v_conv, x, cu_seqlens)
         q = self._qkv(self.q_proj, self.q_conv, x, cu_seqlens)
         k = self._qkv(self.k_proj, self.k_conv, x, cu_seqlens)

@@ -5,9 +5,10 @@ q = q_up(RMSNorm(q_down x)) per head [nope + rope]; kv_down x = [c_kv, k_shared]
 No rotary embedding: KDA layers supply position. Gate (arXiv 2505.06708):
 out = o_proj(attn * sigmoid(W_g x)). Heads are sharded over tensor-parallel ranks.
 Under context parallelism (``cp_group`` set, ``K3Chunk.use_context_parallel``) x holds this
-rank's contiguous chunk: the compact latent ``kv_down x`` is all-gathered and expanded to the
-prefix this rank's queries see (``mla_attention_cp``); with no rotary embedding no position
-needs offsetting.
+rank's pieces of the sequence (``cp_partition``): the compact latent ``kv_down x`` is
+all-gathered, put in sequence order and expanded to the prefix this rank's queries see
+(``mla_attention_cp``); each query attends at its global position. With no rotary embedding no
+position is applied to keys or queries.
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from k3train.ops.layers import (
     ColumnLinear, RMSNorm, RowLinear, divide, replicated_linear, sum_grad_over_tp, tp_size,
 )
 from k3train.model.recompute import keep_output
-from k3train.model.cp_documents import same_document_causal_mask_cp
-from k3train.ops.context_parallel import CPCommLog, all_gather_cp, mla_attention_cp
+from k3train.model.cp_documents import same_document_causal_mask_at
+from k3train.ops.context_parallel import CPCommLog, all_gather_cp, cp_pieces, cp_token_index, global_order, mla_attention_cp
 from k3train.ops.documents import document_attention
 
 
@@ -43,6 +44,7 @@ class GatedMLA(nn.Module):
         self.o_proj = RowLinear(num_heads * v_head_dim, hidden_size, out_std or std)
         self.cp_group = None  # context parallelism, as KimiDeltaAttention's
         self.cp_log: CPCommLog | None = None
+        self.cp_partition = "contiguous"
 
     def _expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """latent ``[B, S, kv_lora_rank + rope]`` -> (k ``[B, S, H, nope + rope]``, v ``[B, S, H, v_dim]``)."""
@@ -56,14 +58,17 @@ class GatedMLA(nn.Module):
 
     def _documents_cp(self, q: torch.Tensor, latent: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """``mla_attention_cp`` with a document mask: q ``[B, T, H, Dqk]``, latent ``[B, T, R]``
-        (this rank's chunk), cu_seqlens the whole windows' (``cp * T`` tokens per row) ->
-        ``[B, T, H, v_dim]``. The gathered prefix ``[0, (r + 1) T)`` is expanded and each query
-        attends the earlier keys of its own document."""
+        (this rank's pieces), cu_seqlens the whole windows' (``cp * T`` tokens per row) ->
+        ``[B, T, H, v_dim]``. The gathered latent, in sequence order, is expanded up to the end of
+        this rank's last piece and each query attends the earlier keys of its own document."""
         B, T = q.shape[:2]
         rank, size = dist.get_rank(self.cp_group), dist.get_world_size(self.cp_group)
-        full = all_gather_cp(latent, group=self.cp_group, dim=1, log=self.cp_log, tag="mla")[:, :(rank + 1) * T]
-        k, v = self._expand(full)
-        mask = same_document_causal_mask_cp(cu_seqlens, B, size * T, rank * T, T)
+        pieces = cp_pieces(rank, size, self.cp_partition)
+        keys = (max(pieces) + 1) * (T // len(pieces))
+        gathered = all_gather_cp(latent, group=self.cp_group, dim=1, log=self.cp_log, tag="mla")
+        k, v = self._expand(global_order(gathered, size, self.cp_partition)[:, :keys])
+        positions = cp_token_index(size * T, rank, size, self.cp_partition, device=q.device)
+        mask = same_document_causal_mask_at(cu_seqlens, B, size * T, positions, keys)
         return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                               attn_mask=mask, scale=self.scale).transpose(1, 2)
 
@@ -77,7 +82,7 @@ class GatedMLA(nn.Module):
         latent = self.kv_down(x)
         if self.cp_group is not None and cu_seqlens is None:
             attn = keep_output(mla_attention_cp, q, latent, self._expand, group=self.cp_group,
-                               scale=self.scale, log=self.cp_log)
+                               scale=self.scale, log=self.cp_log, partition=self.cp_partition)
         elif self.cp_group is not None:
             attn = keep_output(self._documents_cp, q, latent, cu_seqlens)
         else:

@@ -179,8 +179,10 @@ class K3Chunk(nn.Module):
             h = io.hidden
         return self.head(self.final_norm(h))
 
-    def use_context_parallel(self, group, log: CPCommLog | None = None) -> None:
-        """Run every token mixer on this rank's contiguous chunk of each sequence, exchanging
+    def use_context_parallel(self, group, log: CPCommLog | None = None, partition: str = "contiguous") -> None:
+        """Run every token mixer on this rank's pieces of each sequence (``partition``, the run's
+        ``parallel.cp_partition``: one contiguous chunk, or head-tail pieces r and
+        ``2 cp - 1 - r`` concatenated; ``k3train.ops.context_parallel.cp_token_index``), exchanging
         what it needs over the context-parallel ``group`` (KDA's state fold and conv halo, MLA's
         latent; ``k3train.ops.context_parallel``); ``log`` records the bytes. Per-token parts
         (embedding, norms, AttnRes, FFN/MoE, head) need nothing. Every rank of the group must
@@ -188,7 +190,7 @@ class K3Chunk(nn.Module):
         balance loss's statistics over ``group`` (``moe.switch_aux_loss``)."""
         self.cp_log = log
         for layer in self.layers:
-            layer.mixer.cp_group, layer.mixer.cp_log = group, log
+            layer.mixer.cp_group, layer.mixer.cp_log, layer.mixer.cp_partition = group, log, partition
             if isinstance(layer.ffn, LatentMoE):  # its balance loss counts every rank's tokens
                 layer.ffn.cp_group = group
 

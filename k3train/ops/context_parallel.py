@@ -1,7 +1,17 @@
-"""Context parallelism primitives: the sequence split into contiguous chunks over CP ranks.
+"""Context parallelism primitives: the sequence split into pieces over CP ranks.
 
-Each CP rank of a process group holds tokens ``[r * T, (r + 1) * T)`` of every sequence (``T``
-local tokens, ``P`` ranks). What a layer needs from other ranks, and the op that carries it:
+Two partitions (``partition=``, the run's ``parallel.cp_partition``), ``P`` ranks, ``T`` local
+tokens per rank:
+
+- ``contiguous``: ``P`` pieces, rank r holds tokens ``[r T, (r + 1) T)``.
+- ``head_tail``: ``2 P`` pieces of ``n = T / 2`` tokens, rank r holds pieces r and
+  ``2 P - 1 - r`` (in that order: its local tokens are the two pieces concatenated), which gives
+  every rank the same number of causal attention pairs (:func:`causal_pairs_per_rank`).
+
+Every op below works piece by piece: a rank's pieces are its "slots" (one or two), each piece's
+predecessor is the piece before it in the sequence, wherever it lives (:func:`piece_owner`).
+What a layer needs from other ranks, and the op that carries it (said for the contiguous split;
+under head-tail the same per piece):
 
 - KDA (:func:`kda_cp`): every rank runs its chunk from a zero state in ONE kernel call of value
   width ``V + K`` (values ``[v, 0]``, initial state ``[0, I]``). By linearity of the recurrence
@@ -40,9 +50,12 @@ from k3train.ops.kda import kda
 from k3train.ops.short_conv import short_conv_silu
 
 __all__ = [
-    "CPCommLog", "all_gather_cp", "causal_attention_cp", "causal_pairs_per_rank", "cp_bytes_per_rank",
-    "fold_kda_states", "halo_exchange", "kda_chunks_folded", "kda_cp", "kda_local_states", "mla_attention_cp", "short_conv_cp",
+    "PARTITIONS", "CPCommLog", "all_gather_cp", "causal_attention_cp", "causal_pairs_per_rank", "cp_bytes_per_rank",
+    "cp_pieces", "cp_token_index", "fold_kda_states", "halo_exchange", "kda_chunks_folded", "kda_cp",
+    "kda_local_states", "global_order", "mla_attention_cp", "num_pieces", "piece_owner", "short_conv_cp",
 ]
+
+PARTITIONS = ("contiguous", "head_tail")
 
 KdaKernel = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
@@ -85,6 +98,53 @@ def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
 
+# --------------------------------------------------------------------------- the partition
+
+
+def _check_partition(partition: str) -> None:
+    if partition not in PARTITIONS:
+        raise CPShapeError(f"context parallel: partition must be contiguous or head_tail, got {partition!r}")
+
+
+def num_pieces(size: int, partition: str = "contiguous") -> int:
+    """How many equal pieces the sequence is cut into over ``size`` CP ranks: ``P`` or ``2 P``."""
+    _check_partition(partition)
+    return size if partition == "contiguous" else 2 * size
+
+
+def cp_pieces(rank: int, size: int, partition: str = "contiguous") -> tuple[int, ...]:
+    """The global piece indices CP rank ``rank`` holds, in local order (its slots)."""
+    _check_partition(partition)
+    return (rank,) if partition == "contiguous" else (rank, 2 * size - 1 - rank)
+
+
+def piece_owner(piece: int, size: int, partition: str = "contiguous") -> tuple[int, int]:
+    """(rank, slot) holding global piece ``piece``: under head-tail piece j lives on rank j
+    (slot 0) when ``j < P``, else on rank ``2 P - 1 - j`` (slot 1)."""
+    _check_partition(partition)
+    if partition == "contiguous" or piece < size:
+        return piece, 0
+    return 2 * size - 1 - piece, 1
+
+
+def cp_token_index(seq_len: int, rank: int, size: int, partition: str = "contiguous",
+                   device=None) -> torch.Tensor:
+    """Global positions of CP rank ``rank``'s local tokens, in local order: int64 ``[seq_len / P]``.
+    ``x[:, cp_token_index(...)]`` is the rank's share of a whole window ``x`` ``[B, seq_len, ...]``."""
+    pieces = num_pieces(size, partition)
+    if seq_len % pieces:
+        raise CPShapeError(f"context parallel: seq_len {seq_len} must be divisible by {pieces} for a "
+                           f"{partition} partition over {size} ranks")
+    n = seq_len // pieces
+    return torch.cat([torch.arange(p * n, (p + 1) * n, device=device) for p in cp_pieces(rank, size, partition)])
+
+
+def _piece_len(T: int, slots: int) -> int:
+    if T % slots:
+        raise CPShapeError(f"context parallel: {T} local tokens do not split into {slots} equal pieces")
+    return T // slots
+
+
 class _AllGather(torch.autograd.Function):
     """Concatenate every rank's ``x`` along ``dim`` in rank order; backward: reduce-scatter."""
 
@@ -118,75 +178,127 @@ def all_gather_cp(x: torch.Tensor, *, group=None, dim: int = 0, log: CPCommLog |
     return _AllGather.apply(x, dim, group, log, tag)
 
 
+def _run_p2p(ops: list) -> None:
+    """Post every send and receive at once and wait: one batch (NCCL groups it), so two ranks
+    that send to each other cannot each block on its send before posting its receive."""
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+
+
 class _Halo(torch.autograd.Function):
-    """This rank's previous rank's last ``width`` tokens (zeros on rank 0); backward sends the
-    gradient of the halo back to the rank that owns those tokens."""
+    """For each of this rank's pieces, the last ``width`` tokens of the piece before it in the
+    sequence (zeros for piece 0), ``[B, L, width, C]`` (L slots); backward sends each halo's
+    gradient back to the rank that owns those tokens. A predecessor held by this rank itself
+    (head-tail: rank P - 1's pieces P - 1 and P) is copied, not sent."""
 
     @staticmethod
-    def forward(ctx, x, width, group, log, tag):
+    def forward(ctx, x, width, group, log, tag, partition):
         rank, size = _rank_size(group)
+        pieces = cp_pieces(rank, size, partition)
+        L, total = len(pieces), num_pieces(size, partition)
+        n = _piece_len(x.shape[1], L)
         ctx.group, ctx.log, ctx.tag, ctx.rank, ctx.size, ctx.width = group, log, tag, rank, size, width
-        ctx.shape = x.shape
-        tail = x[:, x.shape[1] - width:].contiguous()
-        halo = torch.zeros_like(tail)
-        reqs = []
-        if rank + 1 < size:
-            reqs.append(dist.isend(tail, _peer(group, rank + 1), group=group))
-            if log is not None:
-                log.add(tag, "halo_send", "fwd", _nbytes(tail))
-        if rank > 0:
-            dist.recv(halo, _peer(group, rank - 1), group=group)
-        for r in reqs:
-            r.wait()
-        return halo
+        ctx.partition, ctx.shape, ctx.n = partition, x.shape, n
+        tails = [x[:, (s + 1) * n - width:(s + 1) * n].contiguous() for s in range(L)]
+        halos = [torch.zeros_like(tails[0]) for _ in range(L)]
+        ops = []
+        for s, p in enumerate(pieces):  # my piece p's tail is the halo of piece p + 1
+            if p + 1 < total:
+                dst, slot = piece_owner(p + 1, size, partition)
+                if dst == rank:
+                    halos[slot] = tails[s].clone()
+                else:
+                    ops.append(dist.P2POp(dist.isend, tails[s], _peer(group, dst), group, p + 1))
+                    if log is not None:
+                        log.add(tag, "halo_send", "fwd", _nbytes(tails[s]))
+        for s, p in enumerate(pieces):
+            if p > 0:
+                src, _ = piece_owner(p - 1, size, partition)
+                if src != rank:
+                    ops.append(dist.P2POp(dist.irecv, halos[s], _peer(group, src), group, p))
+        _run_p2p(ops)
+        return torch.stack(halos, dim=1)
 
     @staticmethod
     def backward(ctx, grad_halo):
-        rank, size, group, width = ctx.rank, ctx.size, ctx.group, ctx.width
-        grad_halo = grad_halo.contiguous()
-        grad_tail = torch.zeros_like(grad_halo)
-        reqs = []
-        if rank > 0:
-            reqs.append(dist.isend(grad_halo, _peer(group, rank - 1), group=group))
-            if ctx.log is not None:
-                ctx.log.add(ctx.tag, "halo_send", "bwd", _nbytes(grad_halo))
-        if rank + 1 < size:
-            dist.recv(grad_tail, _peer(group, rank + 1), group=group)
-        for r in reqs:
-            r.wait()
+        rank, size, group, width, n = ctx.rank, ctx.size, ctx.group, ctx.width, ctx.n
+        pieces = cp_pieces(rank, size, ctx.partition)
+        total = num_pieces(size, ctx.partition)
+        grads = [grad_halo[:, s].contiguous() for s in range(len(pieces))]
+        grad_tails = [torch.zeros_like(grads[0]) for _ in pieces]
+        ops = []
+        for s, p in enumerate(pieces):  # my halo's gradient belongs to piece p - 1's tail
+            if p > 0:
+                src, slot = piece_owner(p - 1, size, ctx.partition)
+                if src == rank:
+                    grad_tails[slot] = grad_tails[slot] + grads[s]
+                else:
+                    ops.append(dist.P2POp(dist.isend, grads[s], _peer(group, src), group, p))
+                    if ctx.log is not None:
+                        ctx.log.add(ctx.tag, "halo_send", "bwd", _nbytes(grads[s]))
+        received = []
+        for s, p in enumerate(pieces):
+            if p + 1 < total:
+                dst, _ = piece_owner(p + 1, size, ctx.partition)
+                if dst != rank:
+                    buf = torch.empty_like(grads[0])
+                    received.append((s, buf))
+                    ops.append(dist.P2POp(dist.irecv, buf, _peer(group, dst), group, p + 1))
+        _run_p2p(ops)
+        for s, buf in received:
+            grad_tails[s] = grad_tails[s] + buf
         grad_x = grad_halo.new_zeros(ctx.shape)
-        grad_x[:, ctx.shape[1] - width:] = grad_tail
-        return grad_x, None, None, None, None
+        for s in range(len(pieces)):
+            grad_x[:, (s + 1) * n - width:(s + 1) * n] = grad_tails[s]
+        return grad_x, None, None, None, None, None
+
+
+def _halos(x: torch.Tensor, width: int, group, log, tag: str, partition: str) -> torch.Tensor:
+    """``[B, L, width, C]``: each local piece's halo (see :class:`_Halo`)."""
+    slots = len(cp_pieces(*_rank_size(group), partition))
+    n = _piece_len(x.shape[1], slots)
+    if width < 0 or width > n:
+        raise CPShapeError(f"context parallel: a halo of {width} tokens needs at least that many tokens "
+                           f"per piece, got {n}")
+    if width == 0:
+        return x[:, :0].unsqueeze(1).expand(-1, slots, -1, -1)
+    return _Halo.apply(x, width, group, log, tag, partition)
 
 
 def halo_exchange(x: torch.Tensor, width: int, *, group=None, log: CPCommLog | None = None,
                   tag: str = "") -> torch.Tensor:
     """The previous CP rank's last ``width`` tokens of ``x`` ``[B, T, C]`` -> ``[B, width, C]``
-    (zeros on the first rank), with autograd (their gradient goes back to that rank)."""
-    if width < 0 or width > x.shape[1]:
-        raise CPShapeError(f"context parallel: a halo of {width} tokens needs at least that many local "
-                           f"tokens per rank, got {x.shape[1]}")
-    if width == 0:
-        return x[:, :0]
-    return _Halo.apply(x, width, group, log, tag)
+    (zeros on the first rank), with autograd (their gradient goes back to that rank). The
+    contiguous split's halo; :func:`short_conv_cp` takes either partition."""
+    return _halos(x, width, group, log, tag, "contiguous")[:, 0]
 
 
 def short_conv_cp(x: torch.Tensor, weight: torch.Tensor, *, group=None, log: CPCommLog | None = None,
                   conv: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = short_conv_silu,
-                  doc_start_at_first_token: bool = False) -> torch.Tensor:
-    """Causal depthwise short conv + SiLU of this rank's chunk of the sequence.
+                  doc_start_at_first_token: bool | Sequence[bool] = False,
+                  partition: str = "contiguous") -> torch.Tensor:
+    """Causal depthwise short conv + SiLU of this rank's share of the sequence.
 
-    x ``[B, T, C]`` (local tokens), weight ``[C, W]`` -> ``[B, T, C]``: equal to the full
-    sequence's ``conv`` at these positions. The conv runs over ``[halo, x]`` and the first ``W - 1``
-    outputs are dropped (the halo replaces the zero padding). ``doc_start_at_first_token``: a
-    document starts at this rank's first token, so the halo (the previous document) is zeroed;
-    boundaries further inside the chunk are the varlen conv's business (``cu_seqlens``).
+    x ``[B, T, C]`` (local tokens: the rank's L pieces of ``n = T / L`` tokens, concatenated),
+    weight ``[C, W]`` -> ``[B, T, C]``: equal to the full sequence's ``conv`` at these positions.
+    The conv runs over the rows ``[halo, piece]``, ``[B * L, W - 1 + n, C]`` ordered (row, slot),
+    and the first ``W - 1`` outputs of each are dropped (the halo replaces the zero padding); a
+    varlen ``conv`` gets ``cu_seqlens`` over those rows. ``doc_start_at_first_token`` (one flag,
+    or one per slot): a document starts at the piece's first token, so its halo (the previous
+    document) is zeroed; boundaries further inside are the varlen conv's business.
     """
     width = weight.shape[1] - 1
-    halo = halo_exchange(x, width, group=group, log=log, tag="conv")
-    if doc_start_at_first_token:
-        halo = halo * 0
-    return conv(torch.cat([halo, x], dim=1), weight)[:, width:]
+    B, T, C = x.shape
+    halo = _halos(x, width, group, log, "conv", partition)
+    L = halo.shape[1]
+    flags = [doc_start_at_first_token] * L if isinstance(doc_start_at_first_token, bool) else list(doc_start_at_first_token)
+    if any(flags):
+        keep = torch.tensor([0.0 if f else 1.0 for f in flags], dtype=halo.dtype, device=halo.device)
+        halo = halo * keep.view(1, L, 1, 1)
+    n = T // L
+    rows = torch.cat([halo.reshape(B * L, width, C), x.reshape(B * L, n, C)], dim=1)
+    return conv(rows, weight)[:, width:].reshape(B, T, C)
 
 
 # --------------------------------------------------------------------------- KDA state fold
@@ -255,56 +367,91 @@ def _gather_pairs(a: torch.Tensor, b: torch.Tensor, group, log, direction: str):
 
 
 class _KdaStateExchange(torch.autograd.Function):
-    """``S_r`` from every rank's ``(E, M)``: one all-gather forward, one all-gather backward.
+    """Each local piece's initial state from every piece's ``(E, M)``: one all-gather forward, one
+    all-gather backward.
 
-    Autograd through an all-gather would keep all P ranks' ``(E, M)`` for the fold's backward
+    E ``[L, B, H, K, V]``, M ``[L, B, H, K, K]`` (this rank's L pieces) -> S ``[L, B, H, K, V]``.
+    The gathered pieces are put in sequence order (:func:`piece_owner`) and folded,
+    ``S_0 = 0, S_{j+1} = M_j S_j + E_j``; piece p's initial state is ``S_p``.
+
+    Autograd through an all-gather would keep every piece's ``(E, M)`` for the fold's backward
     (P x 12.6 MB per layer at K3) and return their gradients with a reduce-scatter. Instead only
-    this rank's ``S_r`` and ``M_r`` are kept; backward gathers every rank's ``(G_j, M_j)``, with
-    ``G_j = dL/dS_j`` from its own output correction, and folds from the last rank backwards:
-    ``D_{P-1} = 0``, ``D_j = G_{j+1} + M_{j+1}^T D_{j+1}`` is ``dL/dS_end`` of chunk j, so
-    ``dE_r = D_r`` and ``dM_r = D_r S_r^T``. The same bytes as the reduce-scatter.
+    this rank's ``S`` and ``M`` are kept; backward gathers every piece's ``(G_j, M_j)``, with
+    ``G_j = dL/dS_j`` from its own output correction, and folds from the last piece backwards:
+    ``D_{last} = 0``, ``D_j = G_{j+1} + M_{j+1}^T D_{j+1}`` is ``dL/dS_end`` of piece j, so
+    ``dE_p = D_p`` and ``dM_p = D_p S_p^T``. The same bytes as the reduce-scatter.
     """
 
     @staticmethod
-    def forward(ctx, E, M, group, log):
+    def forward(ctx, E, M, group, log, partition):
         rank, size = _rank_size(group)
         sdt = torch.promote_types(E.dtype, torch.float32)
-        E_all, M_all = _gather_pairs(E.to(sdt), M.to(sdt), group, log, "fwd")
-        S = fold_kda_states(E_all, M_all, rank)
+        E_all, M_all = _gather_pairs(E.to(sdt), M.to(sdt), group, log, "fwd")  # [P, L, ...]
+        pieces = cp_pieces(rank, size, partition)
+        owners = [piece_owner(j, size, partition) for j in range(max(pieces))]
+        states = [torch.zeros_like(E_all[0, 0])]
+        for r, s in owners:
+            states.append(torch.einsum("bhkl,bhlv->bhkv", M_all[r, s], states[-1]) + E_all[r, s])
+        S = torch.stack([states[p] for p in pieces])
         ctx.save_for_backward(S, M.to(sdt))
         ctx.group, ctx.log, ctx.rank, ctx.size, ctx.dtypes = group, log, rank, size, (E.dtype, M.dtype)
+        ctx.partition = partition
         return S
 
     @staticmethod
     def backward(ctx, G):
         S, M = ctx.saved_tensors
         G_all, M_all = _gather_pairs(G.to(S.dtype).contiguous(), M, ctx.group, ctx.log, "bwd")
-        D = torch.zeros_like(S)
-        for j in range(ctx.size - 1, ctx.rank, -1):  # D becomes dL/dS_end of chunk j - 1
-            D = G_all[j] + torch.einsum("bhlk,bhlv->bhkv", M_all[j], D)
-        dE = D
-        dM = torch.einsum("bhkv,bhlv->bhkl", D, S)
-        return dE.to(ctx.dtypes[0]), dM.to(ctx.dtypes[1]), None, None
+        pieces = cp_pieces(ctx.rank, ctx.size, ctx.partition)
+        total = num_pieces(ctx.size, ctx.partition)
+        D = {total - 1: torch.zeros_like(S[0])}
+        for j in range(total - 1, min(pieces), -1):  # D[j - 1]: dL/dS_end of piece j - 1
+            r, s = piece_owner(j, ctx.size, ctx.partition)
+            D[j - 1] = G_all[r, s] + torch.einsum("bhlk,bhlv->bhkv", M_all[r, s], D[j])
+        dE = torch.stack([D[p] for p in pieces])
+        dM = torch.einsum("nbhkv,nbhlv->nbhkl", dE, S)
+        return dE.to(ctx.dtypes[0]), dM.to(ctx.dtypes[1]), None, None, None
 
 
 def kda_cp(q, k, v, g, beta, *, group=None, scale: float | None = None, kernel: KdaKernel = kda,
-           doc_starts: Sequence[int] = (), log: CPCommLog | None = None) -> torch.Tensor:
-    """KDA of this rank's chunk of a sequence split contiguously over the CP ``group``.
+           doc_starts: Sequence[int] = (), log: CPCommLog | None = None,
+           partition: str = "contiguous") -> torch.Tensor:
+    """KDA of this rank's share of a sequence split over the CP ``group`` by ``partition``.
 
-    Shapes as ``k3train.ops.kda.kda`` on the local chunk; returns o ``[B, T, H, V]`` in v's dtype,
-    equal to the full sequence's KDA output at these positions (forward and backward). Every rank
-    of the group must run this op's backward (it is a collective).
+    Shapes as ``k3train.ops.kda.kda`` on the local tokens (the rank's L pieces of ``n = T / L``
+    tokens, concatenated); returns o ``[B, T, H, V]`` in v's dtype, equal to the full sequence's
+    KDA output at these positions (forward and backward). Each piece runs from a zero state (the
+    L pieces as a batch of ``L B`` rows in one kernel call when no document starts in them), the
+    L ``[E, M]`` are all-gathered and each piece folds its predecessors. Every rank of the group
+    must run this op's backward (it is a collective).
 
-    ``doc_starts`` (local positions where documents start, see :func:`kda_local_states`) is the
-    document-masking flag: a rank with any start passes on a transition of zero, so its
-    predecessors' state does not cross it (a document that ended does not pass state), and a
-    start at position 0 also ignores the state it receives.
+    ``doc_starts`` (local positions in ``[0, T)`` where documents start, see
+    :func:`kda_local_states`) is the document-masking flag: a piece with any start passes on a
+    transition of zero, so the state before it does not cross it (a document that ended does not
+    pass state), and a start at a piece's first token also ignores the state it receives.
     """
-    o0, q_tilde, E, M = kda_local_states(q, k, v, g, beta, scale=scale, kernel=kernel, doc_starts=doc_starts)
-    if doc_starts:
-        M = torch.zeros_like(M)  # the flag: nothing before this rank reaches past it
-    S = _KdaStateExchange.apply(E, M, group, log)
-    return (o0.to(S.dtype) + torch.einsum("bthk,bhkv->bthv", q_tilde.to(S.dtype), S)).to(v.dtype)
+    rank, size = _rank_size(group)
+    L = len(cp_pieces(rank, size, partition))
+    B, T = q.shape[:2]
+    n = _piece_len(T, L)
+    if any(not 0 <= s < T for s in doc_starts):
+        raise CPShapeError(f"context parallel: doc_starts must lie in [0, {T}), got {list(doc_starts)}")
+    starts = [[s - i * n for s in doc_starts if i * n <= s < (i + 1) * n] for i in range(L)]
+    xs = (q, k, v, g, beta)
+    if not doc_starts:  # one call over the pieces as rows (slot-major: [L * B, n, ...])
+        o0, q_tilde, E, M = kda_local_states(*(torch.cat(x.split(n, dim=1), dim=0) for x in xs),
+                                             scale=scale, kernel=kernel)
+        o0, q_tilde = (t.view(L, B, *t.shape[1:]) for t in (o0, q_tilde))
+        E, M = (t.view(L, B, *t.shape[1:]) for t in (E, M))
+    else:
+        parts = [kda_local_states(*(x[:, i * n:(i + 1) * n] for x in xs), scale=scale, kernel=kernel,
+                                  doc_starts=starts[i]) for i in range(L)]
+        o0, q_tilde, E, M = (torch.stack(t) for t in zip(*parts))
+        # the flag: nothing before a piece with a start reaches past it
+        M = torch.stack([torch.zeros_like(M[i]) if starts[i] else M[i] for i in range(L)])
+    S = _KdaStateExchange.apply(E, M, group, log, partition)  # [L, B, H, K, V]
+    o = o0.to(S.dtype) + torch.einsum("lbthk,lbhkv->lbthv", q_tilde.to(S.dtype), S)
+    return torch.cat(o.unbind(0), dim=1).to(v.dtype)
 
 
 def _fold_and_correct(o0, q_tilde, E_all, M_all, rank: int) -> torch.Tensor:
@@ -347,28 +494,44 @@ def causal_attention_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
 
 
+def global_order(local: torch.Tensor, size: int, partition: str = "contiguous", dim: int = 1) -> torch.Tensor:
+    """Every rank's local tokens gathered in rank order (``[..., P T, ...]`` along ``dim``) put
+    back in sequence order: the identity for ``contiguous``, an index along ``dim`` for head-tail."""
+    if partition == "contiguous":
+        return local
+    N = local.shape[dim]
+    where = torch.cat([cp_token_index(N, r, size, partition, device=local.device) for r in range(size)])
+    return local.index_select(dim, torch.argsort(where))
+
+
 def mla_attention_cp(q: torch.Tensor, latent: torch.Tensor,
                      expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], *, group=None,
-                     scale: float | None = None, log: CPCommLog | None = None) -> torch.Tensor:
-    """MLA's attention core for this rank's chunk, with the latent all-gathered.
+                     scale: float | None = None, log: CPCommLog | None = None,
+                     partition: str = "contiguous") -> torch.Tensor:
+    """MLA's attention core for this rank's share of the sequence, with the latent all-gathered.
 
     Args:
-        q: local queries ``[B, T, H, Dqk]``.
+        q: local queries ``[B, T, H, Dqk]`` (the rank's L pieces of ``n = T / L`` tokens).
         latent: local ``kv_down`` output ``[B, T, R]`` (``R = kv_lora_rank + shared key dim``), the
             smallest per-token tensor the keys and values are built from.
         expand: the layer's own up-projection, ``[B, S, R] -> (k [B, S, H, Dqk], v [B, S, H, Dv])``.
 
     Returns ``[B, T, H, Dv]``, equal to the full sequence's causal attention at these positions.
-    The gathered latent is cut to the prefix this rank's queries can see before expanding, so
-    rank r expands ``(r + 1) T`` tokens; the latent's gradient is reduce-scattered back.
+    The gathered latent is put in sequence order and cut to the prefix this rank's last piece
+    can see before expanding (``(r + 1) T`` tokens on rank r when contiguous, ``(2 P - r) n``
+    under head-tail); each piece p then attends its prefix ``[0, (p + 1) n)`` causally at offset
+    ``p n``. The latent's gradient is reduce-scattered back.
     """
-    rank, _ = _rank_size(group)
-    T = q.shape[1]
-    full = all_gather_cp(latent, group=group, dim=1, log=log, tag="mla")[:, :(rank + 1) * T]
-    k, v = expand(full)
-    o = causal_attention_cp(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), q_offset=rank * T,
-                            scale=scale)
-    return o.transpose(1, 2)
+    rank, size = _rank_size(group)
+    pieces = cp_pieces(rank, size, partition)
+    n = _piece_len(q.shape[1], len(pieces))
+    gathered = all_gather_cp(latent, group=group, dim=1, log=log, tag="mla")
+    k, v = expand(global_order(gathered, size, partition)[:, :(max(pieces) + 1) * n])
+    k, v = k.transpose(1, 2), v.transpose(1, 2)
+    outs = [causal_attention_cp(q[:, s * n:(s + 1) * n].transpose(1, 2), k[:, :, :(p + 1) * n],
+                                v[:, :, :(p + 1) * n], q_offset=p * n, scale=scale)
+            for s, p in enumerate(pieces)]
+    return torch.cat(outs, dim=2).transpose(1, 2)
 
 
 # --------------------------------------------------------------------------- accounting
@@ -381,9 +544,7 @@ def causal_pairs_per_rank(seq_len: int, cp: int, partition: str = "contiguous") 
     ``contiguous``: rank r holds tokens ``[r n, (r+1) n)``, ``n = seq_len / cp``; ``head_tail``:
     the sequence in ``2 cp`` pieces, rank r holds pieces r and ``2 cp - 1 - r``.
     """
-    if partition not in ("contiguous", "head_tail"):
-        raise CPShapeError(f"context parallel: partition must be contiguous or head_tail, got {partition!r}")
-    pieces = cp if partition == "contiguous" else 2 * cp
+    pieces = num_pieces(cp, partition)
     if seq_len % pieces:
         raise CPShapeError(f"context parallel: seq_len {seq_len} must be divisible by {pieces} for a "
                            f"{partition} partition over {cp} ranks")
@@ -400,23 +561,32 @@ def causal_pairs_per_rank(seq_len: int, cp: int, partition: str = "contiguous") 
 
 def cp_bytes_per_rank(*, cp: int, rank: int, batch: int, local_tokens: int, kda_heads: int, kda_head_dim: int,
                       kda_value_dim: int | None = None, conv_channels: int = 0, conv_width: int = 4,
-                      mla_latent_dim: int = 0, state_bytes: int = 4, act_bytes: int = 2) -> dict[str, int]:
-    """Bytes ``rank`` sends per layer type, forward and backward, under contiguous CP.
+                      mla_latent_dim: int = 0, state_bytes: int = 4, act_bytes: int = 2,
+                      partition: str = "contiguous") -> dict[str, int]:
+    """Bytes ``rank`` sends per layer type, forward and backward. ``local_tokens``: the rank's
+    ``T = N / cp`` tokens under either partition; ``L`` below: its pieces (1, or 2 under head-tail).
 
-    - ``kda_fwd``/``kda_bwd``: the all-gather of ``[E, M]`` ``[B, H, K, V + K]`` and its
-      reduce-scatter, ``(cp - 1) B H K (V + K) state_bytes`` each (independent of the length).
-    - ``conv_fwd``: ``B (W - 1) C act_bytes`` to the next rank (0 on the last rank);
-      ``conv_bwd``: the same to the previous rank (0 on the first). C: all conv channels of the
-      layer (3 H K for KDA's q, k, v convs).
+    - ``kda_fwd``/``kda_bwd``: the all-gather of the rank's L ``[E, M]`` ``[B, H, K, V + K]``
+      and its backward, ``(cp - 1) L B H K (V + K) state_bytes`` each (independent of the length).
+    - ``conv_fwd``: ``B (W - 1) C act_bytes`` per halo sent to another rank; ``conv_bwd``: the
+      same per halo gradient sent back. Contiguous: forward to the next rank (0 on the last),
+      backward to the previous (0 on the first). Head-tail: piece r's tail goes to rank r + 1 and
+      piece ``2 P - 1 - r``'s to rank r - 1, both ways, except what stays on rank P - 1 (its
+      pieces P - 1 and P are neighbours). C: all conv channels of the layer (3 H K for KDA's
+      q, k, v convs).
     - ``mla_fwd``/``mla_bwd``: all-gather of the latent ``[B, T, R]`` and its reduce-scatter,
       ``(cp - 1) B T R act_bytes`` each.
     """
+    slots = len(cp_pieces(rank, cp, partition))
     V = kda_head_dim if kda_value_dim is None else kda_value_dim
-    fold = (cp - 1) * batch * kda_heads * kda_head_dim * (V + kda_head_dim) * state_bytes
+    fold = (cp - 1) * slots * batch * kda_heads * kda_head_dim * (V + kda_head_dim) * state_bytes
     halo = batch * (conv_width - 1) * conv_channels * act_bytes
     latent = (cp - 1) * batch * local_tokens * mla_latent_dim * act_bytes
+    if partition == "contiguous":
+        conv_fwd, conv_bwd = (halo if rank + 1 < cp else 0), (halo if rank > 0 else 0)
+    else:
+        conv_fwd = conv_bwd = halo * ((rank + 1 < cp) + (rank > 0))
     return {
-        "kda_fwd": fold, "kda_bwd": fold,
-        "conv_fwd": halo if rank + 1 < cp else 0, "conv_bwd": halo if rank > 0 else 0,
+        "kda_fwd": fold, "kda_bwd": fold, "conv_fwd": conv_fwd, "conv_bwd": conv_bwd,
         "mla_fwd": latent, "mla_bwd": latent,
     }

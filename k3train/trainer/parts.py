@@ -23,12 +23,12 @@ class LocalChunks(nn.ModuleDict):
         """Global layer index of each entry of ``moe_layers()``."""
         return [i for chunk in self.values() for i in chunk.moe_layer_indices()]
 
-    def use_context_parallel(self, group, log: CPCommLog) -> None:
-        """Every chunk's mixers exchange over the context-parallel ``group``
-        (``K3Chunk.use_context_parallel``), all logging into the one ``log``."""
+    def use_context_parallel(self, group, log: CPCommLog, partition: str = "contiguous") -> None:
+        """Every chunk's mixers exchange over the context-parallel ``group`` on the rank's
+        ``partition`` pieces (``K3Chunk.use_context_parallel``), all logging into the one ``log``."""
         self.cp_log = log
         for chunk in self.values():
-            chunk.use_context_parallel(group, log)
+            chunk.use_context_parallel(group, log, partition)
 
 
 def build_parts(cfg: RunConfig, device: torch.device, parallel: ParallelContext,
@@ -40,7 +40,7 @@ def build_parts(cfg: RunConfig, device: torch.device, parallel: ParallelContext,
         model = build_model(cfg, ep_group=parallel.ep_group).to(device)
         if parallel.info.cp > 1:
             # The bytes the exchanges send, for the cp/bytes_sent metric (TrainState.cp_metrics).
-            model.use_context_parallel(parallel.cp_group, CPCommLog())
+            model.use_context_parallel(parallel.cp_group, CPCommLog(), cfg.parallel.cp_partition)
         return model, None
     return build_pipeline_parts(cfg, device, parallel, recorder)
 
@@ -75,7 +75,7 @@ def build_pipeline_parts(cfg: RunConfig, device: torch.device, parallel: Paralle
     if parallel.info.cp > 1:
         if p.pp > 1:
             _check_cp_pairing(parallel)
-        chunks.use_context_parallel(parallel.cp_group, CPCommLog())
+        chunks.use_context_parallel(parallel.cp_group, CPCommLog(), cfg.parallel.cp_partition)
     return chunks, engine
 
 

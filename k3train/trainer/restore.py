@@ -39,7 +39,8 @@ from k3train.trainer.state_io import (consolidated_state, load_rank_state, load_
                                       load_weights_from_tensors, optimizer_kinds, peek_manifest, saved_kind)
 
 LAYOUT_SHOWN = ("tp", "pp", "vpp", "ep", "dp", "zero1")
-_ONE_PROCESS = [f"parallel.{k}=1" for k in ParallelConfig.model_fields]
+# Every rank count to 1 (parallel.cp_partition is no count: it has no layout to undo).
+_ONE_PROCESS = [f"parallel.{k}=1" for k, f in ParallelConfig.model_fields.items() if f.annotation is int]
 
 
 def layout_text(layout: dict) -> str:

@@ -11,6 +11,7 @@ from k3train.config import RunConfig
 from k3train.runtime.distributed import ParallelContext, ParallelInfo, parallel_context
 from k3train.model.info import count_parameters
 from k3train.ops import kernels
+from k3train.ops.context_parallel import cp_token_index
 from k3train.model.forward_state import forward_state_holders
 from k3train.model.model import moe_layer_indices
 from k3train.ops.triton_compile import compile_ahead
@@ -69,7 +70,7 @@ def _window_loss(state, windows: torch.Tensor) -> torch.Tensor:
     ``cp`` (and ``cp_rank`` when cp > 1)."""
     inputs, targets, segments = windows[:, :-1], state.targets(windows), state.documents(windows)
     if state.cp > 1:  # the mixers read the whole windows' boundaries (k3train.model.cp_documents)
-        x, t, seg, divisor = _cp_slice(inputs, targets, segments, state.cp, state.cp_rank)
+        x, t, seg, divisor = _cp_slice(inputs, targets, segments, state.cp, state.cp_rank, state.cp_partition)
         return state.model(x, t, segments=seg, loss_tokens=divisor)
     return state.model(inputs, targets, **_segments(segments))
 
@@ -82,12 +83,15 @@ def engine_microbatch(state, windows: torch.Tensor) -> tuple:
     ``documents``, ``cp`` and ``cp_rank``."""
     inputs, targets, segments = windows[:, :-1], state.targets(windows), state.documents(windows)
     if state.cp > 1:
-        return _cp_slice(inputs, targets, segments, state.cp, state.cp_rank)
+        return _cp_slice(inputs, targets, segments, state.cp, state.cp_rank, state.cp_partition)
     return inputs, targets, segments
 
 
-def _cp_slice(inputs: torch.Tensor, targets: torch.Tensor, segments, cp: int, rank: int) -> tuple:
-    """CP rank ``rank``'s contiguous slice of every window, ``[B, T / cp]`` inputs and targets,
+def _cp_slice(inputs: torch.Tensor, targets: torch.Tensor, segments, cp: int, rank: int,
+              partition: str = "contiguous") -> tuple:
+    """CP rank ``rank``'s share of every window, ``[B, T / cp]`` inputs and targets (its
+    ``partition`` pieces in local order, ``cp_token_index``: targets are sliced at the same
+    positions as the inputs, so a piece's last token keeps the next global token as its label),
     the whole windows' document boundaries (``segments``, unchanged: the mixers map them to the
     rank's positions, ``k3train.model.cp_documents``), and the loss divisor that makes the loss
     exact: the window's loss is the sum of token losses over its N target tokens (all CP ranks;
@@ -96,7 +100,8 @@ def _cp_slice(inputs: torch.Tensor, targets: torch.Tensor, segments, cp: int, ra
     the ranks' slices hold different numbers of target tokens. The count is taken on the whole
     window, so no exchange."""
     n = inputs.shape[1] // cp
-    mine = slice(rank * n, (rank + 1) * n)
+    mine = slice(rank * n, (rank + 1) * n) if partition == "contiguous" else \
+        cp_token_index(inputs.shape[1], rank, cp, partition, device=inputs.device)
     counted = (targets != -100).sum().clamp(min=1)  # an all-ignored window trains nothing
     return inputs[:, mine], targets[:, mine], segments, counted / cp
 
@@ -126,9 +131,10 @@ class TrainState:
         self.moe_layers = self.model.moe_layers()
         self.dp_group = ctx.dp_group
         # Context parallelism: every CP rank of a DP replica reads the same windows and trains
-        # its contiguous slice of each (``_cp_slice``); the loss, the gradients and the router
+        # its pieces of each (``_cp_slice``, parallel.cp_partition); the loss, the gradients and the router
         # statistics are then averaged over DP x CP (the DP group itself at cp = 1).
         self.cp, self.cp_rank = info.cp, ctx.cp_rank
+        self.cp_partition = cfg.parallel.cp_partition
         self.loss_group = ctx.dp_cp_group if info.cp > 1 else ctx.dp_group
         self.loss_ranks = info.dp * info.cp
         self.moe_stats = self._build_moe_stats()

@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from k3train.ops.context_parallel import (
-    CPCommLog, CPShapeError, causal_pairs_per_rank, cp_bytes_per_rank, fold_kda_states, kda_chunks_folded,
-    kda_cp, kda_local_states, mla_attention_cp, short_conv_cp,
+    CPCommLog, CPShapeError, causal_pairs_per_rank, cp_bytes_per_rank, cp_pieces, cp_token_index, fold_kda_states,
+    kda_chunks_folded, kda_cp, kda_local_states, mla_attention_cp, piece_owner, short_conv_cp,
 )
 from k3train.config import load_config
 from k3train.model.flops import flops_breakdown
@@ -159,6 +159,22 @@ def test_causal_pairs_count_every_pair_once(cp, partition):
     assert sum(brute) == n * (n + 1) // 2
 
 
+@pytest.mark.parametrize("partition", ["contiguous", "head_tail"])
+def test_the_ranks_token_indices_cover_the_sequence_once(partition):
+    """cp_token_index over the ranks is a permutation of the positions; each rank's pieces are
+    where piece_owner says (head-tail, P = 4: rank 1 holds pieces 1 and 6 = positions 3-5, 18-20)."""
+    cp, N = 4, 24
+    idx = [cp_token_index(N, r, cp, partition) for r in range(cp)]
+    assert sorted(torch.cat(idx).tolist()) == list(range(N))
+    for r in range(cp):
+        assert [piece_owner(p, cp, partition) for p in cp_pieces(r, cp, partition)] == [
+            (r, s) for s in range(len(cp_pieces(r, cp, partition)))]
+    if partition == "head_tail":
+        assert idx[1].tolist() == [3, 4, 5, 18, 19, 20]
+    with pytest.raises(CPShapeError, match="divisible by 8"):
+        cp_token_index(20, 0, cp, "head_tail")
+
+
 def test_head_tail_balances_and_contiguous_does_not():
     contiguous = causal_pairs_per_rank(1 << 17, 8)
     head_tail = causal_pairs_per_rank(1 << 17, 8, "head_tail")
@@ -208,11 +224,11 @@ def _cp_group(world, cp):
     return groups[index], index
 
 
-def _primitives_body(world_rank, world, cp):
+def _primitives_body(world_rank, world, cp, partition):
     group, replica = _cp_group(world, cp)
     rank = dist.get_rank(group)
     T = cp * TL
-    sl = slice(rank * TL, (rank + 1) * TL)
+    sl = cp_token_index(T, rank, cp, partition)  # this rank's global positions, in local order
     log = CPCommLog()
     gen = torch.Generator().manual_seed(3 + replica)  # each replica its own sequence
 
@@ -222,7 +238,7 @@ def _primitives_body(world_rank, world, cp):
     o_ref, _ = naive_recurrent_kda(*full)
     ref = _grads((o_ref * w_o).sum(), full)
     local = [x.detach()[:, sl].clone().requires_grad_(True) for x in full]
-    o = kda_cp(*local, group=group, kernel=chunk_kda_torch, log=log)
+    o = kda_cp(*local, group=group, kernel=chunk_kda_torch, log=log, partition=partition)
     _check("kda o", o, o_ref.detach()[:, sl])
     for name, got, want in zip("q k v g beta".split(), _grads((o * w_o[:, sl]).sum(), local), ref):
         _check(f"kda d{name}", got, want[:, sl])
@@ -234,7 +250,7 @@ def _primitives_body(world_rank, world, cp):
     y_ref = short_conv_silu_torch(x, w)
     dx_ref, dw_ref = _grads((y_ref * w_y).sum(), [x, w])
     xl = x.detach()[:, sl].clone().requires_grad_(True)
-    y = short_conv_cp(xl, w, group=group, conv=short_conv_silu_torch, log=log)
+    y = short_conv_cp(xl, w, group=group, conv=short_conv_silu_torch, log=log, partition=partition)
     _check("conv y", y, y_ref.detach()[:, sl])
     dx, dw = _grads((y * w_y[:, sl]).sum(), [xl, w])
     dist.all_reduce(dw, group=group)
@@ -251,7 +267,7 @@ def _primitives_body(world_rank, world, cp):
                                            is_causal=True).transpose(1, 2)
     dq_ref, dlat_ref, dw_ref = _grads((a_ref * w_a).sum(), [q, lat, w_up])
     ql, latl = (t.detach()[:, sl].clone().requires_grad_(True) for t in (q, lat))
-    a = mla_attention_cp(ql, latl, lambda z: _expand(z, w_up), group=group, log=log)
+    a = mla_attention_cp(ql, latl, lambda z: _expand(z, w_up), group=group, log=log, partition=partition)
     _check("mla out", a, a_ref.detach()[:, sl])
     dq, dlat, dw = _grads((a * w_a[:, sl]).sum(), [ql, latl, w_up])
     dist.all_reduce(dw, group=group)
@@ -262,17 +278,18 @@ def _primitives_body(world_rank, world, cp):
     # Bytes this rank sent, per op and direction, against the formula (fp64: 8 bytes each)
     want = cp_bytes_per_rank(cp=cp, rank=rank, batch=B, local_tokens=TL, kda_heads=H, kda_head_dim=K,
                              kda_value_dim=V, conv_channels=5, conv_width=W, mla_latent_dim=R,
-                             state_bytes=8, act_bytes=8)
+                             state_bytes=8, act_bytes=8, partition=partition)
     got = {f"{tag}_{d}": log.total(tag, d) for tag in ("kda", "conv", "mla") for d in ("fwd", "bwd")}
     assert got == want, (got, want)
 
 
-def _doc_flag_body(rank, cp):
+def _doc_flag_body(rank, cp, partition):
     """Hand-built document masking: documents start at global positions 0, a rank boundary
-    (rank 1's first token) and inside the last rank's chunk; each document run alone is the
-    reference, for outputs and input gradients."""
+    (contiguous: rank 1's first token; head-tail: the first token of piece 2) and inside the
+    last rank's chunk (head-tail: inside a piece); each document run alone is the reference, for
+    outputs and input gradients."""
     T = cp * TL
-    sl = slice(rank * TL, (rank + 1) * TL)
+    sl = cp_token_index(T, rank, cp, partition)
     starts = [0, TL, (cp - 1) * TL + 2]
     full = _kda_inputs(T, seed=7)
     w_o = torch.randn(B, T, H, V, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
@@ -281,8 +298,8 @@ def _doc_flag_body(rank, cp):
                        for a, b in zip(bounds[:-1], bounds[1:])], dim=1)
     ref = _grads((o_ref * w_o).sum(), full)
     local = [x.detach()[:, sl].clone().requires_grad_(True) for x in full]
-    mine = [s - rank * TL for s in starts if rank * TL <= s < (rank + 1) * TL]
-    o = kda_cp(*local, kernel=chunk_kda_torch, doc_starts=mine)
+    mine = [i for i, pos in enumerate(sl.tolist()) if pos in starts]
+    o = kda_cp(*local, kernel=chunk_kda_torch, doc_starts=mine, partition=partition)
     _check("doc kda o", o, o_ref.detach()[:, sl])
     for name, got, want in zip("q k v g beta".split(), _grads((o * w_o[:, sl]).sum(), local), ref):
         _check(f"doc kda d{name}", got, want[:, sl])
@@ -294,20 +311,27 @@ def _doc_flag_body(rank, cp):
     y_ref = torch.cat([short_conv_silu_torch(x[:, :TL], w), short_conv_silu_torch(x[:, TL:], w)], dim=1)
     (dx_ref,) = _grads(y_ref.sum(), [x])
     xl = x.detach()[:, sl].clone().requires_grad_(True)
-    y = short_conv_cp(xl, w, conv=short_conv_silu_torch, doc_start_at_first_token=(rank == 1))
+    n = TL // len(cp_pieces(rank, cp, partition))
+    flags = [p * n == TL for p in cp_pieces(rank, cp, partition)]  # a piece that starts at TL
+    y = short_conv_cp(xl, w, conv=short_conv_silu_torch, doc_start_at_first_token=flags, partition=partition)
     _check("doc conv y", y, y_ref.detach()[:, sl])
     _check("doc conv dx", _grads(y.sum(), [xl])[0], dx_ref[:, sl])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world, cp", [(2, 2), (4, 4), (4, 2)], ids=["cp2", "cp4", "dp2xcp2"])
-def test_primitives_match_the_full_sequence(world, cp):
+@pytest.mark.parametrize("world, cp, partition", [(2, 2, "contiguous"), (4, 4, "contiguous"), (4, 2, "contiguous"),
+                                                  (2, 2, "head_tail"), (4, 4, "head_tail"), (4, 2, "head_tail")],
+                         ids=["cp2", "cp4", "dp2xcp2", "cp2-head_tail", "cp4-head_tail", "dp2xcp2-head_tail"])
+def test_primitives_match_the_full_sequence(world, cp, partition):
     """dp2xcp2: two CP groups of two in one world of four (process subgroups), each its own
-    sequence: the ops address their peers by group rank."""
-    run_multiprocess(_primitives_body, world, cp)
+    sequence: the ops address their peers by group rank. head_tail: each rank holds pieces r
+    and 2P - 1 - r of 2P (the KDA fold over 2P pieces, two halos per rank, one from itself on
+    rank P - 1, the latent put back in sequence order)."""
+    run_multiprocess(_primitives_body, world, cp, partition)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("partition", ["contiguous", "head_tail"])
 @pytest.mark.parametrize("cp", [2, 4])
-def test_document_starts_stop_the_carried_state(cp):
-    run_multiprocess(_doc_flag_body, cp)
+def test_document_starts_stop_the_carried_state(cp, partition):
+    run_multiprocess(_doc_flag_body, cp, partition)
