@@ -16,7 +16,9 @@ SMALL = ["model.hidden_size=64", "model.num_layers=4", "model.kda.num_heads=2", 
          "model.mla.qk_nope_head_dim=16", "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=16",
          "model.ffn.intermediate_size=128", "moe.num_experts=4", "moe.latent_size=32",
          "moe.expert_ffn_size=32", "moe.shared_ffn_size=64", "train.seq_len=32", "train.micro_batch_size=4",
-         "train.eval_batches=2", "logging.wandb.mode=disabled", "logging.progress_bar=false"]
+         "train.eval_batches=2", "logging.wandb.mode=disabled", "logging.progress_bar=false",
+         # The end-of-run PNGs cost ~0.7 s a run; the tests of the plots turn them back on.
+         "train.plots=false"]
 
 
 def small_cfg(*extra):
@@ -36,7 +38,7 @@ def tiny_cfg(*extra):
         "model.mla.num_heads=2", "model.mla.q_lora_rank=16", "model.mla.kv_lora_rank=16",
         "model.mla.qk_nope_head_dim=8", "model.mla.qk_rope_head_dim=4", "model.mla.v_head_dim=8",
         "model.ffn.intermediate_size=32", "moe.num_experts=4", "moe.latent_size=16",
-        "moe.expert_ffn_size=16", "moe.shared_ffn_size=16", *extra])
+        "moe.expert_ffn_size=16", "moe.shared_ffn_size=16", "train.plots=false", *extra])
 
 
 class SavedBytes:

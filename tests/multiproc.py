@@ -7,7 +7,8 @@ failure in the parent with the child's traceback. ``fn`` must be a module-level 
 that the child can import it.
 
 The ranks fork from a ``forkserver`` that imported torch, megatron-core and k3train's trainer
-(with the model, data, ``moe``, ``optim``, ``pipeline`` and matplotlib under it) once: about 9 s
+(with the model, data, ``moe``, ``optim`` and ``pipeline`` under it; matplotlib is imported at
+a run's first plot) once: about 9 s
 of one core per process on the CI machine, which spawning paid for every rank of every test,
 and then about 1 s per rank of every call for k3train's own modules, which the server now holds
 too. The server only imports them (nothing of theirs but their import has run there), so each rank starts

@@ -273,6 +273,10 @@ class TrainConfig(_Strict):
     """Evaluate the validation loss every N steps."""
     eval_batches: int = Field(4, ge=1)
     """Validation batches per evaluation (k3train eval uses the whole split by default)."""
+    plots: bool = True
+    """At the end of a run that trained: write loss.png, expert_load.png and attnres_depth.png
+    in the run directory and log them as images (docs/run_directory.md). false skips them and
+    the forward over a validation batch the depth heatmap needs (most of a second of a tiny CPU run)."""
     max_consecutive_skips: int = Field(5, ge=1)
     """Steps with a non-finite loss or gradient are skipped; this many in a row stop the run."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -230,12 +230,14 @@ class Trainer:
         """Plots of a run that trained (collective), the logger closed, the summary line."""
         summary, main = self.summary, self.main
         if summary["steps"] > self.start_step:
-            # Every rank: the load matrix and AttnRes weights are gathered from the ranks holding the layers.
-            paths = write_end_of_run_plots(self.run_dir, self.state, self.data.val[0], self.data.targets, main=main)
+            if self.cfg.train.plots:
+                # Every rank: the load matrix and AttnRes weights are gathered from the ranks holding the layers.
+                paths = write_end_of_run_plots(self.run_dir, self.state, self.data.val[0], self.data.targets,
+                                               main=main)
+                self.logger.log_images({k: str(v) for k, v in paths.items()}, step=summary["steps"])
             # What evaluation and the plots' forward tuned since step 1 (recorded after both, so
             # a fresh machine given this file tunes nothing).
             _record_autotune_picks(self.run_dir, self.dev, main)
-            self.logger.log_images({k: str(v) for k, v in paths.items()}, step=summary["steps"])
         self.logger.close()
         if main and summary["last_loss"] is not None:
             val = "n/a" if summary["val_loss"] is None else f"{summary['val_loss']:.4f}"

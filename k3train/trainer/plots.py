@@ -10,14 +10,22 @@ import math
 from pathlib import Path
 from typing import Mapping, Sequence
 
-import matplotlib
-
-matplotlib.use("Agg")  # before pyplot: a training node has no display
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import numpy as np
 
 __all__ = ["read_metrics", "plot_loss_curves", "plot_expert_load_heatmap", "plot_attnres_depth_heatmap",
            "write_run_plots"]
+
+
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend, imported at the first plot rather than with this
+    module: a ``k3train train`` process with ``train.plots: false`` never pays its import
+    (~0.5 s of every start-up)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # before pyplot: a training node has no display
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -41,7 +49,7 @@ def _save(fig, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _pyplot().close(fig)
     return path
 
 
@@ -60,7 +68,7 @@ def plot_loss_curves(records_by_name: Mapping[str, Sequence[dict]], path: str | 
     keys = ["loss"]
     if any("val_loss" in r for records in records_by_name.values() for r in records):
         keys.append("val_loss")
-    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4), sharex=True, squeeze=False)
+    fig, axes = _pyplot().subplots(1, len(keys), figsize=(5.5 * len(keys), 4), sharex=True, squeeze=False)
     axes = list(axes[0])
     for name, records in records_by_name.items():
         for ax, key in zip(axes, keys):
@@ -80,7 +88,7 @@ def plot_loss_curves(records_by_name: Mapping[str, Sequence[dict]], path: str | 
 
 def _heatmap(mat, path, title: str, *, cmap: str, vmax: float, label: str, xlabel: str, ylabel: str,
              size: tuple[float, float]) -> Path:
-    fig, ax = plt.subplots(figsize=size)
+    fig, ax = _pyplot().subplots(figsize=size)
     im = ax.imshow(mat, aspect="auto", cmap=cmap, vmin=0.0, vmax=vmax, interpolation="nearest")
     fig.colorbar(im, ax=ax, label=label)
     ax.set_xlabel(xlabel)

@@ -239,7 +239,7 @@ def test_cli_pp2_vpp2_cp2_trains_and_resumes_as_one_process(tmp_path):
     train(load_config("configs/k3_tiny.yaml", [*CLI_ARGS, "train.steps=3"]), tmp_path / "one")
     train(load_config("configs/k3_tiny.yaml", [*CLI_ARGS, "train.steps=5"]), tmp_path / "one", resume=True)
     run_multiprocess(_train_rank, PP * CP, tmp_path / "pp-cp", [*LAYOUT, "train.steps=3"])
-    _train(tmp_path / "pp-cp", *LAYOUT, "train.steps=5", resume=True)
+    _train(tmp_path / "pp-cp", *LAYOUT, "train.steps=5", "train.plots=true", resume=True)
     one, got = (read_records(tmp_path / run) for run in ("one", "pp-cp"))
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
     for key in ("loss", "val_loss"):

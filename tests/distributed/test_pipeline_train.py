@@ -44,7 +44,8 @@ def test_checkpoint_survives_a_data_parallel_resize(tmp_path, capsys):
     assert manifest["optim_step"] == 5, "the optimizer state of the DP=2 run must have been loaded"
 
 
-MOE_STEPS = ["train.steps=2", "train.log_interval=1", "train.eval_interval=2", "train.microbatches=2"]
+MOE_STEPS = ["train.steps=2", "train.log_interval=1", "train.eval_interval=2", "train.microbatches=2",
+             "train.plots=true"]  # the plots test below reads what the end-of-run heatmaps draw
 
 
 def _save_plot_inputs(run_dir):

@@ -9,7 +9,7 @@ from tests.helpers import SMALL
 from k3train.trainer.checkpoint import latest_checkpoint, verify_checkpoint
 
 _TRAIN = ["train", "--config", "configs/k3_tiny.yaml", *SMALL, "train.steps=50", "train.log_interval=1",
-          "train.eval_interval=100000"]
+          "train.eval_interval=100000", "train.plots=true"]  # the worker signals inside the plots
 
 
 @pytest.mark.slow

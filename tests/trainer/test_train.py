@@ -14,7 +14,8 @@ from tests.helpers import SMALL, small_cfg, read_records
 
 
 def test_tiny_run_learns_and_writes_run_dir(tmp_path):
-    cfg = small_cfg("train.steps=40", "train.log_interval=5", "train.eval_interval=20", "optim.warmup_steps=5")
+    cfg = small_cfg("train.steps=40", "train.log_interval=5", "train.eval_interval=20", "optim.warmup_steps=5",
+                    "train.plots=true")
     summary = train(cfg, tmp_path)
     recs = read_records(tmp_path)
     assert [r["step"] for r in recs] == list(range(5, 41, 5))
