@@ -8,10 +8,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from k3train.config import load_config
 from k3train.trainer.checkpoint import latest_checkpoint, verify_checkpoint
@@ -109,24 +109,43 @@ def test_elastic_restart_two_processes_matches_uninterrupted_run(tmp_path, refer
     _assert_matches(run, reference)
 
 
-def _time_agreement(rank, world_size, calls, out_file):
+def _count_agreement_traffic(rank, world_size, calls, out_file):
     cpu = torch.device("cpu")
     # Rank 1 requests a stop on the last call only: every rank must see it there, and only there.
-    seen = [stop_agreed(rank == 1 and i == calls - 1, cpu) for i in range(calls)]
+    sent = []
+    real = {name: getattr(dist, name) for name in _COLLECTIVES}
+
+    def counting(name):
+        def call(tensor_or_list, *args, **kwargs):
+            tensors = tensor_or_list if isinstance(tensor_or_list, (list, tuple)) else [tensor_or_list]
+            sent.append((name, sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))))
+            return real[name](tensor_or_list, *args, **kwargs)
+        return call
+
+    for name in _COLLECTIVES:
+        setattr(dist, name, counting(name))
+    try:
+        seen = [stop_agreed(rank == 1 and i == calls - 1, cpu) for i in range(calls)]
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
     assert seen == [False] * (calls - 1) + [True]
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        stop_agreed(False, cpu)
-    per_call = (time.perf_counter() - t0) / calls
     if rank == 0:
-        out_file.write_text(json.dumps({"ms_per_call": per_call * 1e3}))
+        out_file.write_text(json.dumps({"sent": sent}))
+
+
+# Every collective a per-step agreement could use; the agreement must use one all-reduce only.
+_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+                "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "gather", "scatter",
+                "send", "recv", "isend", "irecv")
 
 
 @pytest.mark.slow
 def test_stop_agreement_is_a_max_over_ranks_and_cheap(tmp_path):
-    out_file = tmp_path / "timing.json"
-    run_multiprocess(_time_agreement, 2, 200, out_file)
-    ms = json.loads(out_file.read_text())["ms_per_call"]
-    print(f"stop agreement: {ms:.3f} ms per step (gloo, 2 ranks)")
-    # The tiniest CPU training step takes tens of milliseconds; 5 ms would be visible.
-    assert ms < 5.0
+    # Cheap as a count, not a clock (speed belongs to benchmarks): one all-reduce of one int32
+    # flag per step, no other collective, no host round trip beyond reading that flag.
+    out_file = tmp_path / "traffic.json"
+    calls = 20
+    run_multiprocess(_count_agreement_traffic, 2, calls, out_file)
+    sent = json.loads(out_file.read_text())["sent"]
+    assert sent == [["all_reduce", 4]] * calls
