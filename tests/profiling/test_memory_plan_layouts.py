@@ -140,7 +140,7 @@ def test_activation_peak_matches_the_allocator_within_10_percent(world1, tmp_pat
     cfg = _cfg(*overrides, f"train.recompute={mode}")
     plans = plan_memory(cfg, ops="torch", act_bytes=4, dp=dp)
     for plan in plans:
-        predicted = plan.peak_activations[mode] + plan.attnres_cache + plan.moe_buffers
+        predicted = plan.peak_activations[mode] + plan.attnres_cache + plan.moe_buffers + plan.routing_last
         for r in (r for r in ranks if r["pp_rank"] == plan.pp_rank):
             print(f"{mode} pp rank {plan.pp_rank}: planned {predicted:.0f} B, allocator peak {r['peak']} B, "
                   f"ratio {predicted / r['peak']:.3f}")
@@ -164,7 +164,7 @@ def test_pipeline_peak_holds_every_microbatchs_routing_records(world1, tmp_path)
     ranks = _run(tmp_path, overrides, 4)
     cfg = _cfg(*overrides)
     for plan in plan_memory(cfg, ops="torch", act_bytes=4, dp=2):
-        predicted = plan.peak_activations["full"] + plan.attnres_cache + plan.moe_buffers
+        predicted = plan.peak_activations["full"] + plan.attnres_cache + plan.moe_buffers + plan.routing_last
         one_mb = records_bytes_per_token(cfg, plan.layers, 4) * B * T
         for r in (r for r in ranks if r["pp_rank"] == plan.pp_rank):
             print(f"pp rank {plan.pp_rank}: planned {predicted:.0f} B, allocator peak {r['peak']} B, "
