@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from k3train.config import load_config
 from k3train.model.model import build_model
 from k3train.profiling.activation_bytes import records_bytes_per_token, routing_last_bytes_per_token
 from moe import BALANCER_NAMES
@@ -51,3 +52,18 @@ def test_records_hold_what_the_planner_counts_for_each_balancer(world1, name):
     everything = _bytes(t for r in records for t in (*(x for s in r.step for x in (s.indices, s.scores)),
                                                      r.last.scores, r.last.indices, r.last.weights, r.last.logits))
     assert everything - step == routing_last_bytes_per_token(cfg, layers, 4) * T
+
+
+def test_the_k3_plan_counts_the_scores_its_quantile_balancer_keeps():
+    """configs/k3_full.yaml balances with the quantile balancer, the one reader of the scores: per
+    MoE layer in bf16 the step keeps 896 scores of 2 bytes and 16 int32 ids (1,856 B per token;
+    3,744 with the whole routing), 64 B under aux_free; the last forward adds its logits, weights
+    and int64 ids (and the scores where the step has none)."""
+    cfg = load_config("configs/k3_full.yaml")
+    assert cfg.moe.balancing == "quantile" and (cfg.moe.num_experts, cfg.moe.topk) == (896, 16)
+    first = cfg.model.dense_layers
+    assert records_bytes_per_token(cfg, [first - 1, first], 2) == 896 * 2 + 16 * 4 == 1856
+    assert routing_last_bytes_per_token(cfg, [first], 2) == 896 * 2 + 16 * 2 + 16 * 8
+    aux_free = load_config("configs/k3_full.yaml", ["moe.balancing=aux_free"])
+    assert records_bytes_per_token(aux_free, [first], 2) == 64
+    assert routing_last_bytes_per_token(aux_free, [first], 2) == 2 * 896 * 2 + 16 * 2 + 16 * 8
