@@ -32,6 +32,16 @@ from .topk import row_topk
 BALANCER_NAMES = ("quantile", "aux_free", "aux_loss", "none")
 
 
+def reads_step_scores(name: str) -> bool:
+    """Whether balancer ``name`` reads the step's ``[N, E]`` scores (only Quantile Balancing);
+    the MoE layers' routing records keep them for the step only then (moe/routing_record.py).
+    The others read the ids ("aux_free") or nothing ("aux_loss": its loss is made in the
+    forward; "none")."""
+    if name not in BALANCER_NAMES:
+        raise ValueError(f"unknown balancer {name!r}; allowed: {', '.join(BALANCER_NAMES)}")
+    return name == "quantile"
+
+
 def _margins(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
     """scores ``[N, E]``, bias ``[E]`` -> margins ``s_ij - c_i`` ``[N, E]``."""
     num_experts = scores.shape[-1]
@@ -196,13 +206,16 @@ class Balancer:
         router = moe_layer.router
         distributed = group is not None and dist.is_initialized()
         if self.name == "quantile":
+            if routing.scores is None:
+                raise RuntimeError("quantile balancing reads the step's scores, but the MoE layer's "
+                                   "routing record kept none: build it with keep_step_scores=True")
             if distributed:
                 new_bias = quantile_balance_distributed(routing.scores, router.bias,
                                                         router.topk, group)
             else:
                 new_bias = quantile_balance(routing.scores, router.bias, router.topk)
         else:
-            load = expert_load(routing.indices, router.num_experts)
+            load = expert_load(routing.indices.long(), router.num_experts)
             if distributed:
                 dist.all_reduce(load, group=group)
             new_bias = aux_free_update(router.bias, load, self.rate)

@@ -38,6 +38,9 @@ class LatentMoE(nn.Module):
         aux_loss_coef: when > 0, forward stores ``aux_loss_coef * switch_aux_loss`` in
             ``self.routing.aux_loss`` (in the graph, ready to be added to the loss).
         init_std: std of all weight inits.
+        keep_step_scores: whether the routing record keeps each training forward's ``[N, E]``
+            scores until the step ends (``RoutingRecord.keep_scores``): needed by the quantile
+            balancer only (``moe.balancing.reads_step_scores``).
 
     ``cp_group``: the context-parallel group (None without CP; set by the model's
     ``use_context_parallel``). Routing is per token and needs nothing from it; the balance
@@ -52,7 +55,7 @@ class LatentMoE(nn.Module):
     def __init__(self, *, hidden_size: int, latent_size: int, num_experts: int, topk: int,
                  expert_ffn_size: int, num_shared_experts: int = 0, shared_ffn_size: int = 0,
                  dispatcher: TokenDispatcher | None = None, aux_loss_coef: float = 0.0,
-                 init_std: float = 0.02):
+                 init_std: float = 0.02, keep_step_scores: bool = True):
         super().__init__()
         self.hidden_size, self.latent_size = hidden_size, latent_size
         self.num_experts, self.topk = num_experts, topk
@@ -74,7 +77,7 @@ class LatentMoE(nn.Module):
                        if num_shared_experts > 0 else None)
         nn.init.normal_(self.down.weight, std=init_std)
         nn.init.normal_(self.up.weight, std=init_std)
-        self.routing = RoutingRecord()
+        self.routing = RoutingRecord(keep_scores=keep_step_scores)
         self.cp_group = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

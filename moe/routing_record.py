@@ -4,9 +4,15 @@
 metrics and the CUDA-graph wrapper read it, and the trainer clears it after each step. Nothing
 else about routing is stored on the layer.
 
-A step runs several training forwards per layer (one per microbatch); the record keeps each
-one's routing and dropped-slot count until ``clear``, so balancing and the step's load see
-every token of the step whatever the microbatch split. Evaluation forwards (no grad or eval
+A step runs several training forwards per layer (one per microbatch); the record keeps of
+each one what the step's readers use, until ``clear``, so balancing and the step's load see
+every token of the step whatever the microbatch split: the top-k ids (the load metrics and the
+aux-free balancer count them), stored as int32, and the scores only when ``keep_scores`` (the
+quantile balancer reads them; ``moe.balancing.reads_step_scores``). Nothing else of ``[N, E]``
+is kept for the step: the logits and the weights are read by no one after the forward (the
+aux-loss balancer's loss is made in the forward itself), and keeping the whole
+``RouterOutput`` cost 3,744 bytes per token per MoE layer at K3's widths in bf16 (896 experts,
+top 16), against 1,856 with the scores and 64 without. Evaluation forwards (no grad or eval
 mode) only update the ``last_*`` fields.
 
 The record is a forward-state holder (``forward_state`` / ``load_forward_state``, the protocol
@@ -25,6 +31,28 @@ from .router import RouterOutput
 
 
 @dataclass(eq=False)
+class StepRouting:
+    """What the step keeps of one training forward's routing (or of several, concatenated).
+
+    indices: ``[N, k]`` selected experts, int32 (the router's int64 ids narrowed: any expert
+        count fits, and the counts made from them are the same).
+    scores: ``[N, E]`` the router's scores (its dtype), or None when the record does not keep
+        them (no configured reader)."""
+
+    indices: torch.Tensor
+    scores: torch.Tensor | None
+
+    @staticmethod
+    def cat(parts: list["StepRouting"]) -> "StepRouting":
+        """Concatenate along N (the scores only when every part kept them)."""
+        if len(parts) == 1:
+            return parts[0]
+        scores = ([p.scores for p in parts] if all(p.scores is not None for p in parts) else None)
+        return StepRouting(torch.cat([p.indices for p in parts]),
+                           torch.cat(scores) if scores is not None else None)
+
+
+@dataclass(eq=False)
 class RoutingRecord:
     """Routing statistics of one MoE layer (module docstring).
 
@@ -32,9 +60,12 @@ class RoutingRecord:
     last_tokens_per_expert: ``[E_local]`` int64 rows each local expert got in the last forward.
     last_dropped: 0-dim int64 slots the dispatcher dropped on this rank in the last forward, or
         None for dispatchers that never drop.
+    keep_scores: whether ``step`` keeps each forward's ``[N, E]`` scores (True for the quantile
+        balancer, the one reader; ``LatentMoE(keep_step_scores=...)`` sets it from the config).
     aux_loss: scalar balance loss of the last forward, or None; in the autograd graph until
         the model's layer takes it (``take_aux_loss``), detached after.
-    step: routing of each training forward since ``clear`` (detached).
+    step: ``StepRouting`` of each training forward since ``clear`` (detached): the ids, and the
+        scores when ``keep_scores``.
     step_dropped: 0-dim int64 dropped slots of each training forward since ``clear`` (only for
         dispatchers that drop).
     """
@@ -43,8 +74,9 @@ class RoutingRecord:
     last_tokens_per_expert: torch.Tensor | None = None
     last_dropped: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
-    step: list[RouterOutput] = field(default_factory=list)
+    step: list[StepRouting] = field(default_factory=list)
     step_dropped: list[torch.Tensor] = field(default_factory=list)
+    keep_scores: bool = True
 
     def add(self, routing: RouterOutput, tokens_per_expert: torch.Tensor,
             dropped: torch.Tensor | None, aux_loss: torch.Tensor | None, training: bool) -> None:
@@ -54,7 +86,10 @@ class RoutingRecord:
         self.last_dropped = dropped
         self.aux_loss = aux_loss
         if training:
-            self.step.append(self.last)
+            # The ids narrowed to int32 (a copy: the int64 ones are freed with the forward's
+            # graph); the scores are the same tensor as ``last``'s, no copy.
+            self.step.append(StepRouting(self.last.indices.to(torch.int32),
+                                         self.last.scores if self.keep_scores else None))
             if dropped is not None:
                 self.step_dropped.append(dropped)
 
@@ -74,17 +109,21 @@ class RoutingRecord:
         self.step = []
         self.step_dropped = []
 
-    def step_routing(self) -> RouterOutput | None:
-        """Routing of every training forward since ``clear`` concatenated along N, else the
-        last forward's (None before any forward)."""
-        return RouterOutput.cat(self.step) if self.step else self.last
+    def step_routing(self) -> StepRouting | None:
+        """Routing of every training forward since ``clear`` concatenated along N (the ids and,
+        when kept, the scores), else the last forward's (None before any forward)."""
+        if self.step:
+            return StepRouting.cat(self.step)
+        if self.last is None:
+            return None
+        return StepRouting(self.last.indices.to(torch.int32), self.last.scores)
 
     def step_load(self, num_experts: int) -> torch.Tensor:
         """``[E]`` int64 slots routed to each expert by ``step_routing()`` (no host sync)."""
         routing = self.step_routing()
         if routing is None:
             raise RuntimeError("the MoE layer has not run a forward yet: no routing to count")
-        return expert_load(routing.indices, num_experts)
+        return expert_load(routing.indices.long(), num_experts)
 
     def step_dropped_tokens(self, device: torch.device | None = None) -> torch.Tensor:
         """0-dim int64: slots dropped on this rank by the step's training forwards (no sync)."""

@@ -31,6 +31,7 @@ from k3train.runtime.distributed import expert_group_in_force
 from k3train.quant.recipes import apply_precision, fp8_region, resolve_device
 from moe import GroupedAllToAllDispatcher, LatentMoE, LocalDispatcher
 from moe.norm import autocast_dtype
+from moe.balancing import reads_step_scores
 from pipeline.stage_io import StageIO
 
 _EMBED_SALT, _HEAD_SALT = 0, 1_000_003
@@ -94,7 +95,7 @@ def build_layer(cfg: RunConfig, index: int, ep_group: dist.ProcessGroup | None =
                             num_shared_experts=moe.num_shared_experts, shared_ffn_size=moe.shared_ffn_size,
                             dispatcher=build_dispatcher(cfg, ep_group),
                             aux_loss_coef=moe.aux_loss_coef if moe.balancing == "aux_loss" else 0.0,
-                            init_std=std)
+                            init_std=std, keep_step_scores=reads_step_scores(moe.balancing))
         block = m.attnres.block_size if m.attnres.enabled else None
         return K3Layer(index=index, mixer=mixer, ffn=ffn, hidden_size=m.hidden_size,
                        attnres_block_size=block, eps=m.norm_eps,

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from k3train.config import RunConfig
 from k3train.config.layer_pattern import expand_layer_pattern
+from moe.balancing import reads_step_scores
 
 # The chunk both KDA paths run with: fla's chunk_kda and chunk_kda_torch's default are 64 wide
 # (model.kda.chunk_size is not passed to either today).
@@ -198,28 +199,42 @@ def offload_bytes_per_token(cfg: RunConfig, index: int, mode: str, ops: str, T: 
 
 def records_bytes_per_token(cfg: RunConfig, layers: list[int], a: int) -> float:
     """What the MoE layers among ``layers`` keep in their routing records per token of one
-    microbatch, until the step ends: each training forward's ``RouterOutput`` (moe/
-    routing_record.py, ``step``, cleared by the trainer after the optimizer step and the
-    balancer), the logits and scores ``[E]`` in the router's dtype (the activation dtype ``a``),
-    the top-k ids (int64) and weights. Every microbatch of the step adds its own, pipelined or
+    microbatch, until the step ends (moe/routing_record.py, ``step``, cleared by the trainer
+    after the optimizer step and the balancer): what the step's readers use of each training
+    forward, the top-k ids as int32 (the load metrics) and, only under ``moe.balancing:
+    quantile`` (``moe.balancing.reads_step_scores``), the scores ``[E]`` in the router's dtype
+    (the activation dtype ``a``). Every microbatch of the step adds its own, pipelined or
     accumulated alike. Recompute does not drop them (the recomputed forward's record is
     discarded, the first one kept)."""
     w = Widths.of(cfg)
     moe = sum(1 for i in layers if i >= cfg.model.dense_layers)
-    return moe * (2 * w.E * a + w.k * 8 + w.k * a)
+    scores = w.E * a if reads_step_scores(cfg.moe.balancing) else 0
+    return moe * (w.k * 4 + scores)
 
 
 def records_shared_bytes_per_token(cfg: RunConfig, layers: list[int], mode: str, a: int) -> float:
     """Of ``records_bytes_per_token``, what autograd saves for the backward too (so the layers'
     activations count it already) until the microbatch's backward has run: under ``none`` the
-    scores (the sigmoid's saved output) and the top-k ids (the gather's); none under
-    ``selective``/``full``, which recompute the MoE layers and keep the first forward's routing
-    in the record alone."""
-    if mode != "none":
+    scores when the record keeps them (the sigmoid's saved output, the same tensor); not the
+    ids (the record's int32 copy is its own tensor); nothing under ``selective``/``full``, which
+    recompute the MoE layers and keep the first forward's routing in the record alone."""
+    if mode != "none" or not reads_step_scores(cfg.moe.balancing):
         return 0.0
     w = Widths.of(cfg)
     moe = sum(1 for i in layers if i >= cfg.model.dense_layers)
-    return moe * (w.E * a + w.k * 8)
+    return moe * w.E * a
+
+
+def routing_last_bytes_per_token(cfg: RunConfig, layers: list[int], a: int) -> float:
+    """What the MoE layers among ``layers`` hold per token of ONE microbatch in their records'
+    ``last`` (the last forward's whole ``RouterOutput``, kept for diagnostics and overwritten by
+    each forward, so held all the time, across steps): the logits and the weights, the int64
+    ids, and the scores when the step does not keep them already (``records_bytes_per_token``
+    counts the same tensor then). A constant, not per microbatch."""
+    w = Widths.of(cfg)
+    moe = sum(1 for i in layers if i >= cfg.model.dense_layers)
+    scores = 0 if reads_step_scores(cfg.moe.balancing) else w.E * a
+    return moe * (w.E * a + w.k * a + w.k * 8 + scores)
 
 
 def block_grads_bytes_per_token(cfg: RunConfig, index: int, a: int) -> float:

@@ -24,10 +24,14 @@ under without them, offload 19%): in a layer's backward, the gradient accumulato
 AttnRes blocks made below it plus the stream's gradient (``block_grads_bytes_per_token``); and
 every MoE layer's routing record of every training forward of the step, which the trainer
 keeps until the step ends (moe/routing_record.py: the balancer and the load metrics read the
-whole step's routing after the optimizer step, then ``clear``): logits and scores ``[E]``,
-top-k ids and weights per token (``records_bytes_per_token``), every microbatch's, pipelined or
-accumulated alike. Under ``none`` the scores and ids in a record are saved for backward too
-until the microbatch's backward (``records_shared_bytes_per_token``, not counted twice).
+whole step's routing after the optimizer step, then ``clear``): what they read, the top-k ids
+(int32) per token and, under quantile balancing only, the scores ``[E]``
+(``records_bytes_per_token``), every microbatch's, pipelined or accumulated alike. Under
+``none`` the kept scores are saved for backward too until the microbatch's backward
+(``records_shared_bytes_per_token``, not counted twice). Besides, each MoE layer's record holds
+its last forward's whole routing (logits, scores, ids, weights of one microbatch, overwritten
+by the next forward: ``routing_last`` in the plan, ``routing_last_bytes_per_token``), held
+across steps like the weights (the CPU peak tests measure from a baseline that has it).
 
 A rank's peak is found by replaying its schedule (interleaved 1F1B under PP, ``pipeline.
 schedule``; forward, backward per microbatch without): a forward adds its chunk's kept
@@ -71,7 +75,8 @@ from k3train.model.model import build_model
 from k3train.profiling.activation_bytes import (FUSED_HALF_BACKWARD, OPS, Widths, block_grads_bytes_per_token,
                                                head_bytes_per_token, layer_bytes_per_token,
                                                offload_bytes_per_token, recomputed_bytes_per_token,
-                                               records_bytes_per_token, records_shared_bytes_per_token)
+                                               records_bytes_per_token, records_shared_bytes_per_token,
+                                               routing_last_bytes_per_token)
 from k3train.trainer.optimizer import k3_param_rules
 from optim import build_param_table
 from pipeline import PipelineLayout
@@ -197,6 +202,7 @@ class RankPlan:
     cp: int = 1
     attnres_cache: float = 0.0
     moe_buffers: float = 0.0
+    routing_last: float = 0.0     # the MoE records' last forward (one microbatch), held always
     cp_extra: dict[str, float] = field(default_factory=dict)       # context parallelism, per mode
     host_offload: dict[str, float] = field(default_factory=dict)   # train.offload_activations: host bytes, per mode
 
@@ -214,7 +220,7 @@ class RankPlan:
         else:
             static = sum(self.static(state).values())
         return (static + self.peak_activations[mode] + self.attnres_cache + self.moe_buffers
-                + self.cp_extra.get(mode, 0.0))
+                + self.routing_last + self.cp_extra.get(mode, 0.0))
 
 
 _SPLITS: dict[str, tuple[dict[int, dict[str, int]], dict[str, int]]] = {}
@@ -387,6 +393,7 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
             rows = tokens * w.k * (cf if cf else 1.0)
             # permuted input, expert output, and under EP the all-to-all send and receive copies
             plan.moe_buffers = rows * w.L * act_bytes * (2 + (2 if p.ep > 1 else 0))
+            plan.routing_last = routing_last_bytes_per_token(cfg, layers, act_bytes) * tokens
         plans.append(plan)
     return plans
 
@@ -409,7 +416,7 @@ def format_plan(cfg: RunConfig, plans: list[RankPlan], *, dp: int, ops: str) -> 
     for q in shown:
         lines.append(f"{q.pp_rank:>8}{len(q.layers):>8}{g(q.params)}{g(q.grads)}{g(q.master)}{g(q.master_zero1)}{g(q.optimizer)}"
                      f"{g(q.optimizer_zero1)}" + "".join(f"{q.peak_activations[m] / GiB:14.2f}" for m in MODES)
-                     + f"{q.in_flight:>10}{g(q.attnres_cache)}{g(q.moe_buffers)}")
+                     + f"{q.in_flight:>10}{g(q.attnres_cache)}{g(q.moe_buffers + q.routing_last)}")
     if len(plans) > len(shown):
         lines.append(f"  ({len(plans) - len(shown)} lighter pp ranks not shown)")
     top = {(m, z): max(q.total(m, z) for q in plans) / GiB for m in MODES for z in (False, True)}
@@ -424,7 +431,7 @@ def format_plan(cfg: RunConfig, plans: list[RankPlan], *, dp: int, ops: str) -> 
     if cp > 1:
         lines.append("CP exchanges kept (gathered MLA latent and expanded keys/values, KDA fold states), last CP rank: "
                      + ", ".join(f"{m}: {max(q.cp_extra[m] for q in plans) / GiB:.2f} GiB" for m in MODES))
-    lines.append("heaviest rank's total (params + grads + main copy + optimizer + peak activations + cache + MoE buffers"
+    lines.append("heaviest rank's total (params + grads + main copy + optimizer + peak activations + cache + MoE buffers and last routing"
                  + (" + CP exchanges" if cp > 1 else "") + "):")
     lines.append("  " + ", ".join(f"{m}: {top[(m, False)]:.1f} GiB ({top[(m, True)]:.1f} with ZeRO-1)" for m in MODES))
     lines.append("  activations are the schedule's peak over in-flight microbatches (1F1B warmup depth), with the step's routing records; "

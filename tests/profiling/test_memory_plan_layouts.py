@@ -140,7 +140,7 @@ def test_activation_peak_matches_the_allocator_within_10_percent(world1, tmp_pat
     cfg = _cfg(*overrides, f"train.recompute={mode}")
     plans = plan_memory(cfg, ops="torch", act_bytes=4, dp=dp)
     for plan in plans:
-        predicted = plan.peak_activations[mode] + plan.attnres_cache + plan.moe_buffers
+        predicted = plan.peak_activations[mode] + plan.attnres_cache + plan.moe_buffers + plan.routing_last
         for r in (r for r in ranks if r["pp_rank"] == plan.pp_rank):
             print(f"{mode} pp rank {plan.pp_rank}: planned {predicted:.0f} B, allocator peak {r['peak']} B, "
                   f"ratio {predicted / r['peak']:.3f}")
@@ -155,23 +155,25 @@ def test_activation_peak_matches_the_allocator_within_10_percent(world1, tmp_pat
 @pytest.mark.slow
 def test_pipeline_peak_holds_every_microbatchs_routing_records(world1, tmp_path):
     """PP=2 x DP=2, 8 microbatches, 64 experts, full recompute, so that the routing records
-    (logits and scores [E] per token per MoE layer, kept for every microbatch until the step
-    ends) are a large share of a rank's peak: the planner within 10% of each rank's allocator
-    peak, and more than 10% under on the last rank if it counted only one microbatch's records."""
+    (scores [E] and int32 ids per token per MoE layer under the default quantile balancing, kept
+    for every microbatch until the step ends) are a visible share of a rank's peak: the planner
+    within 10% of each rank's allocator peak, and more than 5% under on the last rank if it
+    counted only one microbatch's records (0.96 of the peak with them, 0.91 without, seen; the
+    share was twice that while the records kept the whole routing, and the check 10%)."""
     m = 8
     overrides = ["optim.name=adamw", "parallel.pp=2", f"train.microbatches={m}", "moe.num_experts=64",
                  "train.recompute=full"]
     ranks = _run(tmp_path, overrides, 4)
     cfg = _cfg(*overrides)
     for plan in plan_memory(cfg, ops="torch", act_bytes=4, dp=2):
-        predicted = plan.peak_activations["full"] + plan.attnres_cache + plan.moe_buffers
+        predicted = plan.peak_activations["full"] + plan.attnres_cache + plan.moe_buffers + plan.routing_last
         one_mb = records_bytes_per_token(cfg, plan.layers, 4) * B * T
         for r in (r for r in ranks if r["pp_rank"] == plan.pp_rank):
             print(f"pp rank {plan.pp_rank}: planned {predicted:.0f} B, allocator peak {r['peak']} B, "
                   f"ratio {predicted / r['peak']:.3f}, one microbatch's records {one_mb:.0f} B")
             assert predicted == pytest.approx(r["peak"], rel=0.10), (plan.pp_rank, predicted, r["peak"])
             if plan.pp_rank == 1:
-                assert predicted - (m - 1) * one_mb < 0.9 * r["peak"]
+                assert predicted - (m - 1) * one_mb < 0.95 * r["peak"]
 
 
 def test_allocator_peak_sees_a_known_allocation():

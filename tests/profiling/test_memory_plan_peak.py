@@ -36,7 +36,7 @@ from tests.helpers import allocator_peak, tiny_cfg
 T = 128
 
 
-def _cfg(offload: bool, mode: str = "full", microbatches: int = 1):
+def _cfg(offload: bool, mode: str = "full", microbatches: int = 1, balancing: str = "quantile"):
     return tiny_cfg("model.layer_pattern=KKKM", "model.num_layers=16", "model.dense_layers=1",
                     "model.hidden_size=128", "model.kda.num_heads=2", "model.kda.head_dim=32",
                     "model.kda.chunk_size=16", "model.mla.num_heads=2", "model.mla.q_lora_rank=48",
@@ -45,7 +45,7 @@ def _cfg(offload: bool, mode: str = "full", microbatches: int = 1):
                     "moe.topk=4", "moe.latent_size=64", "moe.expert_ffn_size=64", "moe.shared_ffn_size=128",
                     "model.attnres.enabled=true", "model.attnres.block_size=4", f"train.recompute={mode}",
                     f"train.offload_activations={offload}", "train.micro_batch_size=1", f"train.seq_len={T}",
-                    f"train.microbatches={microbatches}")
+                    f"train.microbatches={microbatches}", f"moe.balancing={balancing}")
 
 
 class _Host:
@@ -85,7 +85,9 @@ def _measured_peak(cfg) -> int:
 
 def _planned(cfg) -> float:
     (plan,) = plan_memory(cfg, ops="torch", act_bytes=4)
-    return plan.peak_activations[cfg.train.recompute] + plan.moe_buffers
+    # routing_last: each MoE record's last forward, made anew in the measured step (the old
+    # one's frees are of blocks made before the profile, which the profiler cannot size).
+    return plan.peak_activations[cfg.train.recompute] + plan.moe_buffers + plan.routing_last
 
 
 @pytest.mark.parametrize("mode, offload", [("none", False), ("selective", False), ("full", False), ("full", True)],
@@ -118,17 +120,22 @@ def test_full_recompute_peak_needs_both_backward_terms(world1):
     assert predicted - grads < 0.97 * measured and predicted - records < 0.97 * measured
 
 
-@pytest.mark.parametrize("mode", ["none", "full"])
-def test_every_microbatch_adds_its_routing_records_until_the_step_ends(world1, mode):
+@pytest.mark.parametrize("mode, balancing", [("none", "quantile"), ("full", "quantile"), ("full", "aux_free")])
+def test_every_microbatch_adds_its_routing_records_until_the_step_ends(world1, mode, balancing):
     """Gradient accumulation over 2 microbatches: the step's peak (in the last backward) holds
     the first microbatch's records besides what one microbatch's step holds; the
     planner's step-over-microbatch difference is those records exactly, and the allocator's
-    difference agrees within 10%."""
-    one, two = _cfg(False, mode, 1), _cfg(False, mode, 2)
+    difference agrees within 10%: the ids and scores under quantile balancing (0.50 MiB here),
+    the ids alone under aux_free (0.03 MiB; the whole routing would be 1.03 MiB)."""
+    one, two = _cfg(False, mode, 1, balancing), _cfg(False, mode, 2, balancing)
     (plan,) = plan_memory(one, ops="torch", act_bytes=4)
     records = records_bytes_per_token(one, plan.layers, 4) * T
     planned = _planned(two) - _planned(one)
     assert planned == pytest.approx(records, rel=1e-9)
     measured = _measured_peak(two) - _measured_peak(one)
-    print(f"{mode}: 2 microbatches over 1, planned +{planned / 2**20:.3f} MiB, measured +{measured / 2**20:.3f} MiB")
-    assert planned == pytest.approx(measured, rel=0.10), (planned, measured)
+    print(f"{mode} {balancing}: 2 microbatches over 1, planned +{planned / 2**20:.3f} MiB, measured +{measured / 2**20:.3f} MiB")
+    # Under aux_free the ids alone are small beside the peak's jitter (8 KB seen): within 10%
+    # of what one microbatch's scores would add, which a record keeping them would exceed.
+    scores = one.moe.num_experts * 4 * T * sum(1 for i in plan.layers if i >= one.model.dense_layers)
+    tolerance = dict(rel=0.10) if balancing == "quantile" else dict(abs=0.10 * scores)
+    assert planned == pytest.approx(measured, **tolerance), (planned, measured)
