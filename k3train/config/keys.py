@@ -1,6 +1,6 @@
 """Every config key with its type, default and doc line, read from the schema itself: the doc
-line is the attribute docstring written under a field in ``schema.py`` (or its section's class
-docstring for a section), so ``k3train config --keys`` can never disagree with the code."""
+line is the attribute docstring written under a field in the schema modules (``schema.py``,
+``model_schema.py``, ``data_schema.py``; or its section's class docstring for a section), so ``k3train config --keys`` can never disagree with the code."""
 from __future__ import annotations
 
 import ast
@@ -10,7 +10,7 @@ from functools import lru_cache
 
 from pydantic import BaseModel
 
-from k3train.config import schema
+from k3train.config import data_schema, model_schema, schema
 from k3train.config.schema import RunConfig
 
 
@@ -24,10 +24,11 @@ class ConfigKey:
 
 @lru_cache(maxsize=None)
 def _field_docs() -> dict[tuple[str, str], str]:
-    """{(class name, field name): first docstring line} from the schema's source."""
-    tree = ast.parse(inspect.getsource(schema))
+    """{(class name, field name): first docstring line} from the schema modules' source."""
     docs = {}
-    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+    classes = (n for module in (schema, model_schema, data_schema)
+               for n in ast.parse(inspect.getsource(module)).body if isinstance(n, ast.ClassDef))
+    for cls in classes:
         body = cls.body
         for stmt, nxt in zip(body, body[1:]):
             if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)

@@ -1,4 +1,6 @@
-"""Typed, validated run configuration.
+"""Typed, validated run configuration: the run-level sections (train, optim, parallel,
+pipeline, precision, checkpoint, logging, kernels) and ``RunConfig``, which holds them with the
+model's (``model_schema``) and the data's (``data_schema``) and checks rules across sections.
 
 Every field has a default that suits the CPU quickstart; YAML files in ``configs/`` override
 them and ``key.sub=value`` arguments override the YAML. Unknown keys are rejected (a typo must
@@ -9,10 +11,15 @@ from __future__ import annotations
 import re
 from typing import Literal, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from k3train.config import layout_rules
+# The model's and the data's sections live beside this module; importable from here as before.
+from k3train.config.data_schema import DataConfig, DataSourceConfig, MQARConfig  # noqa: F401
 from k3train.config.layer_pattern import expand_layer_pattern
+from k3train.config.model_schema import (AttnResConfig, FFNConfig, KDAConfig, MLAConfig,  # noqa: F401
+                                         ModelConfig, MoEConfig)
+from k3train.config.strict import StrictModel
 
 RecomputeMode = Literal["none", "selective", "full"]
 # The one list of activation-recompute modes (train.recompute, k3train/model/recompute.py, the
@@ -20,241 +27,7 @@ RecomputeMode = Literal["none", "selective", "full"]
 RECOMPUTE_MODES: tuple[str, ...] = get_args(RecomputeMode)
 
 
-def _takes_bool(annotation) -> bool:
-    """Whether a field's type admits a bool (``bool``, ``Union[bool, ...]``, ``bool | None``)."""
-    return annotation is bool or bool in getattr(annotation, "__args__", ())
-
-
-class _Strict(BaseModel):
-    # allow_inf_nan=False: every float field refuses inf and NaN (optim.lr=.inf once trained to
-    # an all-NaN checkpoint and exited 0).
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_bools_for_numbers(cls, value, info: ValidationInfo):
-        """pydantic's lax mode reads ``true`` as 1 for an int field (hidden_size=true gave a
-        one-wide model); only fields typed bool take a bool."""
-        if isinstance(value, bool) and not _takes_bool(cls.model_fields[info.field_name].annotation):
-            raise ValueError("expected a number, not a boolean")
-        return value
-
-
-class KDAConfig(_Strict):
-    """Kimi Delta Attention sublayer."""
-
-    num_heads: int = Field(4, ge=1)
-    """KDA heads (H)."""
-    head_dim: int = Field(64, ge=1)
-    """Key and value head dimension (K = V)."""
-    conv_size: int = Field(4, ge=1)
-    """Kernel of the causal depthwise short convolution on q, k, v."""
-    gate_lower_bound: float = Field(-5.0, lt=0)
-    """K3 "safe" gate: g = lower_bound * sigmoid(...) so each step keeps at least exp(lower_bound)."""
-    gate: Literal["channel", "head"] = "channel"
-    """channel: KDA's forget gate, one decay per key channel (low rank d -> head_dim -> H*K).
-    head: one decay per head (d -> H, the same for every channel), as Gated DeltaNet: the same
-    delta rule with a scalar gate, for ablations (Kimi Linear reports KDA ahead of it on recall).
-    Not in the Hugging Face format, which has KDA's gate."""
-    chunk_size: int = Field(64, ge=1)
-    """Chunk length of the pure-torch chunked kernel (CPU path)."""
-
-
-class MLAConfig(_Strict):
-    """Gated multi-head latent attention sublayer (NoPE)."""
-
-    num_heads: int = Field(4, ge=1)
-    """Attention heads."""
-    q_lora_rank: int = Field(128, ge=1)
-    """Width of the query's low-rank down-projection (q_down)."""
-    kv_lora_rank: int = Field(128, ge=1)
-    """Width of the compressed key-value latent c_kv (what the inference cache keeps)."""
-    qk_nope_head_dim: int = Field(64, ge=1)
-    """Per-head key/query width computed from the latent."""
-    qk_rope_head_dim: int = Field(32, ge=0)
-    """Width of the key part shared by all heads (DeepSeek's rope part; no rotary is applied)."""
-    v_head_dim: int = Field(64, ge=1)
-    """Per-head value width."""
-
-
-class AttnResConfig(_Strict):
-    """Block Attention Residuals over depth."""
-
-    enabled: bool = True
-    """False gives the standard pre-norm residual baseline."""
-    block_size: int = Field(2, ge=1)
-    """Transformer layers (attention + FFN) per AttnRes block."""
-
-
-class FFNConfig(_Strict):
-    """Dense SiTU-GLU feed-forward (the first ``dense_layers`` layers)."""
-
-    intermediate_size: int = Field(512, ge=1)
-    """Hidden width of the dense SiTU-GLU."""
-    situ_beta: float = Field(4.0, gt=0)
-    """SiTU's gate sharpness beta."""
-    situ_beta_lin: float = Field(25.0, gt=0)
-    """SiTU's linear-branch beta."""
-
-
-class ModelConfig(_Strict):
-    vocab_size: int = Field(320, ge=2)
-    """Embedding rows; must be >= the tokenizer's vocabulary (extra rows are never targets)."""
-    hidden_size: int = Field(256, ge=1)
-    """Residual stream width (d)."""
-    num_layers: int = Field(8, ge=1)
-    """Transformer layers (a mixer and an FFN each)."""
-    layer_pattern: str = "KKKM"
-    """K = KDA, M = gated MLA. Either one unit repeated to ``num_layers`` ("KKKM") or terms
-    joined by '+' with repeat counts whose lengths add up to ``num_layers`` ("KKKM*21+KKM*3")."""
-    dense_layers: int = Field(1, ge=0)
-    """The first N layers use a dense SiTU-GLU FFN, the rest LatentMoE."""
-    tie_embeddings: bool = False
-    """Share the embedding and the LM head (pp = 1 only)."""
-    init_std: float = Field(0.02, gt=0)
-    """Standard deviation of the normal weight initialisation."""
-    norm_eps: float = Field(1e-6, gt=0)
-    """Epsilon of every RMSNorm."""
-    kda: KDAConfig = KDAConfig()
-    mla: MLAConfig = MLAConfig()
-    attnres: AttnResConfig = AttnResConfig()
-    ffn: FFNConfig = FFNConfig()
-
-
-class MoEConfig(_Strict):
-    """Stable LatentMoE layers and their load balancing."""
-
-    num_experts: int = Field(8, ge=1)
-    """Routed experts per MoE layer."""
-    topk: int = Field(2, ge=1)
-    """Experts each token is routed to."""
-    latent_size: int = Field(128, ge=1)
-    """Width of the latent the routed experts work in (LatentMoE's down-projection)."""
-    expert_ffn_size: int = Field(128, ge=1)
-    """Hidden width of each routed expert's SiTU-GLU."""
-    num_shared_experts: int = Field(1, ge=0)
-    """Always-on shared experts per MoE layer."""
-    shared_ffn_size: int = Field(256, ge=1)
-    """Hidden width of each shared expert."""
-    balancing: Literal["quantile", "aux_free", "aux_loss", "none"] = "quantile"
-    """Load balancing: quantile (Quantile Balancing), aux_free (bias update), aux_loss (switch loss) or none."""
-    aux_free_rate: float = Field(1e-3, gt=0)
-    """Bias step of aux_free balancing."""
-    aux_loss_coef: float = Field(1e-2, ge=0)
-    """Weight of the switch-style balance loss; used only with ``balancing: aux_loss``."""
-    dispatcher: Literal["auto", "local", "grouped_a2a"] = "auto"
-    """auto: local when parallel.ep == 1 and no capacity_factor is set, else grouped_a2a (one
-    all-to-all of counts and one of tokens per direction over the expert-parallel group)."""
-    capacity_factor: float | None = Field(None, gt=0)
-    """None: dynamic split sizes, exact, no token dropped, one host sync per layer on GPU (the
-    default, so results never depend on the EP size). A number: fixed per-(rank, expert)
-    capacity ceil(c*N*k/E), no host sync, overflow dropped and counted in moe/dropped_tokens."""
-
-    @model_validator(mode="after")
-    def _topk_fits(self) -> "MoEConfig":
-        if self.topk >= self.num_experts:
-            raise ValueError(f"moe.topk ({self.topk}) must be smaller than moe.num_experts ({self.num_experts})")
-        return self
-
-
-class MQARConfig(_Strict):
-    """Multi-query associative recall (``data.source: mqar``), see ``k3train/data/mqar.py``.
-
-    A sequence is ``num_pairs`` key-value pairs, then a query region where ``num_queries`` keys
-    reappear, each followed by its value; only those values are targets. Token ranges are
-    half-open ``[lo, hi)`` ids of the model vocabulary (checked against ``model.vocab_size``
-    when the data is built).
-    """
-
-    num_pairs: int = Field(8, ge=1)
-    """Key-value pairs at the start of each sequence."""
-    num_queries: int | None = Field(None, ge=1)
-    """Keys queried per sequence (each at most once); None queries all ``num_pairs``."""
-    key_range: tuple[int, int] = (1, 129)
-    """Token ids [lo, hi) keys are drawn from."""
-    value_range: tuple[int, int] = (129, 257)
-    """Token ids [lo, hi) values are drawn from."""
-    filler_id: int = Field(0, ge=0)
-    """Token filling the query region between queries."""
-    val_seed: int = 0
-    """Seed of the validation stream (the train stream uses ``train.seed``; the two streams
-    also differ by a salt, so equal seeds still give different sequences)."""
-
-    @model_validator(mode="after")
-    def _ranges(self) -> "MQARConfig":
-        (klo, khi), (vlo, vhi) = self.key_range, self.value_range
-        if not (0 <= klo < khi and 0 <= vlo < vhi):
-            raise ValueError(f"data.mqar ranges must be non-empty [lo, hi) with lo >= 0, "
-                             f"got key_range {self.key_range}, value_range {self.value_range}")
-        if klo < vhi and vlo < khi:
-            raise ValueError(f"data.mqar.key_range {self.key_range} and value_range "
-                             f"{self.value_range} overlap; recall targets must be unambiguous")
-        if klo <= self.filler_id < khi or vlo <= self.filler_id < vhi:
-            raise ValueError(f"data.mqar.filler_id ({self.filler_id}) lies in the key or value range")
-        if khi - klo < self.num_pairs:
-            raise ValueError(f"data.mqar.key_range holds {khi - klo} keys, fewer than "
-                             f"num_pairs ({self.num_pairs}); keys in a sequence are distinct")
-        if self.num_queries is not None and self.num_queries > self.num_pairs:
-            raise ValueError(f"data.mqar.num_queries ({self.num_queries}) exceeds num_pairs ({self.num_pairs})")
-        return self
-
-    @property
-    def queries(self) -> int:
-        return self.num_pairs if self.num_queries is None else self.num_queries
-
-
-class DataSourceConfig(_Strict):
-    """One dataset of a ``data.sources`` mixture."""
-
-    path: str = Field(min_length=1)
-    """Like ``data.source``: a dataset prefix, "embedded" or "stdlib" (not "mqar")."""
-    weight: float = Field(1.0, gt=0)
-    """Relative share of the training windows drawn from this source (normalised over all)."""
-
-
-class DataConfig(_Strict):
-    source: str = "embedded"
-    """"embedded" (Python's documentation text, no download), "stdlib" (the Python standard
-    library's .py files, docs/data.md), "mqar" (synthetic associative recall, ``data.mqar``) or
-    the prefix of a dataset written by ``k3train prepare-data`` (or a Megatron .bin/.idx made
-    elsewhere, with data.tokenizer naming its tokenizer)."""
-    tokenizer: str | None = None
-    """"byte", a tokenizer.json (or its directory), a tiktoken BPE file or a sentencepiece .model
-    (k3train/data/tokenizer.py). None: the tokenizer the dataset's meta file records, "byte" for
-    embedded and stdlib."""
-    val_fraction: float = Field(0.05, gt=0, lt=1)
-    """Share of the documents held out for validation."""
-    mqar: MQARConfig = MQARConfig()
-    sources: list[DataSourceConfig] = []
-    """A weighted mixture, e.g. ``[{path: data/a, weight: 3}, {path: stdlib, weight: 1}]``, used
-    instead of ``source`` (which must then keep its default, "embedded"; k3train/data/mixture.py);
-    every source needs the same tokenizer."""
-    cache_dir: str = ""
-    """Where data.source=stdlib keeps its tokenized copy; "" is $XDG_CACHE_HOME/k3train or
-    ~/.cache/k3train."""
-    document_mask: bool = True
-    """Keep the documents packed into one window apart: KDA's state and the short convolutions
-    restart, and MLA attends only within the document, at every end-of-document token (which
-    opens the next document); no target is masked (docs/data.md). A resumed run keeps the value
-    its config.yaml recorded (false for runs from before this key). Needs datasets whose stream
-    marks documents (prepare-data, embedded and stdlib do); MQAR windows are whole sequences."""
-
-    @property
-    def masks_documents(self) -> bool:
-        """Whether batches carry document boundaries: ``document_mask`` on text data (MQAR
-        windows are one sequence each, nothing to mask)."""
-        return self.document_mask and not (self.source == "mqar" and not self.sources)
-
-    @model_validator(mode="after")
-    def _one_source(self):
-        if self.sources and self.source != "embedded":
-            raise ValueError(f"set data.source ({self.source!r}) or data.sources, not both")
-        if any(s.path == "mqar" for s in self.sources):
-            raise ValueError("data.sources cannot hold 'mqar' (synthetic data has no windows to mix)")
-        return self
-
-
-class TrainConfig(_Strict):
+class TrainConfig(StrictModel):
     steps: int = Field(200, ge=1)
     """Optimizer steps of the run."""
     seed: int = 1234
@@ -347,7 +120,7 @@ class TrainConfig(_Strict):
     first save (docs/checkpoints.md). false: training waits for each save."""
 
 
-class OptimConfig(_Strict):
+class OptimConfig(StrictModel):
     name: Literal["adamw", "muon"] = "adamw"
     """adamw, or muon (Muon for matrices, AdamW for the rest)."""
     lr: float = Field(3e-3, gt=0)
@@ -390,7 +163,7 @@ class OptimConfig(_Strict):
     (docs/optim_sharding.md#gram-newton-schulz)."""
 
 
-class ParallelConfig(_Strict):
+class ParallelConfig(StrictModel):
     tp: int = Field(1, ge=1)
     """Tensor-parallel ranks (megatron-core linears)."""
     pp: int = Field(1, ge=1)
@@ -415,7 +188,7 @@ class ParallelConfig(_Strict):
     run may resume under the other partition (docs/long_context.md#the-partition)."""
 
 
-class PipelineConfig(_Strict):
+class PipelineConfig(StrictModel):
     attnres_transport: Literal["cached", "naive"] = "cached"
     """How AttnRes blocks cross pipeline stages: cached (each block sent once) or naive (all blocks every hop)."""
     p2p_backend: Literal["auto", "gloo"] = "auto"
@@ -423,7 +196,7 @@ class PipelineConfig(_Strict):
     host memory, on GPUs too; slower (two copies per message), a fallback where NCCL p2p hangs."""
 
 
-class PrecisionConfig(_Strict):
+class PrecisionConfig(StrictModel):
     """Low-precision recipe and the modules it applies to (docs/quantization.md)."""
 
     recipe: Literal["bf16", "fp32", "fp8", "mxfp8", "mxfp4_qat"] = "bf16"
@@ -481,14 +254,14 @@ class PrecisionConfig(_Strict):
         return self
 
 
-class CheckpointConfig(_Strict):
+class CheckpointConfig(StrictModel):
     interval: int = Field(0, ge=0)
     """Save every N steps (0: only at the end of the run)."""
     keep_last: int = Field(2, ge=1)
     """Checkpoints kept; older ones are pruned."""
 
 
-class WandbConfig(_Strict):
+class WandbConfig(StrictModel):
     mode: Literal["offline", "online", "disabled"] = "offline"
     """offline (default, no network), online, or disabled."""
     project: str = "k3train"
@@ -499,7 +272,7 @@ class WandbConfig(_Strict):
     """wandb run name."""
 
 
-class LoggingConfig(_Strict):
+class LoggingConfig(StrictModel):
     wandb: WandbConfig = WandbConfig()
     progress_bar: bool = True
     """Show a progress bar with the loss."""
@@ -509,7 +282,7 @@ class LoggingConfig(_Strict):
     extra (``pip install 'k3train[tensorboard]'``)."""
 
 
-class KernelsConfig(_Strict):
+class KernelsConfig(StrictModel):
     """Which implementation each op family runs (``k3train/ops/kernels.py`` resolves these once per
     run and writes the resolved choices to ``RUN_DIR/kernels.json``). Off CUDA every family runs
     its pure-torch form; the choices below apply to CUDA tensors."""
@@ -558,7 +331,7 @@ class KernelsConfig(_Strict):
     own window. A kernel that brings its own benchmark function keeps it."""
 
 
-class RunConfig(_Strict):
+class RunConfig(StrictModel):
     """The whole run: one YAML file maps onto this object."""
 
     model: ModelConfig = ModelConfig()
