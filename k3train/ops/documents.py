@@ -53,15 +53,15 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     ``[B, H, T, Dv]``, what SDPA gives with ``same_document_causal_mask`` (to summation order).
 
     Long documents (see ``PER_DOCUMENT_MIN_MEAN_LEN``) run one causal SDPA call each: the flash
-    kernels, no ``[T, T]`` mask, and only ``sum L_i^2`` scores instead of ``T^2``. Reads the
-    boundaries on the host, as the trainer does for every masked batch (masked steps are never
+    kernels, no ``[T, T]`` mask, and only ``sum L_i^2`` scores instead of ``T^2``. That path reads
+    the boundaries on the host, as the trainer does for every masked batch (masked steps are never
     captured in CUDA graphs: ``layout_rules.cuda_graph_blockers``)."""
     B, _, T, _ = q.shape
-    bounds = cu_seqlens.tolist()
-    docs = len(bounds) - 1
+    docs = cu_seqlens.numel() - 1   # the count is the shape: no device read for the dense path
     if T < PER_DOCUMENT_MIN_WINDOW and B * T < PER_DOCUMENT_MIN_MEAN_LEN * docs:
         mask = same_document_causal_mask(cu_seqlens, B, T)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    bounds = cu_seqlens.tolist()
     rows: list[list[torch.Tensor]] = [[] for _ in range(B)]
     for start, end in zip(bounds[:-1], bounds[1:]):
         b, lo = divmod(start, T)

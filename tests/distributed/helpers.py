@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import json
 
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
 from k3train.trainer.loop import train
 from tests.helpers import small_cfg
 
@@ -16,3 +20,18 @@ def read_losses(run_dir):
 
 def train_rank(rank, world_size, run_dir, overrides):
     train(small_cfg(*STEPS, *overrides), run_dir)
+
+
+def cp_share_loss(model, inputs, targets, segments, *, cp: int, cp_rank: int, cp_group) -> torch.Tensor:
+    """One CP rank's loss as the trainer forms it (``_cp_slice``): ``cp`` x its share of the
+    cross-entropy over the whole windows, in fp64 here (the model's own is fp32), backward run.
+    inputs, targets: ``[B, S]`` whole windows; segments: their ``cu_seqlens``. Returns the
+    all-reduced sum over the CP group (``cp`` x the mean loss)."""
+    n = inputs.shape[1] // cp
+    mine = slice(cp_rank * n, (cp_rank + 1) * n)
+    logits = model(inputs[:, mine], segments=segments)
+    loss = F.cross_entropy(logits.flatten(0, 1), targets[:, mine].flatten(), reduction="sum") * cp / targets.numel()
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=cp_group)
+    return total

@@ -45,6 +45,7 @@ from k3train.model.model import build_model
 from k3train.quant.mx import fake_quant_mx
 from k3train.runtime.distributed import check_layout, init_distributed, parallel_context
 from k3train.trainer.state import TrainState
+from tests.distributed.helpers import cp_share_loss
 from tests.helpers import tiny_cfg
 from tests.multiproc import run_multiprocess
 
@@ -212,16 +213,9 @@ def _mx_body(rank: int, world: int) -> None:
     for recipe in ("mxfp8", "mxfp4_qat", "fp32"):
         cfg = tiny_cfg(*BASE, *MX, f"precision.recipe={recipe}", f"parallel.cp={CP}", f"parallel.ep={EP}")
         ctx = parallel_context(init_distributed(ep=EP, cp=CP))
-        mine = slice(ctx.cp_rank * SEQ // CP, (ctx.cp_rank + 1) * SEQ // CP)
         model = build_model(cfg, ep_group=ctx.ep_group).double()
         model.use_context_parallel(ctx.cp_group)
-        # The trainer's convention (``_cp_slice``): cp x this rank's share; fp64 cross-entropy
-        # (the model's own is fp32).
-        logits = model(inputs[:, mine], segments=seg)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets[:, mine].flatten(), reduction="sum") * CP / targets.numel()
-        loss.backward()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=ctx.cp_group)
+        mean = cp_share_loss(model, inputs, targets, seg, cp=CP, cp_rank=ctx.cp_rank, cp_group=ctx.cp_group)
         grads = {}
         for name, p in model.named_parameters():
             # Dense weights: summed over their copies, the CP ranks; experts: one holder each

@@ -33,6 +33,7 @@ from k3train.errors import LayoutError
 from k3train.model.model import build_model
 from k3train.runtime.distributed import check_layout, init_distributed, parallel_context
 from k3train.trainer.state import TrainState
+from tests.distributed.helpers import cp_share_loss
 from tests.helpers import tiny_cfg
 from tests.multiproc import run_multiprocess
 
@@ -190,16 +191,9 @@ def _model_body(rank: int, world: int, cp: int, ep: int, tp: int) -> None:
     model.use_context_parallel(ctx.cp_group)
     windows = _batch(0, 0, cfg.model.vocab_size)
     inputs, targets, seg = windows[:, :-1], windows[:, 1:], _documents(windows)
-    n = SEQ // cp
-    mine = slice(ctx.cp_rank * n, (ctx.cp_rank + 1) * n)
-    # The trainer's convention (``_cp_slice``): cp x this rank's share, averaged over CP. The
-    # cross-entropy in fp64 here (the model's own is fp32); the aux loss rides on the layers'
-    # outputs (its gradient only), so the losses compare without it.
-    logits = model(inputs[:, mine], segments=seg)
-    loss = F.cross_entropy(logits.flatten(0, 1), targets[:, mine].flatten(), reduction="sum") * cp / targets.numel()
-    loss.backward()
-    mean = loss.detach().clone()
-    dist.all_reduce(mean, group=ctx.cp_group)
+    # The aux loss rides on the layers' outputs (its gradient only), so the losses compare
+    # without it.
+    mean = cp_share_loss(model, inputs, targets, seg, cp=cp, cp_rank=ctx.cp_rank, cp_group=ctx.cp_group)
     grads = {}
     for name, p in model.named_parameters():
         # Dense weights: summed over their copies, the CP ranks. Experts: over theirs, the
