@@ -66,8 +66,8 @@ def main() -> None:
                        "gram_err": rel(gram, ref), "band": [band.min().item(), band.max().item()],
                        "gram_band": [sv.min().item(), sv.max().item()]}
                 if auto == "gram":
-                    row["pass"] = (row["gram_err"] <= 1.5 * row["standard_err"]
-                                   and band.min() - 0.06 <= sv.min() and sv.max() <= band.max() + 0.06)
+                    row["pass"] = bool(row["gram_err"] <= 1.5 * row["standard_err"]
+                                       and band.min() - 0.06 <= sv.min() and sv.max() <= band.max() + 0.06)
                     ok &= bool(row["pass"])
                 rows.append(row)
                 print(f"{str(list(shape)):<18}{kind:<10}{backend:<9}{auto:<9}{t_std:>8.2f}{t_gram:>9.2f}"

@@ -47,6 +47,15 @@ def grouped_mm_supported(a: torch.Tensor, b: torch.Tensor) -> bool:
             and _aligned_2d(a) and _aligned_2d(b))
 
 
+# forward_gathered holds every row's weights at once: only for a few rows (decode steps).
+_GATHER_MAX_BYTES = 256 * 2**20
+
+
+def _gathered_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``forward_gathered``'s per-row weights (``[M, in, ffn]``) stay small."""
+    return x.shape[0] * w[0].numel() * w.element_size() <= _GATHER_MAX_BYTES
+
+
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward makes the incoming gradient contiguous.
 
@@ -152,6 +161,10 @@ class GroupedExperts(nn.Module):
             # per-expert loop with its host sync (measured: 8640 small GEMMs per k3_mini step).
             x, w_gate, w_up, w_down = (t.to(cast) for t in (x, w_gate, w_up, w_down))
         if not (grouped_mm_supported(x, w_gate) and grouped_mm_supported(x, w_down)):
+            if x.is_cuda and torch.compiler.is_compiling() and _gathered_fits(x, w_gate):
+                # The loop reads the counts on the host, which a CUDA graph cannot capture (the
+                # fp32 compiled decode step, scripts/gpu_check_compiled_decode.py, 2026-12-04).
+                return self.forward_gathered(x_sorted, tokens_per_expert)
             return self.forward_loop(x_sorted, tokens_per_expert)
         # Offsets stay on the device: no host sync on the grouped path.
         offs = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
@@ -186,6 +199,21 @@ class GroupedExperts(nn.Module):
             h = situ_glu(xe @ w_gate[e], xe @ w_up[e], self.beta, self.beta_lin)
             outs.append(self._act(h) @ w_down[e])
         return torch.cat(outs, dim=0)
+
+    def forward_gathered(self, x_sorted: torch.Tensor,
+                         tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """``forward``'s contract without a host read: each row's expert found on the device
+        (``searchsorted`` over the offsets) and its weights gathered, ``[M, in, ffn]``, for one
+        batched GEMM per projection. For the few rows of a decode step (``_gathered_fits``)
+        where ``_grouped_mm`` refuses the dtype. Applies ``weight_quant``/``act_quant``."""
+        w_gate, w_up, w_down = self._weights()
+        x = self._act(x_sorted)
+        offs = torch.cumsum(tokens_per_expert, dim=0)
+        rows = torch.arange(x.shape[0], device=x.device, dtype=offs.dtype)
+        expert = torch.searchsorted(offs, rows, right=True).clamp_max(w_gate.shape[0] - 1)
+        xe = x.unsqueeze(1)                                          # [M, 1, in]
+        h = situ_glu(torch.bmm(xe, w_gate[expert]), torch.bmm(xe, w_up[expert]), self.beta, self.beta_lin)
+        return torch.bmm(self._act(h), w_down[expert]).squeeze(1)    # [M, in]
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, in={self.in_size}, ffn={self.ffn_size}"

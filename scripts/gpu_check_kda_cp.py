@@ -9,6 +9,10 @@ beta, for the folded run and for the whole-sequence kernel call (the kernel's ow
 
     python scripts/gpu_check_kda_cp.py [--seq-len 4096] [--chunks 2] [--json OUT]
 
+fla's autotuners run ``--autotune fixed`` by default (one candidate per kernel, compiled ahead in
+parallel): under ``full`` the two value widths' autotuning and compiles took more than 220 s on a
+fresh H200 (2026-12-04), for a check whose figures do not depend on the tile choice.
+
 Gate: every folded error below 1e-2 (fla's dots may run in tf32) and within 4x of the
 whole-sequence call's error for the same quantity (or below 1e-4).
 """
@@ -21,6 +25,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from k3train.ops import kernels
 from k3train.ops.context_parallel import kda_chunks_folded
 from k3train.ops.kda import kda, kda_backend
 from k3train.ops.kda.chunk import chunk_kda_torch
@@ -58,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunks", type=int, default=2)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--dim", type=int, default=128, help="K = V per head")
+    ap.add_argument("--autotune", default="fixed", choices=["fixed", "full"], help="kernels.autotune")
     ap.add_argument("--json", help="write the errors here")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
@@ -67,8 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     ref = run(lambda *a: chunk_kda_torch(*a)[0], xs, w)
     on_dev = [x.float().to(dev) for x in xs]
     w_dev = w.float().to(dev)
-    whole = run(lambda *a: kda(*a)[0], on_dev, w_dev)
-    folded = run(lambda *a: kda_chunks_folded(*a, num_chunks=args.chunks, kernel=kda), on_dev, w_dev)
+    whole_fn = lambda *a: kda(*a)[0]  # noqa: E731
+    folded_fn = lambda *a: kda_chunks_folded(*a, num_chunks=args.chunks, kernel=kda)  # noqa: E731
+    with kernels.using(autotune=args.autotune):
+        if dev.type == "cuda":  # every kernel of both runs compiled at once, in parallel
+            from k3train.ops.triton_compile import compile_ahead
+            compile_ahead(lambda: (run(whole_fn, on_dev, w_dev), run(folded_fn, on_dev, w_dev)),
+                          label="the KDA fold check")
+        whole = run(whole_fn, on_dev, w_dev)
+        folded = run(folded_fn, on_dev, w_dev)
     report = {"backend": kda_backend(dev), "seq_len": args.seq_len, "chunks": args.chunks,
               "whole": {n: rel(a, b) for n, a, b in zip(NAMES, whole, ref)},
               "folded": {n: rel(a, b) for n, a, b in zip(NAMES, folded, ref)}}

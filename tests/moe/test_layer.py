@@ -297,3 +297,19 @@ def test_situ_glu_traces_whole_for_compile():
     for a, b in zip(g_got, g_want):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     assert torch.equal(situ_glu(gate, up), situ_glu_eager(gate, up))  # CPU takes the eager form
+
+
+def test_gathered_path_equals_the_loop_in_fp64_with_an_empty_expert():
+    """forward_gathered (no host read: the fp32 compiled decode step's capturable path) against
+    the per-expert loop, fp64, counts with an empty expert first, in the middle and last."""
+    torch.manual_seed(5)
+    experts = GroupedExperts(5, 8, 12).double()
+    counts = torch.tensor([0, 3, 0, 4, 0])
+    x = torch.randn(7, 8, dtype=torch.float64, requires_grad=True)
+    got = experts.forward_gathered(x, counts)
+    want = experts.forward_loop(x, counts)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    g_got = torch.autograd.grad(got.square().sum(), [x, experts.w_gate, experts.w_down])
+    g_want = torch.autograd.grad(want.square().sum(), [x, experts.w_gate, experts.w_down])
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
