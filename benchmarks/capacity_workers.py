@@ -300,7 +300,12 @@ def worker_mask(args) -> None:
         rows = [("unmasked_eager", [*base, "train.cuda_graph=false", "data.document_mask=false"]),
                 ("masked_eager", [*base, "train.cuda_graph=false", "data.document_mask=true"]),
                 ("unmasked_graphed", [*base, "train.cuda_graph=false" if args.device == "cpu" else "train.cuda_graph=auto",
-                                      "data.document_mask=false"])]
+                                      "data.document_mask=false"]),
+                # graphed where the trainer graphs masked windows (below 16K tokens)
+                ("masked_graphed", [*base, "train.cuda_graph=false" if args.device == "cpu" else "train.cuda_graph=auto",
+                                    "data.document_mask=true"])]
+        wanted = set(args.mask_rows.split(",")) if getattr(args, "mask_rows", "") else None
+        rows = [r for r in rows if wanted is None or r[0] in wanted]
         for name, overrides in rows:
             if time.time() > deadline:
                 row = {"status": "skipped", "why": "no time left of the budget"}

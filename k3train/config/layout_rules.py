@@ -10,6 +10,17 @@ if TYPE_CHECKING:  # schema.py calls these from RunConfig's validator
     from k3train.config.schema import RunConfig
 
 
+# Below this window (tokens), MLA masks documents with one SDPA call and the dense
+# block-diagonal mask, built on the device from cu_seqlens (k3train.ops.documents), and the
+# KDA and conv kernels take fixed-shape chunk lists built on the device: nothing is read on the
+# host, so a CUDA-graphed step records document masking. From this window up, each document
+# attends one causal call (only sum L_i^2 scores, no mask): at 32K the dense mask is 1 GiB per
+# row and SDPA's masked kernel scored every pair of it (H200: masked training at 32K ran at
+# 0.57x unmasked with the mask, 0.93x with a call per document, 2026-12-04). That path reads
+# the boundaries on the host, so such steps are not graphed.
+PER_DOCUMENT_MIN_WINDOW = 16384
+
+
 def cuda_graph_blockers(cfg: RunConfig, *, device: str | None = None) -> dict[str, str]:
     """What rules out ``train.cuda_graph``: setting -> one line saying why, empty when
     nothing does. The one list of graph blockers: the load-time check refuses
@@ -43,9 +54,14 @@ def cuda_graph_blockers(cfg: RunConfig, *, device: str | None = None) -> dict[st
     if cfg.train.offload_activations:
         out["train.offload_activations"] = ("train.cuda_graph cannot capture the host copies of "
                                             "train.offload_activations=true")
-    if cfg.data.masks_documents:
-        out["data.document_mask"] = ("train.cuda_graph replays recorded steps, but document masking "
-                                     "reads each batch's boundaries on the host (data.document_mask=true)")
+    if cfg.data.masks_documents and cfg.train.seq_len >= PER_DOCUMENT_MIN_WINDOW:
+        out["data.document_mask"] = (f"train.cuda_graph cannot capture document masking at train.seq_len="
+                                     f"{cfg.train.seq_len}: from {PER_DOCUMENT_MIN_WINDOW} tokens MLA attends "
+                                     f"one call per document, reading the boundaries on the host; it needs "
+                                     f"train.seq_len < {PER_DOCUMENT_MIN_WINDOW} or data.document_mask=false")
+    elif cfg.data.masks_documents and p.pp != 1:
+        out["data.document_mask"] = (f"train.cuda_graph's chunk graphs (parallel.pp={p.pp}) do not carry "
+                                     f"document boundaries yet; it needs parallel.pp=1 or data.document_mask=false")
     if cfg.precision.param_dtype != "fp32":
         out["precision.param_dtype"] = (f"train.cuda_graph cannot capture precision.param_dtype="
                                         f"{cfg.precision.param_dtype} (its fp32 gradient accumulation "

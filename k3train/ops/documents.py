@@ -13,16 +13,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["document_attention", "document_ids", "positions_in_document", "same_document_causal_mask"]
+from k3train.config import layout_rules
 
-# Below this mean document length (tokens) and window (tokens), one SDPA call with the dense
-# block-diagonal mask is cheaper than a causal call per document: the mask costs B*T*T bytes and
-# T*T scores per head, a call per document its launches (about 3 forward and 6 backward kernels,
-# so hundreds of short documents per row cost more in launches than the T*T they save). From the
-# window up, the dense mask is never used: at 32K it is 1 GiB per row, and SDPA's masked kernel
-# scored every pair of it (H200: masked training at 32K ran at 0.57x unmasked, 2026-12-04).
-PER_DOCUMENT_MIN_MEAN_LEN = 512
-PER_DOCUMENT_MIN_WINDOW = 16384
+__all__ = ["conv_chunk_indices", "document_attention", "document_ids", "positions_in_document", "same_document_causal_mask"]
+
+# MLA's document masking switches from one dense-mask SDPA call (built on the device, so a
+# CUDA graph records it) to a causal call per document (reads the boundaries on the host) at
+# this window; the reasons and measurements are with the constant, in the layout rules that
+# keep such steps out of CUDA graphs.
+PER_DOCUMENT_MIN_WINDOW = layout_rules.PER_DOCUMENT_MIN_WINDOW
 
 
 def document_ids(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
@@ -52,20 +51,43 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     """Causal attention within each document: q, k ``[B, H, T, Dk]``, v ``[B, H, T, Dv]`` ->
     ``[B, H, T, Dv]``, what SDPA gives with ``same_document_causal_mask`` (to summation order).
 
-    Long documents (see ``PER_DOCUMENT_MIN_MEAN_LEN``) run one causal SDPA call each: the flash
-    kernels, no ``[T, T]`` mask, and only ``sum L_i^2`` scores instead of ``T^2``. That path reads
-    the boundaries on the host, as the trainer does for every masked batch (masked steps are never
-    captured in CUDA graphs: ``layout_rules.cuda_graph_blockers``)."""
+    Windows shorter than ``PER_DOCUMENT_MIN_WINDOW``: one SDPA call with the dense mask, built
+    on the device (capturable in a CUDA graph). Longer ones: one causal SDPA call per document
+    (flash kernels, no ``[T, T]`` mask), which reads the boundaries on the host; zero-length
+    documents (the padding of ``k3train.data.documents.document_cu_seqlens_padded``) are skipped."""
     B, _, T, _ = q.shape
-    docs = cu_seqlens.numel() - 1   # the count is the shape: no device read for the dense path
-    if T < PER_DOCUMENT_MIN_WINDOW and B * T < PER_DOCUMENT_MIN_MEAN_LEN * docs:
+    if T < PER_DOCUMENT_MIN_WINDOW:
         mask = same_document_causal_mask(cu_seqlens, B, T)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     bounds = cu_seqlens.tolist()
     rows: list[list[torch.Tensor]] = [[] for _ in range(B)]
     for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
         b, lo = divmod(start, T)
         hi = lo + (end - start)
         rows[b].append(F.scaled_dot_product_attention(q[b:b + 1, :, lo:hi], k[b:b + 1, :, lo:hi],
                                                       v[b:b + 1, :, lo:hi], is_causal=True, scale=scale))
     return torch.cat([torch.cat(parts, dim=2) for parts in rows], dim=0)
+
+
+def conv_chunk_indices(cu_seqlens: torch.Tensor, total: int, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """fla's varlen ``causal_conv1d`` chunk list built on the device, in a fixed shape, so a
+    CUDA graph can record it (fla builds it on the host). ``cu_seqlens`` ``[N+1]`` over ``total``
+    tokens -> ``(cu_ext [N+2], chunk_indices [total // chunk + N, 2])``: ``cu_ext`` appends one
+    zero-length document (index ``N``); row ``i`` of ``chunk_indices`` is ``(document, chunk in
+    it)`` for the real chunks in order, and every row past them points at chunk 0 of the
+    zero-length document, whose program loads and stores no token and contributes zero to the
+    weight gradient (fla's kernels mask every access by the document's length). Each document
+    adds at most one partial chunk, so ``total // chunk + N`` rows always hold the real ones."""
+    cu = cu_seqlens.to(torch.int64)
+    n = cu.numel() - 1
+    cu_ext = torch.cat([cu, cu[-1:]])
+    chunks = (cu[1:] - cu[:-1] + chunk - 1).div(chunk, rounding_mode="floor")
+    offsets = F.pad(chunks.cumsum(0), (1, 0))                        # [N+1]
+    rows = torch.arange(total // chunk + n, device=cu.device)
+    doc = torch.searchsorted(offsets, rows, right=True) - 1
+    real = rows < offsets[-1]
+    doc = torch.where(real, doc, torch.full_like(doc, n))
+    within = torch.where(real, rows - offsets[doc.clamp_max(n - 1)], torch.zeros_like(rows))
+    return cu_ext, torch.stack([doc, within], 1)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from k3train.ops import backends as ops_backends
 from k3train.ops import fla_kernel
-from k3train.ops.documents import positions_in_document
+from k3train.ops.documents import conv_chunk_indices, positions_in_document
 
 __all__ = ["short_conv_silu", "short_conv_silu_torch", "short_conv_silu_varlen_torch"]
 
@@ -93,5 +93,9 @@ def _short_conv_varlen(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.
     if fused is None:
         return short_conv_silu_varlen_torch(x, weight, cu_seqlens)
     B, T, C = x.shape
-    y, _ = fused(x.reshape(1, B * T, C), weight.to(x.dtype), activation="silu", cu_seqlens=cu_seqlens)
+    # The chunk list built on the device (fla would read the boundaries on the host): a
+    # CUDA-graphed step records it, and an eager one skips a host sync per call.
+    cu_ext, chunk_indices = conv_chunk_indices(cu_seqlens, B * T)
+    y, _ = fused(x.reshape(1, B * T, C), weight.to(x.dtype), activation="silu", cu_seqlens=cu_ext,
+                 chunk_indices=chunk_indices.to(cu_ext))
     return y.reshape(B, T, C)

@@ -26,7 +26,9 @@ not one graph: the engine replays one graph per chunk per in-flight microbatch s
 forward state. Data parallelism reduces the gradients after the replay, eagerly, as without a
 graph. Expert parallelism with the static dispatcher (``moe.capacity_factor``) records its
 fixed-split all-to-all in the graph; its dropped-slot counts and routing land in the forward
-state, read after the replay. Not supported (``train.cuda_graph: auto`` leaves the graph off
+state, read after the replay. Document masking (``data.document_mask``, windows under
+``layout_rules.PER_DOCUMENT_MIN_WINDOW``) records fixed-shape boundaries (``CapturedDocuments``).
+Not supported (``train.cuda_graph: auto`` leaves the graph off
 there, ``true`` is refused with an error naming the cause): expert parallelism with the dynamic
 dispatcher (split sizes read on the host) and tensor parallelism. The one list of what rules the graph out is ``RunConfig.cuda_graph_blockers``
 (asked when the config loads, and again by ``k3train.trainer.state.use_cuda_graph`` with the
@@ -59,8 +61,13 @@ class GraphedForwardBackward:
     """
 
     def __init__(self, fwd_bwd: Callable[[torch.Tensor], torch.Tensor], params: list[torch.nn.Parameter],
-                 holders: list[ForwardState], warmup: int = 2):
+                 holders: list[ForwardState], warmup: int = 2,
+                 accepts: Callable[[torch.Tensor], bool] | None = None):
         self.fwd_bwd, self.params, self.holders, self.warmup = fwd_bwd, params, holders, warmup
+        # accepts(batch): whether the recorded step computes this batch right (a batch with more
+        # documents than the fixed-shape boundaries hold runs eagerly: CapturedDocuments).
+        self.accepts = accepts
+        self.eager_steps = 0   # steps after the warm-up that ran eagerly (accepts said no)
         self.calls = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.static_batch: torch.Tensor | None = None
@@ -76,6 +83,9 @@ class GraphedForwardBackward:
         """batch: ``[B, T+1]`` token ids (any device) -> the step's mean loss, a device scalar."""
         self.calls += 1
         if self.graph is None and self.calls <= self.warmup:
+            return self.fwd_bwd(batch.to(self.params[0].device, non_blocking=True))
+        if self.accepts is not None and not self.accepts(batch):
+            self.eager_steps += 1
             return self.fwd_bwd(batch.to(self.params[0].device, non_blocking=True))
         if self.graph is None:
             self._capture(batch)
@@ -101,6 +111,29 @@ class GraphedForwardBackward:
         self.graph = graph
         self.grads = [p.grad for p in self.params]
         self.states = snapshot(self.holders)
+
+
+class CapturedDocuments:
+    """A graphed step's document boundaries (``data.document_mask``): the fixed-shape form
+    (``WindowDocuments.padded``, computed on the device from the token buffer) while a graph
+    records, so every replay recomputes them from the batch copied in; the exact form in eager
+    steps (the warm-up, and batches that ``fits`` turns away).
+
+    documents: ``k3train.data.documents.WindowDocuments``; microbatches: how a step's batch is
+    cut (``train.microbatches``), each cut having its own boundaries."""
+
+    def __init__(self, documents, microbatches: int):
+        self.documents, self.microbatches = documents, microbatches
+
+    def __call__(self, windows: torch.Tensor) -> torch.Tensor:
+        if torch.cuda.is_current_stream_capturing():
+            return self.documents.padded(windows)
+        return self.documents(windows)
+
+    def fits(self, batch: torch.Tensor) -> bool:
+        """batch ``[B * microbatches, T+1]``: whether every microbatch's documents fit the fixed
+        shape (one host read per microbatch; the batch is on the host before it is copied in)."""
+        return all(self.documents.fits(mb) for mb in batch.chunk(self.microbatches))
 
 
 class ChunkForwardState:

@@ -12,7 +12,7 @@ import torch
 from k3train.errors import DataError
 from k3train.config import RunConfig
 from k3train.data import BatchIterator, SequenceDataset, TokenSource, eval_batches, load_tokenizer
-from k3train.data.documents import window_documents
+from k3train.data.documents import WindowDocuments
 from k3train.data.mixture import MixtureBatchIterator
 from k3train.data.prepare import meta_path
 from k3train.data.stdlib_corpus import prepare_stdlib
@@ -105,7 +105,7 @@ def _open(path: str, tokenizer, cfg: RunConfig, split: str) -> TokenSource:
 
 def _documents(cfg: RunConfig, tokenizer):
     """RunData.documents of a text run."""
-    return partial(window_documents, eod_id=tokenizer.eod_id) if cfg.data.masks_documents else no_documents
+    return WindowDocuments(tokenizer.eod_id) if cfg.data.masks_documents else no_documents
 
 
 def build_data(cfg: RunConfig, dp_rank: int = 0, dp_size: int = 1) -> RunData:

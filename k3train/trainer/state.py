@@ -9,13 +9,14 @@ import torch.distributed as dist
 from k3train.errors import UsageError
 from k3train.config import RunConfig
 from k3train.runtime.distributed import ParallelContext, ParallelInfo, parallel_context
+from k3train.data.documents import max_documents
 from k3train.model.info import count_parameters
 from k3train.ops import kernels
 from k3train.ops.context_parallel import cp_token_index
 from k3train.model.forward_state import forward_state_holders
 from k3train.model.model import moe_layer_indices
 from k3train.ops.triton_compile import compile_ahead
-from k3train.trainer.cuda_graph import ChunkForwardState, GraphedForwardBackward
+from k3train.trainer.cuda_graph import CapturedDocuments, ChunkForwardState, GraphedForwardBackward
 from k3train.trainer.moe_stats import MoEStats
 from k3train.trainer.optimizer import build_k3_optimizer
 from k3train.trainer.parts import build_parts
@@ -158,8 +159,12 @@ class TrainState:
         self.autocast = autocast_for(cfg, device, graph)
         # One graph of the whole step on one pipeline stage; under pipeline parallelism the
         # engine replays one graph per chunk per in-flight microbatch and keeps p2p eager.
+        accepts = None
+        if graph and self.engine is None and hasattr(self.documents, "padded"):
+            self.documents = CapturedDocuments(self.documents, cfg.train.microbatches)
+            accepts = self.documents.fits
         self.graphed = (GraphedForwardBackward(self._forward_backward, self.params,
-                                               forward_state_holders(self.model))
+                                               forward_state_holders(self.model), accepts=accepts)
                         if graph and self.engine is None else None)
         if graph and self.engine is not None:
             self.engine.use_graphs(cfg.train.microbatches, state=ChunkForwardState(self.engine.chunks))
@@ -172,6 +177,11 @@ class TrainState:
             plan = self.engine.graphs.plan
             return (f"on (train.cuda_graph={want}): {plan.graphs} chunk graphs on this rank, one forward "
                     f"and one backward per chunk per in-flight microbatch, from step 3")
+        if on and isinstance(self.documents, CapturedDocuments):
+            t = self.cfg.train
+            return (f"on (train.cuda_graph={want}): the whole forward/backward, from step 3; document "
+                    f"boundaries recorded in a fixed shape of {max_documents(t.micro_batch_size, t.seq_len)} "
+                    f"documents per microbatch (a microbatch with more runs that step eagerly)")
         if on:
             return f"on (train.cuda_graph={want}): the whole forward/backward, from step 3"
         if want is False:

@@ -107,4 +107,4 @@ def test_marked_datasets_and_mqar(tmp_path):
     cfg = load_config(None, ["data.source=mqar"])
     assert cfg.data.document_mask and not cfg.data.masks_documents
     assert "data.document_mask" not in cfg.cuda_graph_blockers(device="cuda")
-    assert "data.document_mask" in load_config(None).cuda_graph_blockers(device="cuda")
+    assert "data.document_mask" in load_config(None, ["train.seq_len=16384"]).cuda_graph_blockers(device="cuda")

@@ -109,10 +109,10 @@ def test_kda_layer_and_mla_match_documents_alone(world1, monkeypatch, attention)
     # MLA's two ways to mask (k3train.ops.documents.document_attention), each forced: one SDPA
     # call with the [B, 1, T, T] mask, or a causal call per document that never builds the mask.
     if attention == "per_document":
-        monkeypatch.setattr(documents, "PER_DOCUMENT_MIN_MEAN_LEN", 1)
+        monkeypatch.setattr(documents, "PER_DOCUMENT_MIN_WINDOW", 1)
         monkeypatch.setattr(documents, "same_document_causal_mask", _must_not_build_the_mask)
     else:
-        monkeypatch.setattr(documents, "PER_DOCUMENT_MIN_MEAN_LEN", 10 ** 9)
+        monkeypatch.setattr(documents, "PER_DOCUMENT_MIN_WINDOW", 10 ** 9)
     torch.manual_seed(0)
     kda = KimiDeltaAttention(hidden_size=16, num_heads=2, head_dim=8, conv_size=4, chunk_size=4, std=0.3).double()
     mla = GatedMLA(hidden_size=16, num_heads=2, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4,

@@ -198,6 +198,12 @@ def fla_kda_varlen(fla_chunk_kda, cu_seqlens: torch.Tensor, q, k, v, g, beta, **
     go to fla unchanged. Returns ``(o [B, T, H, V], final_state [N, H, K, V] or None)``."""
     B, T = q.shape[:2]
     flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
+    if kwargs.get("initial_state") is None and not kwargs.get("output_final_state"):
+        # fla's fixed-shape chunk list, built on the device (use_graph): a CUDA-graphed step
+        # records it, zero-length documents (document_cu_seqlens_padded) are skipped, and no
+        # call reads the boundaries on the host. With states (context parallelism) the plain
+        # varlen path, whose state rows are the real documents'.
+        kwargs = {**kwargs, "use_graph": True}
     o, state = fla_chunk_kda(*flat, cu_seqlens=cu_seqlens, **kwargs)
     return o.reshape(B, T, *o.shape[2:]), state
 
@@ -213,6 +219,8 @@ def kda_torch_varlen(q, k, v, g, beta, cu_seqlens: torch.Tensor, scale: float | 
     bounds = cu_seqlens.tolist()
     outs, states = [], []
     for n, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if hi == lo and not output_final_state:   # padding (document_cu_seqlens_padded)
+            continue
         h0 = None if initial_state is None else initial_state[n:n + 1]
         o, s = chunk_kda_torch(*(x[:, lo:hi] for x in flat), scale=scale, initial_state=h0,
                                output_final_state=output_final_state)
