@@ -79,10 +79,8 @@ def ours(config: str, overrides: list[str], args, peak_tflops: float, microbatch
     doc_len: an end-of-document token every ``doc_len`` tokens of every window, masked unless
     the overrides say ``data.document_mask=false`` (None: random windows, one sequence each, and
     document masking off, so CUDA graphs stay as ``train.cuda_graph`` says)."""
-    from functools import partial
-
     from k3train.config import load_config
-    from k3train.data.documents import window_documents
+    from k3train.data.documents import WindowDocuments
     from k3train.runtime.distributed import init_distributed
     from k3train.model.flops import mfu
     from k3train.trainer.state import TrainState
@@ -96,7 +94,7 @@ def ours(config: str, overrides: list[str], args, peak_tflops: float, microbatch
     dev = torch.device(args.device)
     torch.manual_seed(0)
     eod = 0   # any id: the boundaries are read from where it stands
-    documents = partial(window_documents, eod_id=eod) if doc_len and cfg.data.masks_documents else None
+    documents = WindowDocuments(eod) if doc_len and cfg.data.masks_documents else None
     state = TrainState(cfg, info, dev, documents=documents)
     compiled = state.compile_kernels()  # all Triton kernels + autotune candidates, in parallel
     g = torch.Generator().manual_seed(0)

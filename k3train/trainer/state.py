@@ -9,7 +9,7 @@ import torch.distributed as dist
 from k3train.errors import UsageError
 from k3train.config import RunConfig
 from k3train.runtime.distributed import ParallelContext, ParallelInfo, parallel_context
-from k3train.data.documents import max_documents
+from k3train.data.documents import WindowDocuments, max_documents
 from k3train.model.info import count_parameters
 from k3train.ops import kernels
 from k3train.ops.context_parallel import cp_token_index
@@ -160,8 +160,9 @@ class TrainState:
         # One graph of the whole step on one pipeline stage; under pipeline parallelism the
         # engine replays one graph per chunk per in-flight microbatch and keeps p2p eager.
         accepts = None
-        if graph and self.engine is None and hasattr(self.documents, "padded"):
-            self.documents = CapturedDocuments(self.documents, cfg.train.microbatches)
+        if graph and self.engine is None and isinstance(documents, WindowDocuments):
+            # the fixed-shape form a graph can record (RunData.documents of masked text runs)
+            self.documents = CapturedDocuments(documents, cfg.train.microbatches)
             accepts = self.documents.fits
         self.graphed = (GraphedForwardBackward(self._forward_backward, self.params,
                                                forward_state_holders(self.model), accepts=accepts)

@@ -187,6 +187,20 @@ def kda_gated_state(
                output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
+class _OwnGradients(torch.autograd.Function):
+    """Identity on its tensors whose backward copies each incoming gradient (see
+    ``fla_kda_varlen``): one copy per input per layer, so no gradient aliases a buffer that a
+    later call rewrites (a leaf's ``.grad`` would otherwise take the buffer itself)."""
+
+    @staticmethod
+    def forward(ctx, *xs: torch.Tensor):
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        return tuple(None if g is None else g.clone() for g in grads)
+
+
 def fla_kda_varlen(fla_chunk_kda, cu_seqlens: torch.Tensor, q, k, v, g, beta, **kwargs):
     """fla's ``chunk_kda`` over the documents of ``cu_seqlens``: the GPU path of document masking.
 
@@ -204,6 +218,9 @@ def fla_kda_varlen(fla_chunk_kda, cu_seqlens: torch.Tensor, q, k, v, g, beta, **
         # call reads the boundaries on the host. With states (context parallelism) the plain
         # varlen path, whose state rows are the real documents'.
         kwargs = {**kwargs, "use_graph": True}
+        # Under use_graph fla's backward hands some gradients back in process-wide static
+        # buffers (fla/ops/utils/graph.py) that the next KDA backward overwrites: own them.
+        flat = list(_OwnGradients.apply(*flat))
     o, state = fla_chunk_kda(*flat, cu_seqlens=cu_seqlens, **kwargs)
     return o.reshape(B, T, *o.shape[2:]), state
 
