@@ -17,6 +17,7 @@ from benchmarks.capacity_search import doubling_lengths, search_lengths
 from benchmarks.common import timeit
 from k3train.config import load_config
 from k3train.config.layer_pattern import expand_layer_pattern
+from k3train.config.layout_rules import PER_DOCUMENT_MIN_WINDOW
 from k3train.model.model import K3Chunk, build_model
 from k3train.model.offload import ActivationOffload
 from k3train.runtime.distributed import init_distributed
@@ -301,8 +302,10 @@ def worker_mask(args) -> None:
                 ("masked_eager", [*base, "train.cuda_graph=false", "data.document_mask=true"]),
                 ("unmasked_graphed", [*base, "train.cuda_graph=false" if args.device == "cpu" else "train.cuda_graph=auto",
                                       "data.document_mask=false"]),
-                # graphed where the trainer graphs masked windows (below 16K tokens)
-                ("masked_graphed", [*base, "train.cuda_graph=false" if args.device == "cpu" else "train.cuda_graph=auto",
+                # graphed where the trainer can graph masked windows (below 16K tokens; true opts in
+                # while auto waits for the path's first GPU training run)
+                ("masked_graphed", [*base, "train.cuda_graph=false" if args.device == "cpu" else
+                                    "train.cuda_graph=true" if seq < PER_DOCUMENT_MIN_WINDOW else "train.cuda_graph=auto",
                                     "data.document_mask=true"])]
         wanted = set(args.mask_rows.split(",")) if getattr(args, "mask_rows", "") else None
         rows = [r for r in rows if wanted is None or r[0] in wanted]

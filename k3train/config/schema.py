@@ -346,9 +346,9 @@ class RunConfig(StrictModel):
     logging: LoggingConfig = LoggingConfig()
     kernels: KernelsConfig = KernelsConfig()
 
-    def cuda_graph_blockers(self, *, device: str | None = None) -> dict[str, str]:
+    def cuda_graph_blockers(self, *, device: str | None = None, auto: bool = False) -> dict[str, str]:
         """What rules out ``train.cuda_graph`` (``layout_rules.cuda_graph_blockers``)."""
-        return layout_rules.cuda_graph_blockers(self, device=device)
+        return layout_rules.cuda_graph_blockers(self, device=device, auto=auto)
 
     def cuda_graph_refusal(self, *, device: str | None = None) -> str | None:
         """Why ``train.cuda_graph: true`` cannot run, or None (``layout_rules.cuda_graph_refusal``)."""

@@ -52,7 +52,7 @@ def use_cuda_graph(cfg: RunConfig, info: ParallelInfo, device: torch.device) -> 
     if want is False:
         return False
     if want == "auto":
-        return device.type == "cuda" and not cfg.cuda_graph_blockers(device=device.type)
+        return device.type == "cuda" and not cfg.cuda_graph_blockers(device=device.type, auto=True)
     refusal = cfg.cuda_graph_refusal(device=device.type)
     if refusal is not None:
         raise UsageError(refusal)
@@ -187,7 +187,7 @@ class TrainState:
             return f"on (train.cuda_graph={want}): the whole forward/backward, from step 3"
         if want is False:
             return "off (train.cuda_graph=false)"
-        blockers = self.cfg.cuda_graph_blockers(device=self.device.type)
+        blockers = self.cfg.cuda_graph_blockers(device=self.device.type, auto=True)
         return f"off (train.cuda_graph=auto): {next(iter(blockers.values()))}"
 
     def describe(self) -> str:
