@@ -7,7 +7,7 @@
 # study_bal_sparse, study_mqar, study_mqar_pairs (STUDIES_FROM=TGZ seeds the studies' run directories),
 # te_receive, te_install, te_bench (tools/te_device.sh), and the pending checks save_stall
 # decode_compile fp8_experts bf16_weights capacity_modes capacity_1m capacity_split
-# memory_plan_slice te_check: explicit only);
+# memory_plan_slice te_check docmask_check docmask_train capacity_mask_graphed kda_cp: explicit only);
 # gpu_parallel (GPU_PARALLEL_ONLY=a,b picks variants) bench_moe_ep2 bench_pipeline pp_debug (two
 # GPUs, skipped on one).
 # Together the stages need more than one 10-minute device call: pass a subset per call.
@@ -123,6 +123,14 @@ stage study_mqar_pairs 540 python3 -m k3train sweep configs/ablations/gpu/mqar_p
 # step's logits against eager, the FP8 routed experts' kernel against its emulation, bf16
 # weights on the slice, the capacity table and 1M tokens (bench_capacity's five calls), TE
 # (te_receive/te_install first), the planner against the slice's measured peak.
+# Built on CPU on 2026-12-04 (third session), most needed first: graphed document masking
+# (ops replayed on new boundaries; the trainer's graphed masked step against eager, then its
+# masking cost at 4K), the KDA context-parallel fold with fla's kernels.
+stage docmask_check 200 python3 scripts/gpu_check_document_mask.py --seq 1024 --json "$OUT/docmask.json"
+stage docmask_train 420 python3 scripts/gpu_check_graphed_documents.py --steps 30 --json "$OUT/docmask_train.json"
+stage capacity_mask_graphed 400 python3 -m benchmarks.bench_capacity --parts mask --mask-seqs 4096 \
+  --mask-rows unmasked_graphed,masked_graphed,masked_eager --budget-s 380 --json "$OUT/capacity_mask_graphed.json"
+stage kda_cp 200 python3 scripts/gpu_check_kda_cp.py --json "$OUT/kda_cp.json"
 stage save_stall 540 python3 -m benchmarks.bench_save_stall --out /tmp/save_stall --microbatches 4 ${SAVE_MODES:+--modes $SAVE_MODES} \
   --max-steps-during-write 30 --override kernels.autotune=fixed --json "$OUT/save_stall.json"
 stage decode_compile 240 python3 -m benchmarks.bench_decode --config configs/k3_mini.yaml --batch 1,16 --tokens 128 \
