@@ -24,8 +24,8 @@ PER_DOCUMENT_MIN_WINDOW = 16384
 def cuda_graph_blockers(cfg: RunConfig, *, device: str | None = None, auto: bool = False) -> dict[str, str]:
     """What rules out ``train.cuda_graph``: setting -> one line saying why, empty when
     nothing does; ``auto``: what keeps ``train.cuda_graph=auto`` off (those, plus paths that
-    ``true`` may opt into before they are validated on a GPU). The one list of graph blockers: the load-time check refuses
-    ``cuda_graph: true`` with the first, ``k3train.trainer.state.use_cuda_graph`` asks again
+    ``true`` may opt into before they are validated on a GPU). The one list of graph
+    blockers: the load-time check refuses ``cuda_graph: true`` with the first, ``k3train.trainer.state.use_cuda_graph`` asks again
     with what only the run knows, ``device`` (the resolved device type). Pipeline
     parallelism replays chunk graphs, data parallelism reduces after the replay, and every
     precision recipe's scaling is computed inside the captured step (no state kept between

@@ -73,8 +73,8 @@ def max_documents(batch: int, seq_len: int) -> int:
 @dataclass(frozen=True)
 class WindowDocuments:
     """``RunData.documents`` of a text run under ``data.document_mask``: windows ``[B, T+1]`` ->
-    the cu_seqlens of their inputs (``window_documents``), exact; ``padded`` and ``count`` are
-    the fixed-shape form a CUDA-graphed step records and the host check that it fits."""
+    the cu_seqlens of their inputs (``window_documents``), exact; ``padded`` and ``fits`` are
+    the fixed-shape form a CUDA-graphed step records and the host check that it holds them."""
     eod_id: int
 
     def __call__(self, windows: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from k3train.config import layout_rules
 
-__all__ = ["conv_chunk_indices", "document_attention", "document_ids", "positions_in_document", "same_document_causal_mask"]
+__all__ = ["conv_chunk_indices", "document_attention", "document_ids", "positions_in_document",
+           "same_document_causal_mask"]
 
 # MLA's document masking switches from one dense-mask SDPA call (built on the device, so a
 # CUDA graph records it) to a causal call per document (reads the boundaries on the host) at
