@@ -304,7 +304,8 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
     replicas per stage (ep divides dp). ops: ``fused`` (CUDA kernels, compiled norms and SiTU-GLU),
     ``fused-eager`` (the same with ``kernels.compile=false``) or ``torch``; act_bytes: 2
     under bf16 autocast, 4 in fp32. Activations are per ``train.micro_batch_size x seq_len / cp``
-    tokens; cp: context-parallel ranks (default ``parallel.cp``), which divide ``seq_len``;
+    tokens; cp: context-parallel ranks (default ``parallel.cp``), which divide ``seq_len`` (so do
+    the 2 cp pieces of ``parallel.cp_partition=head_tail``, whose exchanges ``cp_extra_bytes`` counts);
     state: weight and optimizer-state dtypes (default: the config's, ``StateLayout.of``);
     step_microbatches: microbatches of the step, whose routing records all live until it ends,
     when the schedule replayed (``train.microbatches``) is a shortened one (the layout search's).
@@ -317,6 +318,9 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
     if cp < 1 or cfg.train.seq_len % cp:
         raise ValueError(f"context parallelism over {cp} ranks needs a train.seq_len divisible by it "
                          f"(got {cfg.train.seq_len})")
+    if cp > 1 and cfg.train.seq_len % num_pieces(cp, p.cp_partition):
+        raise ValueError(f"parallel.cp_partition={p.cp_partition} over {cp} ranks needs a train.seq_len "
+                         f"divisible by {num_pieces(cp, p.cp_partition)} (got {cfg.train.seq_len})")
     # The ranks holding copies of the dense weights: ZeRO-1 shards their state over DP x CP,
     # and the expert groups lie inside them (megatron-core's layout).
     copies = dp * cp

@@ -137,6 +137,8 @@ def test_context_parallel_plan_is_the_shorter_sequence_plus_the_exchanges(world1
     (four_ht,) = plan_memory(ht, cp=4)
     assert four_ht.cp_extra["none"] == n_mla * (per_mla + 256 * 8) + n_kda * 2 * per_kda
     assert four_ht.peak_activations == four.peak_activations
+    with pytest.raises(ValueError, match="divisible by 8"):
+        plan_memory(ht.model_copy(update={"train": ht.train.model_copy(update={"seq_len": 260})}), cp=4)
     with pytest.raises(ValueError, match="divisible"):
         plan_memory(cfg, cp=3)
 
