@@ -43,12 +43,17 @@ dispatch buffers are the permuted tokens of one layer at capacity (transient, li
 layer's forward/backward). A shortened replay (the layout search's) counts the records of the
 step's left-out microbatches from its start (``step_microbatches``).
 
-Context parallelism (``cp``, predicted: not yet measured): each CP rank keeps the activations of
-its ``seq_len / cp`` tokens, and on top of them what the exchanges leave (docs/long_context.md):
-per MLA layer the all-gathered latent of the whole sequence and the keys and values expanded
-from it, which the attention saves for backward (counted for the last CP rank, whose queries
-see every key); per KDA layer the fold's fp32 states (its own end state and transition, the
-folded initial state, ``[H, K, V + K]`` and ``[H, K, V]``). ``cp_extra`` in the plan.
+Context parallelism (``cp``, predicted: not yet measured on GPUs): each CP rank keeps the
+activations of its ``seq_len / cp`` tokens, and on top of them what the exchanges leave
+(docs/long_context.md), under the run's ``parallel.cp_partition``: per MLA layer the
+all-gathered latent of the whole sequence and the keys and values expanded from it up to the
+end of the rank's last piece, which the attention saves for backward (counted for the rank
+whose last piece ends the sequence: the last rank when contiguous, rank 0 under head-tail; under
+head-tail also the int64 index that puts the gathered latent in sequence order); per KDA layer
+the fold's fp32 states, per piece the rank holds (one, two under head-tail): its own end state
+and transition and its folded initial state, ``[H, K, V + K]`` and ``[H, K, V]``. ``cp_extra``
+in the plan; tests/profiling/test_memory_plan.py measures the fold's states (both
+partitions) and head-tail's MLA terms on CPU.
 
 Offload (``train.offload_activations``, k3train/model/offload.py): under ``full`` and
 ``selective`` what the layers' regions keep moves to host memory (``host_offload`` in the plan,
@@ -72,6 +77,7 @@ from k3train.config.schema import RECOMPUTE_MODES as MODES
 from k3train.config.schema import ParallelConfig
 from k3train.errors import UsageError
 from k3train.model.model import build_model
+from k3train.ops.context_parallel import cp_pieces, num_pieces
 from k3train.profiling.activation_bytes import (FUSED_HALF_BACKWARD, OPS, Widths, block_grads_bytes_per_token,
                                                head_bytes_per_token, layer_bytes_per_token,
                                                offload_bytes_per_token, recomputed_bytes_per_token,
@@ -262,21 +268,33 @@ def _count_split(cfg: RunConfig) -> tuple[dict[int, dict[str, int]], dict[str, i
     return per_layer, outer
 
 
-def cp_extra_bytes(cfg: RunConfig, layers: list[int], act_bytes: int, cp: int) -> float:
-    """Bytes one microbatch's forward keeps on the last CP rank for the CP exchanges of
-    ``layers`` (module docstring), beyond its own tokens' activations; 0 at ``cp`` = 1."""
+def cp_extra_bytes(cfg: RunConfig, layers: list[int], act_bytes: int, cp: int,
+                   partition: str | None = None) -> float:
+    """Bytes one microbatch's forward keeps on the heaviest CP rank for the CP exchanges of
+    ``layers`` (module docstring), beyond its own tokens' activations; 0 at ``cp`` = 1.
+    partition: ``contiguous`` or ``head_tail`` (default ``parallel.cp_partition``)."""
     if cp == 1:
         return 0.0
+    partition = cfg.parallel.cp_partition if partition is None else partition
     w = Widths.of(cfg)
     kinds = expand_layer_pattern(cfg.model.layer_pattern, cfg.model.num_layers)
     B, S = cfg.train.micro_batch_size, cfg.train.seq_len
     mla = sum(1 for i in layers if kinds[i] == "M")
     kda = sum(1 for i in layers if kinds[i] == "K")
+    # MLA expands the gathered latent up to the end of the rank's last piece: the whole sequence
+    # on the heaviest rank under either partition (contiguous: the last rank; head-tail: rank 0,
+    # whose second piece is the sequence's last). Head-tail puts the gathered latent in sequence
+    # order with an index_select, which keeps its int64 index [S] for backward.
+    n = S // num_pieces(cp, partition)
+    keys = max(max(cp_pieces(r, cp, partition)) + 1 for r in range(cp)) * n
     latent = B * S * (w.kvl + w.rope) * act_bytes
-    expanded = B * S * w.Hm * (w.qk + w.v) * act_bytes
+    expanded = B * keys * w.Hm * (w.qk + w.v) * act_bytes
+    order = 0 if partition == "contiguous" else S * 8
     V = w.K
-    fold = B * w.H * w.K * ((V + w.K) + V) * 4   # [E, M] (V + K wide) and S_r (V wide), fp32
-    return mla * (latent + expanded) + kda * fold
+    # per piece: [E, M] (V + K wide) and S_r (V wide), fp32 (_KdaStateExchange keeps S and M,
+    # M a view of the kernel's [E, M] state); head-tail folds each of the rank's two pieces
+    fold = len(cp_pieces(0, cp, partition)) * B * w.H * w.K * ((V + w.K) + V) * 4
+    return mla * (latent + expanded + order) + kda * fold
 
 
 def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: int = 1,
@@ -286,7 +304,8 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
     replicas per stage (ep divides dp). ops: ``fused`` (CUDA kernels, compiled norms and SiTU-GLU),
     ``fused-eager`` (the same with ``kernels.compile=false``) or ``torch``; act_bytes: 2
     under bf16 autocast, 4 in fp32. Activations are per ``train.micro_batch_size x seq_len / cp``
-    tokens; cp: context-parallel ranks (default ``parallel.cp``), which divide ``seq_len``;
+    tokens; cp: context-parallel ranks (default ``parallel.cp``), which divide ``seq_len`` (so do
+    the 2 cp pieces of ``parallel.cp_partition=head_tail``, whose exchanges ``cp_extra_bytes`` counts);
     state: weight and optimizer-state dtypes (default: the config's, ``StateLayout.of``);
     step_microbatches: microbatches of the step, whose routing records all live until it ends,
     when the schedule replayed (``train.microbatches``) is a shortened one (the layout search's).
@@ -299,6 +318,9 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
     if cp < 1 or cfg.train.seq_len % cp:
         raise ValueError(f"context parallelism over {cp} ranks needs a train.seq_len divisible by it "
                          f"(got {cfg.train.seq_len})")
+    if cp > 1 and cfg.train.seq_len % num_pieces(cp, p.cp_partition):
+        raise ValueError(f"parallel.cp_partition={p.cp_partition} over {cp} ranks needs a train.seq_len "
+                         f"divisible by {num_pieces(cp, p.cp_partition)} (got {cfg.train.seq_len})")
     # The ranks holding copies of the dense weights: ZeRO-1 shards their state over DP x CP,
     # and the expert groups lie inside them (megatron-core's layout).
     copies = dp * cp
@@ -429,7 +451,8 @@ def format_plan(cfg: RunConfig, plans: list[RankPlan], *, dp: int, ops: str) -> 
                         f"; the device's activations include {FUSED_HALF_BACKWARD:.2f} x the recomputed half's "
                         "for the CUDA kernels' backward (measured on one H200, docs/memory.md)"))
     if cp > 1:
-        lines.append("CP exchanges kept (gathered MLA latent and expanded keys/values, KDA fold states), last CP rank: "
+        lines.append("CP exchanges kept (gathered MLA latent and expanded keys/values, KDA fold states), "
+                     f"heaviest CP rank ({cfg.parallel.cp_partition}): "
                      + ", ".join(f"{m}: {max(q.cp_extra[m] for q in plans) / GiB:.2f} GiB" for m in MODES))
     lines.append("heaviest rank's total (params + grads + main copy + optimizer + peak activations + cache + MoE buffers and last routing"
                  + (" + CP exchanges" if cp > 1 else "") + "):")

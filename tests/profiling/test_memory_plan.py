@@ -5,15 +5,24 @@ actually keeps on CPU (distinct saved storages, parameters excluded: tests/model
 test_recompute_memory.py), for each layer type (KDA, MLA, dense, MoE, with and without AttnRes)
 under each recompute mode: within 15%. Parameters: against the model's own count. Optimizer
 state: AdamW 8 and Muon 4 bytes per parameter, ZeRO-1 dividing by dp (experts by dp/ep).
+Context parallelism (2 gloo ranks, fp32): the KDA fold's kept states under both partitions,
+to the byte, and head-tail's MLA exchange on its heaviest rank, within 15%.
 """
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 from k3train.config import load_config
-from k3train.profiling.memory_plan import plan_memory
-from tests.helpers import tiny_cfg
-from tests.helpers import saved_bytes
+from k3train.model.model import build_model
+from k3train.ops.context_parallel import kda_cp
+from k3train.ops.kda import kda
+from k3train.profiling.memory_plan import cp_extra_bytes, plan_memory
+from k3train.runtime.distributed import init_distributed, parallel_context
+from tests.helpers import SavedBytes, saved_bytes, tiny_cfg
+from tests.multiproc import run_multiprocess
 
 B, T = 2, 32
 
@@ -121,5 +130,97 @@ def test_context_parallel_plan_is_the_shorter_sequence_plus_the_exchanges(world1
     assert four.cp_extra["none"] == four.cp_extra["selective"] == n_mla * per_mla + n_kda * per_kda
     assert four.cp_extra["full"] == per_mla
     assert one.cp_extra["none"] == 0 and four.total("none", False) == one.total("none", False) + four.cp_extra["none"]
+    # head-tail: two pieces per rank, so two folds' states per KDA layer; rank 0's second piece
+    # ends the sequence (its keys are every key) and the gathered latent is reordered by an
+    # int64 index of the sequence's length
+    ht = load_config("configs/k3_tiny.yaml", [*base, "parallel.cp_partition=head_tail"])
+    (four_ht,) = plan_memory(ht, cp=4)
+    assert four_ht.cp_extra["none"] == n_mla * (per_mla + 256 * 8) + n_kda * 2 * per_kda
+    assert four_ht.peak_activations == four.peak_activations
+    with pytest.raises(ValueError, match="divisible by 8"):
+        plan_memory(ht.model_copy(update={"train": ht.train.model_copy(update={"seq_len": 260})}), cp=4)
     with pytest.raises(ValueError, match="divisible"):
         plan_memory(cfg, cp=3)
+
+
+# --------------------------------------------------------------------------- CP partitions, measured
+
+CP_B, CP_T = 2, 128   # local tokens per rank; head-tail pieces of 64 fill the torch KDA's chunks
+
+
+def _cp_cfg(pattern: str, partition: str, local: int = CP_T):
+    return tiny_cfg(f"model.layer_pattern={pattern}", "model.num_layers=1", "parallel.cp=2",
+                    f"parallel.cp_partition={partition}", f"train.seq_len={2 * local}",
+                    f"train.micro_batch_size={CP_B}")
+
+
+def _fold_kept_bytes(rank: int, group, partition: str, local: int) -> int:
+    """Bytes ``kda_cp`` keeps for backward outside its kernel calls (whose own saved tensors are
+    the local tokens' activations, collected apart), fp32, ``local`` tokens on this rank."""
+    H, K = 2, 8
+    gen = torch.Generator().manual_seed(rank)
+    q, k = (F.normalize(torch.randn(CP_B, local, H, K, generator=gen), dim=-1).requires_grad_() for _ in range(2))
+    v = torch.randn(CP_B, local, H, K, generator=gen, requires_grad=True)
+    g = (-torch.rand(CP_B, local, H, K, generator=gen)).requires_grad_()
+    beta = torch.rand(CP_B, local, H, generator=gen, requires_grad=True)
+    inner, outer = SavedBytes(), SavedBytes((q, k, v, g, beta))
+
+    def kernel(*args, **kwargs):
+        with torch.autograd.graph.saved_tensors_hooks(inner.pack, lambda t: t):
+            return kda(*args, **kwargs)
+
+    with torch.autograd.graph.saved_tensors_hooks(outer.pack, lambda t: t):
+        o = kda_cp(q, k, v, g, beta, group=group, kernel=kernel, partition=partition)
+    o.sum().backward()
+    return sum(n for ptr, n in outer.storages.items() if ptr not in inner.storages)
+
+
+def _cp_fold_body(rank, world, partition):
+    group = parallel_context(init_distributed(cp=2)).cp_group
+    # What the fold keeps outside the kernel: its states (independent of the length) and the
+    # per-token correction's q~ (the kernel's output, linear in it): the states are the part
+    # that does not grow, 2 x kept(T) - kept(2T).
+    measured = 2 * _fold_kept_bytes(rank, group, partition, CP_T) - _fold_kept_bytes(rank, group, partition, 2 * CP_T)
+    planned = cp_extra_bytes(_cp_cfg("K", partition), [0], 4, 2)
+    assert planned == measured, (rank, planned, measured)
+
+
+@pytest.mark.parametrize("partition", ["contiguous", "head_tail"])
+def test_cp_kda_fold_plan_matches_the_states_kept_per_partition(partition):
+    """KDA's CP fold (``kda_cp`` called on each of 2 gloo ranks, fp32): the bytes kept for its
+    backward beside the kernel's own equal ``cp_extra_bytes``, to the byte. Head-tail keeps one
+    ``[E, M]`` and one folded state per piece, twice the contiguous bytes: planned as contiguous it
+    would be half the measured bytes."""
+    run_multiprocess(_cp_fold_body, 2, partition)
+
+
+def _layer_saved(mixer, x, params) -> int:
+    saved = SavedBytes(params)
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+        y = mixer(x)
+    y.sum().backward()
+    return saved.total
+
+
+def _cp_mla_body(rank, world, partition):
+    group = parallel_context(init_distributed(cp=2)).cp_group
+    local = 32
+    cfg = _cp_cfg("M", partition, local)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    mixer = model.layers[0].mixer
+    x = torch.randn(CP_B, local, cfg.model.hidden_size, generator=torch.Generator().manual_seed(rank),
+                    requires_grad=True)
+    alone = _layer_saved(mixer, x, model.parameters())   # the same tokens' activations, no exchange
+    model.use_context_parallel(group, None, partition)
+    extra = torch.tensor(float(_layer_saved(mixer, x, model.parameters()) - alone))
+    dist.all_reduce(extra, op=dist.ReduceOp.MAX, group=group)   # the heaviest rank's
+    planned = cp_extra_bytes(cfg, [0], 4, 2)
+    assert planned == pytest.approx(extra.item(), rel=0.15), (rank, planned, extra.item())
+
+
+def test_cp_mla_head_tail_plan_matches_the_heaviest_rank():
+    """MLA under head-tail (the layer on each of 2 gloo ranks, fp32): what the layer keeps beyond
+    the same tokens' activations without CP, on the heaviest rank (rank 0: its second piece ends
+    the sequence, so it expands every key), against ``cp_extra_bytes`` within 15%."""
+    run_multiprocess(_cp_mla_body, 2, "head_tail")
