@@ -27,14 +27,18 @@ class _StaticGradKda(torch.autograd.Function):
         return buf, None, None, None, None
 
 
+CALLS: list[bool] = []
+
+
 def fake_chunk_kda(q, k, v, g, beta, cu_seqlens=None, use_graph=False, **kwargs):
-    assert use_graph, "the varlen path asks fla for its device-built chunk list"
+    CALLS.append(use_graph)
     return _StaticGradKda.apply(q, k, v, g, beta), None
 
 
 def test_gradients_do_not_alias_flas_static_buffers():
     B, T, H, K = 1, 8, 2, 4
     cu = torch.tensor([0, 3, 8])
+    CALLS.clear()
     grads = []
     for seed in (0, 1):
         gen = torch.Generator().manual_seed(seed)
@@ -48,3 +52,14 @@ def test_gradients_do_not_alias_flas_static_buffers():
     for got, want in grads:   # the first call's gradient survives the second call's backward
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert grads[0][0].data_ptr() != STATIC["dq"].data_ptr()
+    assert CALLS == [True, True]   # windows below 16K ask fla for its device-built chunk list
+
+
+def test_long_windows_take_the_plain_varlen_path():
+    """From 16K tokens (never graphed) fla's graph mode, with its process-lifetime buffers, is
+    not asked for."""
+    CALLS.clear()
+    T = 16384
+    q, k, v, g = (torch.zeros(1, T, 1, 2) for _ in range(4))
+    fla_kda_varlen(fake_chunk_kda, torch.tensor([0, T]), q, k, v, g, torch.zeros(1, T, 1))
+    assert CALLS == [False]

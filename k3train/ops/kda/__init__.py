@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from k3train.config import layout_rules
 from k3train.ops import fla_kernel
 from k3train.ops.kda.chunk import chunk_kda_torch
 from k3train.ops.kda.naive import naive_recurrent_kda
@@ -212,11 +213,13 @@ def fla_kda_varlen(fla_chunk_kda, cu_seqlens: torch.Tensor, q, k, v, g, beta, **
     go to fla unchanged. Returns ``(o [B, T, H, V], final_state [N, H, K, V] or None)``."""
     B, T = q.shape[:2]
     flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
-    if kwargs.get("initial_state") is None and not kwargs.get("output_final_state"):
+    graphable = T < layout_rules.PER_DOCUMENT_MIN_WINDOW   # windows a CUDA graph may record
+    if graphable and kwargs.get("initial_state") is None and not kwargs.get("output_final_state"):
         # fla's fixed-shape chunk list, built on the device (use_graph): a CUDA-graphed step
         # records it, zero-length documents (document_cu_seqlens_padded) are skipped, and no
-        # call reads the boundaries on the host. With states (context parallelism) the plain
-        # varlen path, whose state rows are the real documents'.
+        # call reads the boundaries on the host. Its backward keeps work buffers (fp32, the
+        # size of q, k and g) for the life of the process, so longer windows, which are never
+        # graphed, and runs with states (context parallelism) take the plain varlen path.
         kwargs = {**kwargs, "use_graph": True}
         # Under use_graph fla's backward hands some gradients back in process-wide static
         # buffers (fla/ops/utils/graph.py) that the next KDA backward overwrites: own them.
