@@ -99,6 +99,15 @@ def _mla(w: Widths, T: int, a: int, f: int, ops: str, mode: str) -> float:
     return w.D * a + lora + core + 3 * H * w.v * a
 
 
+def mla_key_bytes_per_token(w: Widths, a: int, ops: str) -> float:
+    """The key side of :func:`_mla`, per key token: what expanding one token's latent into keys
+    and values keeps (the latent, kv_norm, kv_up's input, the attention's k and v). Under
+    context parallelism a rank expands the gathered keys, not only its own tokens."""
+    f = 4
+    return (w.kvl + w.rope) * a + _norm(w.kvl, a, f, ops) - (w.kvl * f if _eager(ops) else w.kvl * a) \
+        + w.kvl * a + w.Hm * (w.qk + w.v) * (f if ops == "torch" else a)
+
+
 def _glu(n: int, a: int, ops: str) -> float:
     """SiTU-GLU of width n plus its down-projection input: eager keeps 6 tensors, compiled 2."""
     return (7 if _eager(ops) else 3) * n * a

@@ -45,15 +45,18 @@ step's left-out microbatches from its start (``step_microbatches``).
 
 Context parallelism (``cp``, predicted: not yet measured on GPUs): each CP rank keeps the
 activations of its ``seq_len / cp`` tokens, and on top of them what the exchanges leave
-(docs/long_context.md), under the run's ``parallel.cp_partition``: per MLA layer the
-all-gathered latent of the whole sequence and the keys and values expanded from it up to the
-end of the rank's last piece, which the attention saves for backward (counted for the rank
-whose last piece ends the sequence: the last rank when contiguous, rank 0 under head-tail; under
-head-tail also the int64 index that puts the gathered latent in sequence order); per KDA layer
-the fold's fp32 states, per piece the rank holds (one, two under head-tail): its own end state
-and transition and its folded initial state, ``[H, K, V + K]`` and ``[H, K, V]``. ``cp_extra``
-in the plan; tests/profiling/test_memory_plan.py measures the fold's states (both
-partitions) and head-tail's MLA terms on CPU.
+(docs/long_context.md), under the run's ``parallel.cp_partition``, counted for the rank whose
+last piece ends the sequence (the last rank when contiguous, rank 0 under head-tail): per MLA
+layer the key side of the layer's activations (``mla_key_bytes_per_token``: the latent,
+kv_norm, kv_up's input, the attention's k and v) for each token the rank expands beyond its
+own (the gathered latent up to the end of its last piece), under the pure-torch forms SDPA's
+probabilities over those keys, and under head-tail the int64 index that puts the gathered
+latent in sequence order; per KDA layer the fold's fp32 states, per piece the rank holds (one,
+two under head-tail): its folded initial state ``[H, K, V]`` and its transition, a view of the
+kernel's ``[H, K, V + K]`` end state (rows with a document start keep a fresh ``[H, K, K]``
+instead; the plan counts the rows without one). ``cp_extra`` in the plan;
+tests/profiling/test_memory_plan.py measures both on 2 CPU ranks (the fold to the byte, MLA
+within 15%), both partitions.
 
 Offload (``train.offload_activations``, k3train/model/offload.py): under ``full`` and
 ``selective`` what the layers' regions keep moves to host memory (``host_offload`` in the plan,
@@ -79,7 +82,7 @@ from k3train.errors import UsageError
 from k3train.model.model import build_model
 from k3train.ops.context_parallel import cp_pieces, num_pieces
 from k3train.profiling.activation_bytes import (FUSED_HALF_BACKWARD, OPS, Widths, block_grads_bytes_per_token,
-                                               head_bytes_per_token, layer_bytes_per_token,
+                                               head_bytes_per_token, layer_bytes_per_token, mla_key_bytes_per_token,
                                                offload_bytes_per_token, recomputed_bytes_per_token,
                                                records_bytes_per_token, records_shared_bytes_per_token,
                                                routing_last_bytes_per_token)
@@ -269,32 +272,49 @@ def _count_split(cfg: RunConfig) -> tuple[dict[int, dict[str, int]], dict[str, i
 
 
 def cp_extra_bytes(cfg: RunConfig, layers: list[int], act_bytes: int, cp: int,
-                   partition: str | None = None) -> float:
+                   partition: str | None = None, *, ops: str = "fused") -> float:
     """Bytes one microbatch's forward keeps on the heaviest CP rank for the CP exchanges of
     ``layers`` (module docstring), beyond its own tokens' activations; 0 at ``cp`` = 1.
-    partition: ``contiguous`` or ``head_tail`` (default ``parallel.cp_partition``)."""
+    partition: ``contiguous`` or ``head_tail`` (default ``parallel.cp_partition``); ops as
+    :func:`plan_memory`'s (``torch``: SDPA's math path keeps the probabilities)."""
     if cp == 1:
         return 0.0
     partition = cfg.parallel.cp_partition if partition is None else partition
     w = Widths.of(cfg)
     kinds = expand_layer_pattern(cfg.model.layer_pattern, cfg.model.num_layers)
     B, S = cfg.train.micro_batch_size, cfg.train.seq_len
+    a, f, H = act_bytes, 4, w.Hm
     mla = sum(1 for i in layers if kinds[i] == "M")
     kda = sum(1 for i in layers if kinds[i] == "K")
     # MLA expands the gathered latent up to the end of the rank's last piece: the whole sequence
     # on the heaviest rank under either partition (contiguous: the last rank; head-tail: rank 0,
-    # whose second piece is the sequence's last). Head-tail puts the gathered latent in sequence
-    # order with an index_select, which keeps its int64 index [S] for backward.
-    n = S // num_pieces(cp, partition)
-    keys = max(max(cp_pieces(r, cp, partition)) + 1 for r in range(cp)) * n
-    latent = B * S * (w.kvl + w.rope) * act_bytes
-    expanded = B * keys * w.Hm * (w.qk + w.v) * act_bytes
+    # whose second piece is the sequence's last). Without CP the rank expands its own T tokens,
+    # so the extra is the key side of the layer's per-token activations (activation_bytes._mla:
+    # the latent, kv_norm, kv_up's input, the attention's k and v) for the keys - T others.
+    # Under SDPA's math path (ops=torch) each of the rank's queries also keeps one probability
+    # per key it sees (piece p's n queries see (p + 1) n keys, against T keys without CP).
+    # Head-tail puts the gathered latent in sequence order with an index_select, which keeps its
+    # int64 index [S] for backward.
+    L = num_pieces(cp, partition)
+    n = S // L
+    heavy = max(range(cp), key=lambda r: max(cp_pieces(r, cp, partition)))
+    pieces = cp_pieces(heavy, cp, partition)
+    T, keys = len(pieces) * n, (max(pieces) + 1) * n
+    kv_side = mla_key_bytes_per_token(w, a, ops)
+    # The math path also copies each shorter prefix's keys and values it gets as a strided slice.
+    probs = (H * (sum(n * (p + 1) * n for p in pieces) - T * T) * f
+             + sum((p + 1) * n for p in pieces if p != max(pieces)) * H * (w.qk + w.v) * f) if ops == "torch" else 0
     order = 0 if partition == "contiguous" else S * 8
+    expanded = B * ((keys - T) * kv_side + probs)
     V = w.K
-    # per piece: [E, M] (V + K wide) and S_r (V wide), fp32 (_KdaStateExchange keeps S and M,
-    # M a view of the kernel's [E, M] state); head-tail folds each of the rank's two pieces
+    # Per piece, fp32: _KdaStateExchange keeps its folded initial state S_p (K x V) and M, a view
+    # of the kernel's [E, M] end state, whose storage (K x (V + K)) stays. Under document masking
+    # KimiDeltaAttention folds row by row, and a row with a document start in the rank's share
+    # stacks its M into a fresh K x K tensor (K x (V + K) per piece, a third less); a row
+    # without one (a document longer than the share: the long-context case) keeps the wide
+    # storage, so the plan counts every row so. Head-tail folds each of the rank's two pieces.
     fold = len(cp_pieces(0, cp, partition)) * B * w.H * w.K * ((V + w.K) + V) * 4
-    return mla * (latent + expanded + order) + kda * fold
+    return mla * (expanded + order) + kda * fold
 
 
 def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: int = 1,
@@ -407,8 +427,8 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
             plan.attnres_cache = blocks * tokens * w.D * act_bytes * plan.in_flight
         # none and selective keep every layer's exchange (the attention core, kept under
         # selective, saves the expanded keys and values); full recomputes them, one layer live.
-        every = cp_extra_bytes(cfg, layers, act_bytes, cp) * plan.in_flight
-        one = max((cp_extra_bytes(cfg, [i], act_bytes, cp) for i in layers), default=0.0)
+        every = cp_extra_bytes(cfg, layers, act_bytes, cp, ops=ops) * plan.in_flight
+        one = max((cp_extra_bytes(cfg, [i], act_bytes, cp, ops=ops) for i in layers), default=0.0)
         plan.cp_extra = {"none": every, "selective": every, "full": every and one}
         if any(i >= cfg.model.dense_layers for i in layers):
             cf = cfg.moe.capacity_factor

@@ -112,8 +112,8 @@ def test_model_info_prints_the_memory_plan_and_refuses_a_bad_dp(capsys):
 
 def test_context_parallel_plan_is_the_shorter_sequence_plus_the_exchanges(world1):
     """cp ranks each keep seq_len/cp tokens' activations (the plan of the shorter sequence) plus,
-    per MLA layer, the gathered latent and the keys/values expanded from it for the whole
-    sequence, and per KDA layer the fold's fp32 states; counted here from the config's widths."""
+    per MLA layer, the key side of every other token the gathered latent is expanded for, and
+    per KDA layer the fold's fp32 states; counted here from the config's widths."""
     base = ["train.seq_len=256", "train.micro_batch_size=2", "train.device=cuda"]
     cfg = load_config("configs/k3_tiny.yaml", base)
     short = load_config("configs/k3_tiny.yaml", [*base, "train.seq_len=64"])
@@ -123,8 +123,12 @@ def test_context_parallel_plan_is_the_shorter_sequence_plus_the_exchanges(world1
     m, a = cfg.model, 2
     n_mla = m.layer_pattern.count("M") * m.num_layers // len(m.layer_pattern)
     n_kda = m.num_layers - n_mla
-    per_mla = 2 * 256 * (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim) * a \
-        + 2 * 256 * m.mla.num_heads * (m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim + m.mla.v_head_dim) * a
+    # the key side of the 256 - 64 tokens the last rank expands beyond its own (fused ops): the
+    # latent (the compiled kv_norm's input is its view), the norm's fp32 rstd, kv_up's input,
+    # the attention's k and v
+    a_ = m.mla
+    per_mla = 2 * (256 - 64) * ((a_.kv_lora_rank + a_.qk_rope_head_dim) * a + 4 + a_.kv_lora_rank * a
+                                + a_.num_heads * (a_.qk_nope_head_dim + a_.qk_rope_head_dim + a_.v_head_dim) * a)
     # [E, M]: K x (V + K), S_r: K x V, fp32, per head and window (V = K = head_dim)
     per_kda = 2 * m.kda.num_heads * (m.kda.head_dim * 2 * m.kda.head_dim + m.kda.head_dim ** 2) * 4
     assert four.cp_extra["none"] == four.cp_extra["selective"] == n_mla * per_mla + n_kda * per_kda
@@ -148,15 +152,16 @@ def test_context_parallel_plan_is_the_shorter_sequence_plus_the_exchanges(world1
 CP_B, CP_T = 2, 128   # local tokens per rank; head-tail pieces of 64 fill the torch KDA's chunks
 
 
-def _cp_cfg(pattern: str, partition: str, local: int = CP_T):
+def _cp_cfg(pattern: str, partition: str, *extra: str, local: int = CP_T):
     return tiny_cfg(f"model.layer_pattern={pattern}", "model.num_layers=1", "parallel.cp=2",
                     f"parallel.cp_partition={partition}", f"train.seq_len={2 * local}",
-                    f"train.micro_batch_size={CP_B}")
+                    f"train.micro_batch_size={CP_B}", *extra)
 
 
-def _fold_kept_bytes(rank: int, group, partition: str, local: int) -> int:
+def _fold_kept_bytes(rank: int, group, partition: str, local: int, doc_starts=()) -> int:
     """Bytes ``kda_cp`` keeps for backward outside its kernel calls (whose own saved tensors are
-    the local tokens' activations, collected apart), fp32, ``local`` tokens on this rank."""
+    the local tokens' activations, collected apart), fp32, ``local`` tokens on this rank;
+    ``doc_starts`` as kda_cp's (document masking on when not empty)."""
     H, K = 2, 8
     gen = torch.Generator().manual_seed(rank)
     q, k = (F.normalize(torch.randn(CP_B, local, H, K, generator=gen), dim=-1).requires_grad_() for _ in range(2))
@@ -164,13 +169,20 @@ def _fold_kept_bytes(rank: int, group, partition: str, local: int) -> int:
     g = (-torch.rand(CP_B, local, H, K, generator=gen)).requires_grad_()
     beta = torch.rand(CP_B, local, H, generator=gen, requires_grad=True)
     inner, outer = SavedBytes(), SavedBytes((q, k, v, g, beta))
+    # Every packed tensor stays referenced until the count: a storage freed with a discarded
+    # branch of the graph (the document path replaces the stacked M) could otherwise hand its
+    # address to a later one, which the count (keyed by address) would then misfile.
+    alive = []
+
+    def hold(saved):
+        return lambda t: alive.append(t) or saved.pack(t)
 
     def kernel(*args, **kwargs):
-        with torch.autograd.graph.saved_tensors_hooks(inner.pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(hold(inner), lambda t: t):
             return kda(*args, **kwargs)
 
-    with torch.autograd.graph.saved_tensors_hooks(outer.pack, lambda t: t):
-        o = kda_cp(q, k, v, g, beta, group=group, kernel=kernel, partition=partition)
+    with torch.autograd.graph.saved_tensors_hooks(hold(outer), lambda t: t):
+        o = kda_cp(q, k, v, g, beta, group=group, kernel=kernel, partition=partition, doc_starts=doc_starts)
     o.sum().backward()
     return sum(n for ptr, n in outer.storages.items() if ptr not in inner.storages)
 
@@ -185,6 +197,25 @@ def _cp_fold_body(rank, world, partition):
     assert planned == measured, (rank, planned, measured)
 
 
+def _cp_fold_documents_body(rank, world, partition):
+    group = parallel_context(init_distributed(cp=2)).cp_group
+    # KimiDeltaAttention folds row by row under document masking; a start in a row's first
+    # piece (doc_starts) or none (a document longer than the rank's share)
+    def states(starts):
+        return 2 * _fold_kept_bytes(rank, group, partition, CP_T, starts) \
+            - _fold_kept_bytes(rank, group, partition, 2 * CP_T, starts)
+
+    with_start, without = states((5,)), states(())
+    cfg = _cp_cfg("K", partition, "data.document_mask=true")
+    assert cfg.data.masks_documents
+    planned = cp_extra_bytes(cfg, [0], 4, 2)
+    L, H, K = (2 if partition == "head_tail" else 1), 2, 8
+    # a row with a start stacks M afresh: S and M, K x (V + K) per piece; one without keeps the
+    # kernel's [E, M] storage beside S, K x (2V + K): the bound the plan counts
+    assert with_start == L * CP_B * H * K * (K + K) * 4, (rank, with_start)
+    assert without == planned == 3 * with_start // 2, (rank, without, planned)
+
+
 @pytest.mark.parametrize("partition", ["contiguous", "head_tail"])
 def test_cp_kda_fold_plan_matches_the_states_kept_per_partition(partition):
     """KDA's CP fold (``kda_cp`` called on each of 2 gloo ranks, fp32): the bytes kept for its
@@ -192,6 +223,16 @@ def test_cp_kda_fold_plan_matches_the_states_kept_per_partition(partition):
     ``[E, M]`` and one folded state per piece, twice the contiguous bytes: planned as contiguous it
     would be half the measured bytes."""
     run_multiprocess(_cp_fold_body, 2, partition)
+
+
+@pytest.mark.parametrize("partition", ["contiguous", "head_tail"])
+def test_cp_kda_fold_plan_under_document_masking_is_the_rows_without_a_start(partition):
+    """With document masking ``kda_cp`` runs per row (as KimiDeltaAttention calls it): a row with
+    a document start in the rank's pieces stacks each piece's transition M into a fresh
+    ``[K, K]`` tensor and keeps ``K (V + K)`` per piece, to the byte; a row without one keeps
+    the kernel's ``K (V + K)``-wide end state beside S, ``K (2V + K)``, 3/2 of it. The plan is
+    that bound (a document longer than the rank's share), to the byte."""
+    run_multiprocess(_cp_fold_documents_body, 2, partition)
 
 
 def _layer_saved(mixer, x, params) -> int:
@@ -205,7 +246,7 @@ def _layer_saved(mixer, x, params) -> int:
 def _cp_mla_body(rank, world, partition):
     group = parallel_context(init_distributed(cp=2)).cp_group
     local = 32
-    cfg = _cp_cfg("M", partition, local)
+    cfg = _cp_cfg("M", partition, local=local)
     torch.manual_seed(0)
     model = build_model(cfg)
     mixer = model.layers[0].mixer
@@ -215,12 +256,16 @@ def _cp_mla_body(rank, world, partition):
     model.use_context_parallel(group, None, partition)
     extra = torch.tensor(float(_layer_saved(mixer, x, model.parameters()) - alone))
     dist.all_reduce(extra, op=dist.ReduceOp.MAX, group=group)   # the heaviest rank's
-    planned = cp_extra_bytes(cfg, [0], 4, 2)
+    planned = cp_extra_bytes(cfg, [0], 4, 2, ops="torch")   # CPU: SDPA's math path
     assert planned == pytest.approx(extra.item(), rel=0.15), (rank, planned, extra.item())
 
 
-def test_cp_mla_head_tail_plan_matches_the_heaviest_rank():
-    """MLA under head-tail (the layer on each of 2 gloo ranks, fp32): what the layer keeps beyond
-    the same tokens' activations without CP, on the heaviest rank (rank 0: its second piece ends
-    the sequence, so it expands every key), against ``cp_extra_bytes`` within 15%."""
-    run_multiprocess(_cp_mla_body, 2, "head_tail")
+@pytest.mark.parametrize("partition", ["contiguous", "head_tail"])
+def test_cp_mla_plan_matches_the_heaviest_rank(partition):
+    """MLA (the layer on each of 2 gloo ranks, fp32): what the layer keeps beyond the same
+    tokens' activations without CP, on the heaviest rank (contiguous: the last; head-tail:
+    rank 0, whose second piece ends the sequence), against ``cp_extra_bytes`` within 15%: the
+    key side of every other token (latent, kv_norm, kv_up's input, k and v) and the math path's
+    probabilities over the extra keys. Contiguous measures 39,168 bytes, planned 40,192; the
+    formula that counted the gathered latent and k, v of every key planned 30,720 (0.78)."""
+    run_multiprocess(_cp_mla_body, 2, partition)
