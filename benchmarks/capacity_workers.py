@@ -307,7 +307,7 @@ def worker_mask(args) -> None:
                 ("masked_graphed", [*base, "train.cuda_graph=false" if args.device == "cpu" else
                                     "train.cuda_graph=true" if seq < PER_DOCUMENT_MIN_WINDOW else "train.cuda_graph=auto",
                                     "data.document_mask=true"])]
-        wanted = set(args.mask_rows.split(",")) if getattr(args, "mask_rows", "") else None
+        wanted = set(args.mask_rows.split(",")) if args.mask_rows else None
         rows = [r for r in rows if wanted is None or r[0] in wanted]
         for name, overrides in rows:
             if time.time() > deadline:

@@ -25,13 +25,18 @@ __all__ = ["WindowDocuments", "document_count", "document_cu_seqlens", "document
            "max_documents", "window_documents"]
 
 
+def _starts(inputs: torch.Tensor, eod_id: int) -> torch.Tensor:
+    """inputs ``[B, T]`` -> bool ``[B, T]``: where a document starts (every EOD, every row start)."""
+    starts = inputs == eod_id
+    starts[:, 0] = True
+    return starts
+
+
 def document_cu_seqlens(inputs: torch.Tensor, eod_id: int) -> torch.Tensor:
     """inputs ``[B, T]`` -> cu_seqlens ``[N+1]`` (int64, on inputs' device): the flat index of
     every row start and every EOD token, then ``B*T``."""
     B, T = inputs.shape
-    starts = inputs == eod_id
-    starts[:, 0] = True
-    idx = starts.flatten().nonzero().flatten()
+    idx = _starts(inputs, eod_id).flatten().nonzero().flatten()
     return torch.cat([idx, idx.new_tensor([B * T])])
 
 
@@ -46,9 +51,7 @@ def document_cu_seqlens_padded(inputs: torch.Tensor, eod_id: int, max_docs: int)
     then ``B*T`` repeated (zero-length documents, which every mixer skips). Needs ``N <=
     max_docs`` (``document_count`` tells, on the host): starts past ``max_docs`` are dropped."""
     B, T = inputs.shape
-    starts = inputs == eod_id
-    starts[:, 0] = True
-    flat = starts.flatten()
+    flat = _starts(inputs, eod_id).flatten()
     # Start i goes to slot (number of starts up to it) - 1; every other token to a spare slot.
     slot = torch.where(flat, flat.cumsum(0) - 1, torch.full_like(flat, max_docs + 1, dtype=torch.long))
     out = torch.full((max_docs + 2,), B * T, dtype=torch.long, device=inputs.device)
@@ -58,9 +61,7 @@ def document_cu_seqlens_padded(inputs: torch.Tensor, eod_id: int, max_docs: int)
 
 def document_count(inputs: torch.Tensor, eod_id: int) -> int:
     """How many documents ``document_cu_seqlens`` finds in inputs ``[B, T]`` (one host read)."""
-    starts = inputs == eod_id
-    starts[:, 0] = True
-    return int(starts.sum())
+    return int(_starts(inputs, eod_id).sum())
 
 
 def max_documents(batch: int, seq_len: int) -> int:

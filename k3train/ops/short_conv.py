@@ -97,5 +97,5 @@ def _short_conv_varlen(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.
     # CUDA-graphed step records it, and an eager one skips a host sync per call.
     cu_ext, chunk_indices = conv_chunk_indices(cu_seqlens, B * T)
     y, _ = fused(x.reshape(1, B * T, C), weight.to(x.dtype), activation="silu", cu_seqlens=cu_ext,
-                 chunk_indices=chunk_indices.to(cu_ext))
+                 chunk_indices=chunk_indices)
     return y.reshape(B, T, C)
