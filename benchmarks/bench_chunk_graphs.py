@@ -25,6 +25,10 @@ gradient are compared (bf16 autocast: same kernels, so equal up to the order of 
 parameter-gradient sums), then an AdamW step is taken with the graphed gradients, N steps.
 Prints PASS/FAIL with the largest relative differences, and the loss of the first and last
 step (a short run that learns).
+
+``--mask``: the check only, with document masking: about one document start in 256 tokens
+(token ``--eod``) at new places every step; the eager engine gets the exact boundaries, the
+graphed one the fixed-shape form the trainer feeds its chunk graphs (``PaddedDocuments``).
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ import time
 import torch
 
 from k3train.config import load_config
+from k3train.data.documents import WindowDocuments
 from k3train.model.forward_state import forward_state_holders
 from k3train.model.model import build_model
 from k3train.ops import kernels
@@ -57,14 +62,26 @@ def _config(args, vpp: int):
     return cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"vpp": vpp})})
 
 
-def _batches(cfg, n: int):
+def _batches(cfg, n: int, eod: int | None = None):
+    """n steps of m microbatches ``(inputs, targets)``; with ``eod``, about one document start
+    in 256 tokens."""
     g = torch.Generator().manual_seed(0)
     m, b, t = cfg.train.microbatches, cfg.train.micro_batch_size, cfg.train.seq_len
     out = []
     for _ in range(n):
-        toks = torch.randint(0, cfg.model.vocab_size, (m * b, t + 1), generator=g).cuda()
+        toks = torch.randint(0, cfg.model.vocab_size, (m * b, t + 1), generator=g)
+        if eod is not None:
+            toks[torch.rand(toks.shape, generator=g) < 1 / 256] = eod
+        toks = toks.cuda()
         out.append([(mb[:, :-1], mb[:, 1:]) for mb in toks.chunk(m)])
     return out
+
+
+def _with_documents(mbs, documents):
+    """Microbatches ``(inputs, targets)`` -> ``(inputs, targets, documents(windows))``."""
+    if documents is None:
+        return mbs
+    return [(x, y, documents(torch.cat([x, y[:, -1:]], dim=1))) for x, y in mbs]
 
 
 def _time(step, batches, warmup: int = 3) -> float:
@@ -113,12 +130,18 @@ def check(args, parallel) -> bool:
     run_e, run_g = _engine_step(eager, chunks, autocast), _engine_step(graphed, chunks, autocast)
     params = [p for p in chunks.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
-    compile_ahead(lambda: run_e(_batches(cfg, 1)[0]), label="the engine step")
-    worst_loss, worst_grad, losses = 0.0, 0.0, []
-    for step, mbs in enumerate(_batches(cfg, args.check_steps), start=1):
-        loss_e = run_e(mbs)
+    eod = args.eod if args.mask else None
+    docs = WindowDocuments(eod) if args.mask else None
+    exact, padded = (docs, docs.padded) if args.mask else (None, None)
+    compile_ahead(lambda: run_e(_with_documents(_batches(cfg, 1, eod)[0], exact)), label="the engine step")
+    worst_loss, worst_grad, losses, documents = 0.0, 0.0, [], 0
+    for step, mbs in enumerate(_batches(cfg, args.check_steps, eod), start=1):
+        if docs is not None:
+            assert all(docs.fits(torch.cat([x, y[:, -1:]], dim=1)) for x, y in mbs)
+            documents += sum(int(exact(torch.cat([x, y[:, -1:]], dim=1)).numel()) - 1 for x, y in mbs)
+        loss_e = run_e(_with_documents(mbs, exact))
         grads_e = [p.grad.clone() if p.grad is not None else None for p in params]
-        loss_g = run_g(mbs)
+        loss_g = run_g(_with_documents(mbs, padded))
         worst_loss = max(worst_loss, abs(loss_g.item() - loss_e.item()) / abs(loss_e.item()))
         for p, ge in zip(params, grads_e):
             if ge is None or p.grad is None:
@@ -131,7 +154,9 @@ def check(args, parallel) -> bool:
     ok = worst_loss < 1e-3 and worst_grad < 2e-2 and losses[-1] < losses[0]
     print(json.dumps({"check": "PASS" if ok else "FAIL", "steps": args.check_steps,
                       "graphs": graphed.graphs.captured, "max_rel_loss_diff": worst_loss,
-                      "max_rel_grad_diff": worst_grad, "first_loss": losses[0], "last_loss": losses[-1]}),
+                      "max_rel_grad_diff": worst_grad, "first_loss": losses[0], "last_loss": losses[-1],
+                      "masked": args.mask,
+                      "documents_per_microbatch": documents / (args.check_steps * cfg.train.microbatches)}),
           flush=True)
     del chunks, eager, graphed, opt
     torch.cuda.empty_cache()
@@ -148,6 +173,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--check-steps", type=int, default=20)
     ap.add_argument("--override", nargs="*", default=[])
+    ap.add_argument("--mask", action="store_true", help="the check only, with document masking")
+    ap.add_argument("--eod", type=int, default=1, help="the end-of-document token under --mask")
     ap.add_argument("--json")
     args = ap.parse_args()
     cfg1 = _config(args, 1)
@@ -157,8 +184,13 @@ def main() -> None:
     parallel = parallel_context(info)
     result = {"device": torch.cuda.get_device_name(), "config": args.config, "vpp": args.vpp,
               "microbatches": args.microbatches, "mbs": args.mbs, "seq": args.seq, "rows": {}}
-    if args.check_steps:
+    if args.check_steps or args.mask:
         result["check"] = check(args, parallel)
+    if args.mask:   # the timed rows run unmasked windows: nothing more to compare
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        return
     tokens = args.microbatches * args.mbs * args.seq
     batches = _batches(cfg1, args.steps + 3)
 

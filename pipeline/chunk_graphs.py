@@ -20,7 +20,8 @@ live across graphs (static inputs, outputs, output and input gradients) stay ref
 the whole run.
 
 What a replay does (``ChunkGraphs.forward``): copy the chunk's inputs (the hop's tensors, the
-cached AttnRes blocks, tokens, targets) into the slot's static inputs, replay the forward
+cached AttnRes blocks, tokens, targets, and the microbatch's document boundaries in their fixed
+shape, so that one recording serves every batch's documents) into the slot's static inputs, replay the forward
 graph, and return *copies* of the outputs (an output may sit in a send or the block cache
 while the slot's next forward replays; a copy of a ``[B, T, D]`` hidden state costs
 microseconds). The outputs carry an autograd node whose backward copies the incoming gradients
@@ -148,11 +149,16 @@ class EagerGraph:
 
 
 # ---- flattening of the engine's chunk arguments -----------------------------------------------
-def _flatten(obj) -> tuple[list[torch.Tensor], tuple]:
-    """StageIO | Tensor -> (tensors, spec); ``_unflatten`` inverts it."""
+def _flatten(obj, *, segments: bool = True) -> tuple[list[torch.Tensor], tuple]:
+    """StageIO | Tensor -> (tensors, spec); ``_unflatten`` inverts it. A StageIO's document
+    boundaries (``segments``, a fixed-shape LongTensor under graphs) are one more static input;
+    ``segments=False`` leaves them out (a chunk's outputs: the engine attaches its own copy to
+    what the next chunk receives, and never sends them)."""
     if isinstance(obj, StageIO):
-        tensors = ([obj.hidden] if obj.hidden is not None else []) + list(obj.blocks.values())
-        return tensors, ("io", obj.hidden is not None, tuple(obj.blocks))
+        seg = segments and obj.segments is not None
+        tensors = (([obj.hidden] if obj.hidden is not None else []) + list(obj.blocks.values())
+                   + ([obj.segments] if seg else []))
+        return tensors, ("io", obj.hidden is not None, tuple(obj.blocks), seg)
     if isinstance(obj, torch.Tensor):
         return [obj], ("t",)
     raise TypeError(f"a graphed chunk takes and returns StageIO or tensors, got {type(obj).__name__}")
@@ -161,26 +167,33 @@ def _flatten(obj) -> tuple[list[torch.Tensor], tuple]:
 def _unflatten(tensors: list[torch.Tensor], spec: tuple):
     if spec[0] == "t":
         return tensors[0]
-    _, has_hidden, blocks = spec
+    _, has_hidden, blocks, seg = spec
     hidden = tensors[0] if has_hidden else None
-    return StageIO(hidden, dict(zip(blocks, tensors[int(has_hidden):])))
+    n = int(has_hidden) + len(blocks)
+    return StageIO(hidden, dict(zip(blocks, tensors[int(has_hidden):n])), tensors[n] if seg else None)
 
 
-def _flatten_args(args: tuple) -> tuple[list[torch.Tensor], list[tuple]]:
+def _flatten_args(args: tuple, kwargs: dict | None = None) -> tuple[list[torch.Tensor], list[tuple]]:
+    """A chunk call's positional and keyword arguments (tensors or StageIO) -> (tensors, specs);
+    each spec is (keyword or None, the argument's spec, how many tensors it took)."""
     flat, specs = [], []
-    for a in args:
+    for key, a in [(None, a) for a in args] + sorted((kwargs or {}).items()):
         tensors, spec = _flatten(a)
         flat += tensors
-        specs.append((spec, len(tensors)))
+        specs.append((key, spec, len(tensors)))
     return flat, specs
 
 
-def _unflatten_args(flat: list[torch.Tensor], specs: list[tuple]) -> tuple:
-    out, i = [], 0
-    for spec, n in specs:
-        out.append(_unflatten(flat[i:i + n], spec))
+def _unflatten_args(flat: list[torch.Tensor], specs: list[tuple]) -> tuple[tuple, dict]:
+    args, kwargs, i = [], {}, 0
+    for key, spec, n in specs:
+        value = _unflatten(flat[i:i + n], spec)
+        if key is None:
+            args.append(value)
+        else:
+            kwargs[key] = value
         i += n
-    return tuple(out)
+    return tuple(args), kwargs
 
 
 # ---- one slot's graphs and the autograd node that replays them --------------------------------
@@ -298,9 +311,12 @@ class ChunkGraphs:
         self.active = False
 
     # ---- per chunk call -----------------------------------------------------------------------
-    def forward(self, chunk: int, microbatch: int, args: tuple):
-        """The graphed ``chunks[chunk](*args)`` of ``microbatch`` (StageIO / tensors in and out)."""
-        flat, specs = _flatten_args(args)
+    def forward(self, chunk: int, microbatch: int, args: tuple, kwargs: dict | None = None):
+        """The graphed ``chunks[chunk](*args, **kwargs)`` of ``microbatch`` (StageIO / tensors in,
+        out and as keywords: chunk 0's ``segments``). Document boundaries must come in one fixed
+        shape (``k3train.data.documents.document_cu_seqlens_padded``): each replay copies them
+        into the slot's static input like any other input."""
+        flat, specs = _flatten_args(args, kwargs)
         slot = self.slots.get((chunk, self.plan.slots[chunk][microbatch]))
         if slot is None:
             slot = self._capture(chunk, self.plan.slots[chunk][microbatch], flat, specs)
@@ -328,8 +344,8 @@ class ChunkGraphs:
         begun = self.state.begin_capture(chunk) if self.state is not None else None
 
         def forward_body():
-            out = module(*_unflatten_args(slot.static_in, specs))
-            slot.outs, slot.out_spec = _flatten(out)
+            args, kwargs = _unflatten_args(slot.static_in, specs)
+            slot.outs, slot.out_spec = _flatten(module(*args, **kwargs), segments=False)
 
         slot.fwd = self.graph_factory()
         slot.fwd.record(forward_body, pool)

@@ -319,13 +319,14 @@ class PipelineEngine:
 
     def _call(self, chunk: nn.Module, c: int, mb: int, args: tuple, kwargs: dict | None = None):
         """The chunk's forward: replayed from its slot's graph in a graphed training step.
-        ``kwargs``: chunk 0's document segments, the last chunk's loss divisor (graphs are never
-        on with document masking or context parallelism: ``RunConfig.cuda_graph_blockers``)."""
+        ``kwargs``: chunk 0's document segments (replayed as a static input: they must come in
+        one fixed shape), the last chunk's loss divisor (context parallelism, which graphs do
+        not serve: ``RunConfig.cuda_graph_blockers``)."""
         if self._graphed:
-            if kwargs:
-                raise ValueError("chunk graphs cannot replay document segments or a loss divisor "
-                                 "(they change per batch)")
-            return self.graphs.forward(c, mb, args)
+            if set(kwargs or {}) - {"segments"}:
+                raise ValueError(f"chunk graphs cannot replay {sorted(set(kwargs) - {'segments'})} "
+                                 f"(context parallelism's loss divisor is not captured)")
+            return self.graphs.forward(c, mb, args, kwargs)
         return chunk(*args, **(kwargs or {}))
 
     def _after_forward(self, c: int, mb: int, out: StageIO, training: bool, saved: _SavedStorages):

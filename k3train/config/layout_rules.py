@@ -60,13 +60,11 @@ def cuda_graph_blockers(cfg: RunConfig, *, device: str | None = None, auto: bool
                                      f"{cfg.train.seq_len}: from {PER_DOCUMENT_MIN_WINDOW} tokens MLA attends "
                                      f"one call per document, reading the boundaries on the host; it needs "
                                      f"train.seq_len < {PER_DOCUMENT_MIN_WINDOW} or data.document_mask=false")
-    elif cfg.data.masks_documents and p.pp != 1:
-        out["data.document_mask"] = (f"train.cuda_graph's chunk graphs (parallel.pp={p.pp}) do not carry "
-                                     f"document boundaries yet; it needs parallel.pp=1 or data.document_mask=false")
     elif cfg.data.masks_documents and auto:
         # Recorded KDA, conv and MLA replay exactly on new boundaries on an H200 (scripts/
-        # gpu_check_document_mask.py, 2026-12-04); the trainer's graphed masked step has not yet
-        # trained there, so auto leaves it off until it has, and true opts in.
+        # gpu_check_document_mask.py, 2026-12-04); the trainer's graphed masked step (one graph,
+        # or the pipeline's chunk graphs) has not yet trained there, so auto leaves it off until
+        # it has, and true opts in.
         out["data.document_mask"] = ("graphed document masking has not yet trained on a GPU, so "
                                      "train.cuda_graph=auto leaves it off; train.cuda_graph=true opts in")
     if cfg.precision.param_dtype != "fp32":

@@ -27,7 +27,8 @@ forward state. Data parallelism reduces the gradients after the replay, eagerly,
 graph. Expert parallelism with the static dispatcher (``moe.capacity_factor``) records its
 fixed-split all-to-all in the graph; its dropped-slot counts and routing land in the forward
 state, read after the replay. Document masking (``data.document_mask``, windows under
-``layout_rules.PER_DOCUMENT_MIN_WINDOW``) records fixed-shape boundaries (``CapturedDocuments``).
+``layout_rules.PER_DOCUMENT_MIN_WINDOW``) records fixed-shape boundaries (``CapturedDocuments``;
+the chunk graphs copy them in as a static input, ``PaddedDocuments``).
 Not supported (``train.cuda_graph: auto`` leaves the graph off
 there, ``true`` is refused with an error naming the cause): expert parallelism with the dynamic
 dispatcher (split sizes read on the host) and tensor parallelism. The one list of what rules the graph out is ``RunConfig.cuda_graph_blockers``
@@ -134,6 +135,20 @@ class CapturedDocuments:
         """batch ``[B * microbatches, T+1]``: whether every microbatch's documents fit the fixed
         shape (one host read per microbatch; the batch is on the host before it is copied in)."""
         return all(self.documents.fits(mb) for mb in batch.chunk(self.microbatches))
+
+
+class PaddedDocuments(CapturedDocuments):
+    """Document boundaries under the pipeline's chunk graphs (``pipeline/chunk_graphs.py``):
+    the fixed-shape form in every step, computed eagerly on the device (no host read) and
+    copied into each replayed chunk's static input, so that the eager warm-up steps run the
+    very shapes the graphs record. A step that ``fits`` turns away runs without the graphs,
+    with the ``exact`` boundaries (``TrainState._forward_backward``)."""
+
+    def __call__(self, windows: torch.Tensor) -> torch.Tensor:
+        return self.documents.padded(windows)
+
+    def exact(self, windows: torch.Tensor) -> torch.Tensor:
+        return self.documents(windows)
 
 
 class ChunkForwardState:

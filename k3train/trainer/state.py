@@ -16,7 +16,8 @@ from k3train.ops.context_parallel import cp_token_index
 from k3train.model.forward_state import forward_state_holders
 from k3train.model.model import moe_layer_indices
 from k3train.ops.triton_compile import compile_ahead
-from k3train.trainer.cuda_graph import CapturedDocuments, ChunkForwardState, GraphedForwardBackward
+from k3train.trainer.cuda_graph import (CapturedDocuments, ChunkForwardState, GraphedForwardBackward,
+                                        PaddedDocuments)
 from k3train.trainer.moe_stats import MoEStats
 from k3train.trainer.optimizer import build_k3_optimizer
 from k3train.trainer.parts import build_parts
@@ -24,7 +25,7 @@ from moe import Balancer
 from optim import DataParallelGrads, GradGroups, apply_lr, lr_factor
 from optim.grads import allreduce_mean
 from pipeline import CommRecorder
-from pipeline.chunk_graphs import no_graphs
+from pipeline.chunk_graphs import CudaGraph, no_graphs
 
 
 def autocast_for(cfg: RunConfig, device: torch.device, graph: bool = False):
@@ -76,13 +77,14 @@ def _window_loss(state, windows: torch.Tensor) -> torch.Tensor:
     return state.model(inputs, targets, **_segments(segments))
 
 
-def engine_microbatch(state, windows: torch.Tensor) -> tuple:
+def engine_microbatch(state, windows: torch.Tensor, documents=None) -> tuple:
     """The pipeline engine's microbatch for ``windows`` [B, T+1] (``PipelineEngine.train_step``):
     ``(inputs, targets, segments)``, or under context parallelism this rank's slice of them and
     the loss divisor (``_cp_slice``): every stage slices alike, so each hop carries one CP
     rank's tokens to the same CP rank of the next stage. Reads ``state.targets``,
-    ``documents``, ``cp`` and ``cp_rank``."""
-    inputs, targets, segments = windows[:, :-1], state.targets(windows), state.documents(windows)
+    ``documents`` (unless ``documents`` is given), ``cp`` and ``cp_rank``."""
+    documents = documents if documents is not None else state.documents
+    inputs, targets, segments = windows[:, :-1], state.targets(windows), documents(windows)
     if state.cp > 1:
         return _cp_slice(inputs, targets, segments, state.cp, state.cp_rank, state.cp_partition)
     return inputs, targets, segments
@@ -168,16 +170,30 @@ class TrainState:
                                                forward_state_holders(self.model), accepts=accepts)
                         if graph and self.engine is None else None)
         if graph and self.engine is not None:
-            self.engine.use_graphs(cfg.train.microbatches, state=ChunkForwardState(self.engine.chunks))
+            self.use_chunk_graphs()
         self.graph_words = self._graph_words(graph)
+
+    def use_chunk_graphs(self, graph_factory=CudaGraph, warmup: int = 2) -> None:
+        """Replay the pipeline engine's chunks from graphs (``PipelineEngine.use_graphs``; the
+        CPU tests pass ``EagerGraph``). Under document masking every microbatch's boundaries
+        come in the fixed shape the graphs record (``PaddedDocuments``)."""
+        if isinstance(self.documents, WindowDocuments):
+            self.documents = PaddedDocuments(self.documents, self.cfg.train.microbatches)
+        self.engine.use_graphs(self.cfg.train.microbatches, warmup=warmup, graph_factory=graph_factory,
+                               state=ChunkForwardState(self.engine.chunks))
 
     def _graph_words(self, on: bool) -> str:
         """What ``train.cuda_graph`` resolved to and why, for the banner."""
         want = self.cfg.train.cuda_graph
         if on and self.engine is not None:
             plan = self.engine.graphs.plan
+            docs = ""
+            if isinstance(self.documents, PaddedDocuments):
+                t = self.cfg.train
+                docs = (f"; document boundaries in a fixed shape of {max_documents(t.micro_batch_size, t.seq_len)} "
+                        f"documents per microbatch (a step with a microbatch holding more runs eagerly)")
             return (f"on (train.cuda_graph={want}): {plan.graphs} chunk graphs on this rank, one forward "
-                    f"and one backward per chunk per in-flight microbatch, from step 3")
+                    f"and one backward per chunk per in-flight microbatch, from step 3{docs}")
         if on and isinstance(self.documents, CapturedDocuments):
             t = self.cfg.train
             return (f"on (train.cuda_graph={want}): the whole forward/backward, from step 3; document "
@@ -239,11 +255,16 @@ class TrainState:
         """Forward and backward of every microbatch of ``batch``; returns the mean loss (a scalar
         on the device). Gradients accumulate in ``.grad``; nothing is reduced or stepped."""
         m = self.cfg.train.microbatches
+        # Chunk graphs with document masking: a step with a microbatch holding more documents
+        # than the recorded shape runs eagerly, with its exact boundaries (read on the host,
+        # before the batch is copied to the device).
+        exact = (self.documents.exact if isinstance(self.documents, PaddedDocuments)
+                 and not self.documents.fits(batch) else None)
         batch = batch.to(self.device, non_blocking=True)
         self.model.train()
         if self.engine is not None:
-            with self.autocast:
-                total = self.engine.train_step([engine_microbatch(self, mb) for mb in batch.chunk(m)])
+            with self.autocast, no_graphs(self.engine.graphs) if exact is not None else contextlib.nullcontext():
+                total = self.engine.train_step([engine_microbatch(self, mb, exact) for mb in batch.chunk(m)])
             total = total * float("nan") if poison else total
         else:
             total = torch.zeros((), device=self.device)
@@ -346,7 +367,9 @@ class TrainState:
         self.model.eval()
         if self.engine is not None:
             with self.autocast:
-                loss = self.engine.eval_step([engine_microbatch(self, b.to(self.device)) for b in batches])
+                # Evaluation is never graphed: the exact boundaries (any number of documents).
+                docs = self.documents.exact if isinstance(self.documents, PaddedDocuments) else None
+                loss = self.engine.eval_step([engine_microbatch(self, b.to(self.device), docs) for b in batches])
         else:
             losses = []
             for b in batches:

@@ -234,8 +234,8 @@ def test_graph_blockers_are_one_list_for_load_time_and_run_time():
     assert cfg.cuda_graph_refusal(device="cuda").endswith("set train.cuda_graph=false (or auto)")
     plain = load_config("configs/k3_tiny.yaml", ["train.cuda_graph=auto", "data.document_mask=false"])
     assert plain.cuda_graph_blockers(device="cuda") == {} and plain.cuda_graph_refusal(device="cuda") is None
-    # Document masking is recorded below the per-document attention's window, not from it, and
-    # not by the pipeline's chunk graphs.
+    # Document masking is recorded below the per-document attention's window, not from it, by
+    # the whole-step graph and by the pipeline's chunk graphs alike.
     masked = load_config("configs/k3_tiny.yaml", ["train.cuda_graph=auto"])
     assert masked.data.masks_documents and masked.cuda_graph_blockers(device="cuda") == {}
     assert set(masked.cuda_graph_blockers(device="cuda", auto=True)) == {"data.document_mask"}
@@ -245,7 +245,8 @@ def test_graph_blockers_are_one_list_for_load_time_and_run_time():
     short = load_config("configs/k3_tiny.yaml", ["train.cuda_graph=auto", "train.seq_len=16320"])
     assert short.cuda_graph_blockers(device="cuda") == {}
     piped = load_config("configs/k3_tiny.yaml", ["train.cuda_graph=auto", "parallel.pp=2"])
-    assert set(piped.cuda_graph_blockers(device="cuda")) == {"data.document_mask"}
+    assert piped.cuda_graph_blockers(device="cuda") == {}
+    assert set(piped.cuda_graph_blockers(device="cuda", auto=True)) == {"data.document_mask"}
 
 
 def test_recompute_modes_are_defined_once():

@@ -18,7 +18,10 @@ from k3train.data.documents import (WindowDocuments, document_count, document_cu
                                     document_cu_seqlens_padded, max_documents)
 from k3train.model.model import build_model
 from k3train.ops.documents import conv_chunk_indices
-from k3train.trainer.cuda_graph import CapturedDocuments, GraphedForwardBackward
+from k3train.model.model import K3Chunk, produced_blocks
+from k3train.trainer.cuda_graph import CapturedDocuments, ChunkForwardState, GraphedForwardBackward
+from pipeline import PipelineEngine, PipelineLayout
+from pipeline.chunk_graphs import EagerGraph
 from tests.helpers import tiny_cfg
 
 EOD = 3
@@ -140,3 +143,57 @@ def test_captured_step_records_the_padded_form_and_too_many_documents_run_eagerl
     assert seen[-1][1].shape == (max_documents(2, T) + 1,)
     graphed(many)
     assert graphed.eager_steps == 2
+
+
+
+def _two_chunks(cfg):
+    """The model of ``cfg`` as two pipeline chunks under one engine in this process (P = 1,
+    V = 2; the config layer asks for pp > 1 before vpp > 1, the engine does not)."""
+    layout = PipelineLayout(cfg.model.num_layers, 1, 2)
+    ranges = [(r.start, r.stop) for r in map(layout.layer_range, range(2))]
+    torch.manual_seed(0)
+    chunks = {c: K3Chunk(cfg, *ranges[c], first=c == 0, last=c == 1) for c in range(2)}
+    engine = PipelineEngine(local_chunks=chunks, num_chunks=2, produced_blocks=produced_blocks(cfg, ranges))
+    return chunks, engine
+
+
+def test_chunk_graphs_replay_fixed_shape_boundaries_like_the_eager_engine_exact_ones(world1):
+    """The engine's chunk graphs (``EagerGraph`` stand-ins: the same slots and static inputs as
+    CUDA graphs) fed the fixed-shape boundaries, against the eager engine fed the exact ones:
+    chunk 0 gets them as its ``segments=`` keyword, chunk 1 inside its StageIO, each copied
+    into the slot's static inputs at every replay. Over 4 steps (the capture in step 2, other
+    documents in every step) the losses and gradients agree to 1e-12 (fp64; the graphs sum
+    the microbatches' gradients in another order)."""
+    cfg = tiny_cfg("train.seq_len=128", "model.attnres.enabled=true", "model.attnres.block_size=2")
+    ref_chunks, ref = _two_chunks(cfg)
+    chunks, engine = _two_chunks(cfg)
+    for c in range(2):
+        ref_chunks[c].double()
+        chunks[c].double().load_state_dict(ref_chunks[c].state_dict())
+    graphs = engine.use_graphs(2, warmup=1, graph_factory=EagerGraph,
+                               state=ChunkForwardState({c: chunks[c] for c in range(2)}))
+    docs = WindowDocuments(EOD)
+    for step in range(4):
+        windows = [_windows(2, 128, 20 + 2 * step + i, eod_every=0.0) for i in range(2)]
+        for i, w in enumerate(windows):           # 3 to 6 documents, at new places every step
+            w[0, 30 + 7 * step + i] = EOD
+            w[1, 10 + 11 * step:10 + 11 * step + step % 3 + i] = EOD
+        assert all(docs.fits(w) and document_count(w[:, :-1], EOD) == 3 + step % 3 + i
+                   for i, w in enumerate(windows))
+        out = []
+        for eng, parts, cu in ((ref, ref_chunks, docs), (engine, chunks, docs.padded)):
+            for ch in parts.values():
+                ch.zero_grad(set_to_none=True)
+                for layer in ch.moe_layers():
+                    layer.routing.clear()
+            loss = eng.train_step([(w[:, :-1], w[:, 1:], cu(w)) for w in windows])
+            out.append((loss, {(c, n): p.grad for c, ch in parts.items() for n, p in ch.named_parameters()
+                               if p.grad is not None}))
+        torch.testing.assert_close(out[1][0], out[0][0], **TIGHT)
+        assert out[1][1].keys() == out[0][1].keys()
+        for key, g in out[0][1].items():
+            torch.testing.assert_close(out[1][1][key], g, **TIGHT, msg=lambda s: f"step {step} {key}: {s}")
+        assert graphs.captured == (graphs.plan.graphs if step >= 1 else 0)
+    # The boundaries matter: the last windows without them give another loss.
+    unmasked = ref.eval_step([(w[:, :-1], w[:, 1:]) for w in windows])
+    assert abs(unmasked.item() - out[0][0].item()) > 1e-6
