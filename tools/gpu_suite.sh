@@ -7,7 +7,7 @@
 # study_bal_sparse, study_mqar, study_mqar_pairs (STUDIES_FROM=TGZ seeds the studies' run directories),
 # te_receive, te_install, te_bench (tools/te_device.sh), and the pending checks save_stall
 # decode_compile fp8_experts bf16_weights capacity_modes capacity_1m capacity_split
-# memory_plan_slice te_check docmask_check docmask_train capacity_mask_graphed kda_cp chunk_docs: explicit only);
+# memory_plan_slice te_check docmask_check docmask_train capacity_mask_graphed kda_cp chunk_docs timeline_offload: explicit only);
 # gpu_parallel (GPU_PARALLEL_ONLY=a,b picks variants) bench_moe_ep2 bench_pipeline pp_debug (two
 # GPUs, skipped on one).
 # Together the stages need more than one 10-minute device call: pass a subset per call.
@@ -133,6 +133,10 @@ stage capacity_mask_graphed 400 python3 -m benchmarks.bench_capacity --parts mas
 stage kda_cp 200 python3 scripts/gpu_check_kda_cp.py --json "$OUT/kda_cp.json"
 stage chunk_docs 300 "${FIXED[@]}" python3 -m benchmarks.bench_chunk_graphs --mask --seq 4096 --check-steps 20 \
   --json "$OUT/chunk_docs.json"
+# What the planner's calibrated FUSED_HALF_BACKWARD factor stands for (docs/memory.md): the
+# live allocations at the peak of a full + offload step, by operator (the 1M-token question).
+stage timeline_offload 420 python3 -m benchmarks.bench_memory_plan --modes full --timeline \
+  --json "$OUT/timeline_offload.json" train.seq_len=65536 train.micro_batch_size=1 train.offload_activations=true
 stage save_stall 540 python3 -m benchmarks.bench_save_stall --out /tmp/save_stall --microbatches 4 ${SAVE_MODES:+--modes $SAVE_MODES} \
   --max-steps-during-write 30 --override kernels.autotune=fixed --json "$OUT/save_stall.json"
 stage decode_compile 240 python3 -m benchmarks.bench_decode --config configs/k3_mini.yaml --batch 1,16 --tokens 128 \
