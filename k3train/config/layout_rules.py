@@ -146,6 +146,37 @@ def layout_refusal(cfg: RunConfig) -> str | None:
     if moe.dispatcher == "local" and moe.capacity_factor is not None:
         return (f"moe.capacity_factor={moe.capacity_factor} needs moe.dispatcher=grouped_a2a or auto "
                 "(local never drops); unset it or change the dispatcher")
+    if cfg.train.recompute_pieces > 1:
+        refusal = _pieces_refusal(cfg)
+        if refusal is not None:
+            return refusal
     if cfg.train.cuda_graph is True:
         return cuda_graph_refusal(cfg)
+    return None
+
+
+def _pieces_refusal(cfg: RunConfig) -> str | None:
+    """The first rule a ``train.recompute_pieces > 1`` config breaks (one line), or None: the FFN
+    half in token pieces must compute what the whole half computes (k3train/model/recompute.py,
+    ``_ffn_in_pieces``)."""
+    t, moe, n = cfg.train, cfg.moe, cfg.train.recompute_pieces
+    has_moe = cfg.model.dense_layers < cfg.model.num_layers
+    if not t.offload_activations:
+        return (f"train.recompute_pieces={n} cuts the FFN half that train.offload_activations=true "
+                f"makes a region of its own; set train.offload_activations=true or recompute_pieces=1")
+    if has_moe and moe.balancing == "aux_loss":
+        return (f"train.recompute_pieces={n} with moe.balancing=aux_loss: the balance loss is a "
+                f"statistic of the whole window, not of a piece; use quantile, aux_free or none, "
+                f"or recompute_pieces=1")
+    if has_moe and moe.capacity_factor is not None:
+        return (f"train.recompute_pieces={n} with moe.capacity_factor={moe.capacity_factor}: the static "
+                f"dispatcher's capacity (and so what it drops) depends on the tokens per call; unset "
+                f"moe.capacity_factor or use recompute_pieces=1")
+    if has_moe and cfg.parallel.ep > 1:
+        return (f"train.recompute_pieces={n} with parallel.ep={cfg.parallel.ep}: not yet run with "
+                f"expert parallelism's all-to-alls per piece; use parallel.ep=1 or recompute_pieces=1")
+    local = t.seq_len // cfg.parallel.cp
+    if local < n:
+        return (f"train.recompute_pieces={n} is more than the {local} tokens per window this rank "
+                f"holds (train.seq_len / parallel.cp); use at most {local}")
     return None

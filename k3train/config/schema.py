@@ -87,6 +87,15 @@ class TrainConfig(StrictModel):
     1M tokens on one GPU). Needs train.recompute full or selective; rules out train.cuda_graph.
     Bitwise the same losses and gradients."""
 
+    recompute_pieces: int = Field(1, ge=1)
+    """Under train.offload_activations: each layer's FFN half (norm, depth mix, dense FFN or
+    MoE, all per token) runs as this many regions over consecutive token pieces of the window,
+    so the backward recomputes one piece's FFN activations at a time instead of the whole
+    window's (the MoE half is the larger half of a K3 layer). Losses and gradients are those of
+    1 up to the order of the weight gradients' sums. For the longest sequences
+    (docs/long_context.md); 1: off. Refused with what is not per token: moe.balancing=aux_loss,
+    moe.capacity_factor, parallel.ep > 1."""
+
     @model_validator(mode="after")
     def _offload_needs_recompute(self) -> "TrainConfig":
         if self.offload_activations and self.recompute == "none":

@@ -137,6 +137,8 @@ class K3Chunk(nn.Module):
         self.recompute = cfg.train.recompute  # activation checkpointing of each layer (recompute.py)
         # What recompute keeps, in host memory (offload.py); None: on the device.
         self.offload = ActivationOffload() if cfg.train.offload_activations else None
+        # Under offload, each layer's FFN half recomputes in this many token pieces.
+        self.recompute_pieces = cfg.train.recompute_pieces
         if first:
             with seeded(cfg.train.seed, _EMBED_SALT):
                 self.embed = nn.Embedding(m.vocab_size, m.hidden_size)
@@ -200,7 +202,7 @@ class K3Chunk(nn.Module):
         with self.fp8_region():
             io = self.embed_tokens(x, segments) if self.first else x
             for layer in self.layers:
-                io = run_layer(layer, io, self.recompute, self.offload)
+                io = run_layer(layer, io, self.recompute, self.offload, self.recompute_pieces)
             if not self.last:
                 return io
             logits = self.logits(io)

@@ -14,7 +14,9 @@ regions (mixer half, FFN half), so the mixer half's output is one more kept tens
 
 A tensor saved by several regions (an AttnRes block is read by every later layer and the final
 depth mix) is copied once: the packed copy is remembered per tensor (weakly, so the GPU tensor
-can still be freed) and shared while the tensor's version is unchanged.
+can still be freed) and shared while the tensor's version is unchanged; a saved view of such a
+tensor (a block's token piece under ``train.recompute_pieces``) is kept as the same view of its
+host copy.
 
 Bitwise: the round trip is a copy, so losses and gradients equal those without offload
 (tests/model/test_offload.py). Not with CUDA graphs (the copies allocate host memory and sync
@@ -51,6 +53,16 @@ class _HostCopy:
         self.host, self.device, self.event = host, device, event
 
 
+class _HostView:
+    """A saved view of a tensor already copied to the host: the same view of that copy (the
+    base's copy is contiguous, as the base is), so a block read in pieces is kept once."""
+
+    __slots__ = ("copy", "size", "stride", "offset")
+
+    def __init__(self, copy: _HostCopy, size, stride, offset: int):
+        self.copy, self.size, self.stride, self.offset = copy, size, stride, offset
+
+
 class ActivationOffload:
     """Saved-tensor hooks that keep large saved tensors in host memory (module docstring).
 
@@ -83,6 +95,12 @@ class ActivationOffload:
         if entry is not None and entry[0]() is t and entry[1] == t._version:
             self.stats.shared += 1
             return entry[2]
+        base = t._base
+        entry = self._copies.get(id(base)) if base is not None else None
+        if entry is not None and entry[0]() is base and entry[1] == base._version and base.is_contiguous():
+            # A view (a token piece, train.recompute_pieces) of a tensor already on the host.
+            self.stats.shared += 1
+            return _HostView(entry[2], t.size(), t.stride(), t.storage_offset() - base.storage_offset())
         copy = self._to_host(t)
         copies = self._copies
         # The entry goes when the tensor does (its id may then be reused by another tensor).
@@ -92,16 +110,20 @@ class ActivationOffload:
         return copy
 
     def unpack(self, packed):
+        view = None
+        if isinstance(packed, _HostView):
+            view, packed = packed, packed.copy
         if not isinstance(packed, _HostCopy):
             return packed
         self.stats.restored += 1
+        host = packed.host if view is None else packed.host.as_strided(view.size, view.stride, view.offset)
         if packed.device.type != "cuda":
             # A host run (tests, CPU): the copy itself comes back (bitwise the saved tensor).
-            return packed.host
+            return host
         # The host copy is complete once its event has passed; the copy back runs in order on
         # the stream that needs it (the backward's).
         torch.cuda.current_stream(packed.device).wait_event(packed.event)
-        return packed.host.to(packed.device, non_blocking=True)
+        return host.to(packed.device, non_blocking=True)
 
     def _to_host(self, t: torch.Tensor) -> _HostCopy:
         if t.device.type != "cuda":

@@ -124,7 +124,8 @@ def _offloading(offload: ActivationOffload | None):
     return offload.hooks() if offload is not None else contextlib.nullcontext()
 
 
-def run_layer(layer: nn.Module, io: StageIO, mode: str, offload: ActivationOffload | None = None) -> StageIO:
+def run_layer(layer: nn.Module, io: StageIO, mode: str, offload: ActivationOffload | None = None,
+              pieces: int = 1) -> StageIO:
     """``layer(io)`` under the recompute ``mode`` (one of ``RECOMPUTE_MODES``).
 
     Without grad (eval) there is nothing to recompute and the layer runs plainly. The region's
@@ -135,6 +136,8 @@ def run_layer(layer: nn.Module, io: StageIO, mode: str, offload: ActivationOfflo
     layer as two regions, ``layer.mixer_half`` then ``layer.ffn_half`` (the mixer's output is one
     more kept tensor, on the host); only with recompute (``train.offload_activations`` needs
     ``full`` or ``selective``).
+    pieces: under offload, the FFN half as that many regions over consecutive token pieces
+    (``train.recompute_pieces``, ``_ffn_in_pieces``).
     """
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"train.recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
@@ -147,7 +150,35 @@ def run_layer(layer: nn.Module, io: StageIO, mode: str, offload: ActivationOfflo
         # mixer and the FFN halves are regions of their own, and the backward recomputes one
         # half at a time (the peak is the larger half's activations, not the whole layer's).
         mid = _region(layer, io, mode, layer.mixer_half)
-        return _region(layer, StageIO(hidden=mid, blocks=io.blocks, segments=io.segments), mode, layer.ffn_half)
+        ffn_io = StageIO(hidden=mid, blocks=io.blocks, segments=io.segments)
+        if pieces > 1:
+            return _ffn_in_pieces(layer, ffn_io, mode, pieces)
+        return _region(layer, ffn_io, mode, layer.ffn_half)
+
+
+def _ffn_in_pieces(layer: nn.Module, io: StageIO, mode: str, pieces: int) -> StageIO:
+    """``layer.ffn_half(io)`` as ``pieces`` regions over consecutive token pieces of every row.
+
+    Everything in the FFN half is per token (its norm, depth mix, dense FFN or MoE: routing,
+    experts and the quantile/aux-free statistics read from the step's records, which the pieces
+    append in order), so the pieces give the whole half's output; the config refuses what is
+    not per token (the aux loss's window statistics, the static dispatcher's capacity, expert
+    parallelism's collectives; ``layout_rules.layout_refusal``). What it saves: the backward
+    recomputes one piece at a time, so the device holds one piece's FFN activations instead of
+    the whole window's (the MoE half is the larger half of a layer; docs/long_context.md). A
+    block's pieces are views of the block, which the mixer half saved whole: the offload keeps
+    them as views of that one host copy (``ActivationOffload.pack``).
+    io.hidden ``[B, T, D]``, io.blocks ``{id: [B, T, D]}`` -> the half's StageIO, whole ``T``."""
+    T = io.hidden.shape[1]
+    sizes = [T // pieces + (j < T % pieces) for j in range(pieces)]
+    hidden = io.hidden.split(sizes, dim=1)
+    blocks = {i: b.split(sizes, dim=1) for i, b in io.blocks.items()}
+    outs = [_region(layer, StageIO(hidden=hidden[j], blocks={i: b[j] for i, b in blocks.items()}),
+                    mode, layer.ffn_half) for j in range(len(sizes))]
+    new = [i for i in outs[0].blocks if i not in io.blocks]   # the block this layer closes, if any
+    return StageIO(hidden=None if outs[0].hidden is None else torch.cat([o.hidden for o in outs], dim=1),
+                   blocks={**io.blocks, **{i: torch.cat([o.blocks[i] for o in outs], dim=1) for i in new}},
+                   segments=io.segments)
 
 
 def _region(layer: nn.Module, io: StageIO, mode: str, run=None):

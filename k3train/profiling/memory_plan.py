@@ -432,10 +432,13 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
         plan.cp_extra = {"none": every, "selective": every, "full": every and one}
         if any(i >= cfg.model.dense_layers for i in layers):
             cf = cfg.moe.capacity_factor
-            rows = tokens * w.k * (cf if cf else 1.0)
+            # Under train.recompute_pieces (with offload) a training forward of the MoE runs one
+            # token piece at a time: its buffers and its last routing record are a piece's.
+            pieces = cfg.train.recompute_pieces if offload else 1
+            rows = tokens / pieces * w.k * (cf if cf else 1.0)
             # permuted input, expert output, and under EP the all-to-all send and receive copies
             plan.moe_buffers = rows * w.L * act_bytes * (2 + (2 if p.ep > 1 else 0))
-            plan.routing_last = routing_last_bytes_per_token(cfg, layers, act_bytes) * tokens
+            plan.routing_last = routing_last_bytes_per_token(cfg, layers, act_bytes) * tokens / pieces
         plans.append(plan)
     return plans
 

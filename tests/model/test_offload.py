@@ -15,6 +15,7 @@ import torch
 from k3train.config import ConfigError, load_config
 from k3train.model.model import K3Chunk, build_model, produced_blocks
 from k3train.model.offload import ActivationOffload
+from moe.balancing import Balancer
 from k3train.runtime.distributed import init_distributed
 from k3train.trainer.run_dir import save_config
 from pipeline import PipelineEngine, PipelineLayout
@@ -30,6 +31,19 @@ def _cfg(mode: str, attnres: bool, offload: bool):
     return tiny_cfg("model.layer_pattern=KM", "model.dense_layers=1", f"model.attnres.enabled={attnres}",
                     "model.attnres.block_size=2", f"train.recompute={mode}",
                     f"train.offload_activations={offload}")
+
+
+def _tiny_overrides(attnres: bool) -> list[str]:
+    """``_cfg("full", attnres, True)`` as overrides (tiny_cfg's widths), for more to be added."""
+    return [f"{k}={v}" for k, v in [
+        ("model.hidden_size", 32), ("model.num_layers", 4), ("model.kda.num_heads", 2), ("model.kda.head_dim", 8),
+        ("model.mla.num_heads", 2), ("model.mla.q_lora_rank", 16), ("model.mla.kv_lora_rank", 16),
+        ("model.mla.qk_nope_head_dim", 8), ("model.mla.qk_rope_head_dim", 4), ("model.mla.v_head_dim", 8),
+        ("model.ffn.intermediate_size", 32), ("moe.num_experts", 4), ("moe.latent_size", 16),
+        ("moe.expert_ffn_size", 16), ("moe.shared_ffn_size", 16), ("train.plots", "false"),
+        ("model.layer_pattern", "KM"), ("model.dense_layers", 1), ("model.attnres.enabled", attnres),
+        ("model.attnres.block_size", 2), ("train.recompute", "full"), ("train.offload_activations", "true"),
+        ("train.seq_len", T)]]
 
 
 def _run(cfg):
@@ -144,3 +158,50 @@ def _pp_rank(rank, world_size):
 @pytest.mark.slow   # two gloo processes
 def test_pipeline_p2_v2_with_offload_matches_none():
     run_multiprocess(_pp_rank, 2)
+
+
+def _run_fp64(cfg):
+    tokens = torch.randint(0, 257, (B, T + 1), generator=torch.Generator().manual_seed(3))
+    model = build_model(cfg).double()
+    model.offload.min_bytes = 0
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    host = dict(vars(model.offload.stats))
+    loss.backward()
+    return model, loss.detach(), {n: p.grad for n, p in model.named_parameters()}, host
+
+
+@pytest.mark.parametrize("balancing", ["quantile", "aux_free"])
+@pytest.mark.parametrize("attnres", [True, False], ids=["attnres", "standard"])
+def test_ffn_in_pieces_equals_the_whole_half(world1, attnres, balancing):
+    """train.recompute_pieces=3 (pieces of 6, 5 and 5 of T = 16 tokens) against 1, fp64, same
+    weights: the loss and every gradient within 1e-12 (only the order of the weight gradients'
+    sums over pieces differs), the same host bytes (a block's pieces are views of the block's
+    one host copy), and the balancer's bias update from the step's records (each piece appends
+    its own, in order) equal."""
+    extra = [f"moe.balancing={balancing}"]
+    cfg = load_config(None, [*_tiny_overrides(attnres), *extra, "train.recompute_pieces=3"])
+    ref_cfg = load_config(None, [*_tiny_overrides(attnres), *extra])
+    (m1, l1, g1, h1), (m3, l3, g3, h3) = _run_fp64(ref_cfg), _run_fp64(cfg)
+    torch.testing.assert_close(l3, l1, rtol=1e-12, atol=1e-12)
+    for name, g in g1.items():
+        torch.testing.assert_close(g3[name], g, rtol=1e-12, atol=1e-12, msg=lambda s: f"{name}: {s}")
+    assert h3["offloaded_bytes"] == h1["offloaded_bytes"]
+    assert (h3["shared"] > h1["shared"]) == attnres   # the blocks' pieces: views of their copies
+    for a, b in zip(m1.moe_layers(), m3.moe_layers()):
+        assert len(a.routing.step) == 1 and len(b.routing.step) == 3
+        bal = Balancer(balancing)
+        bal.update(a)
+        bal.update(b)
+        torch.testing.assert_close(b.router.bias, a.router.bias, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("override,needs", [
+    ("train.offload_activations=false", "train.offload_activations=true"),
+    ("moe.balancing=aux_loss", "the balance loss is a statistic of the whole window"),
+    ("moe.capacity_factor=1.5", "static dispatcher's capacity"),
+    ("train.seq_len=2", "at most 2"),
+])
+def test_recompute_pieces_refuses_what_is_not_per_token(override, needs):
+    with pytest.raises(ConfigError, match=needs):
+        load_config(None, [*_tiny_overrides(True), "train.recompute_pieces=3", "moe.dispatcher=grouped_a2a",
+                           override])

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from k3train.model.model import build_model
+from k3train.model.offload import _HostView
 from k3train.profiling.activation_bytes import (block_grads_bytes_per_token, head_bytes_per_token,
                                                offload_bytes_per_token, records_bytes_per_token)
 from k3train.profiling.memory_plan import plan_memory
@@ -36,7 +37,7 @@ from tests.helpers import allocator_peak, tiny_cfg
 T = 128
 
 
-def _cfg(offload: bool, mode: str = "full", microbatches: int = 1, balancing: str = "quantile"):
+def _cfg(offload: bool, mode: str = "full", microbatches: int = 1, balancing: str = "quantile", pieces: int = 1):
     return tiny_cfg("model.layer_pattern=KKKM", "model.num_layers=16", "model.dense_layers=1",
                     "model.hidden_size=128", "model.kda.num_heads=2", "model.kda.head_dim=32",
                     "model.kda.chunk_size=16", "model.mla.num_heads=2", "model.mla.q_lora_rank=48",
@@ -45,7 +46,8 @@ def _cfg(offload: bool, mode: str = "full", microbatches: int = 1, balancing: st
                     "moe.topk=4", "moe.latent_size=64", "moe.expert_ffn_size=64", "moe.shared_ffn_size=128",
                     "model.attnres.enabled=true", "model.attnres.block_size=4", f"train.recompute={mode}",
                     f"train.offload_activations={offload}", "train.micro_batch_size=1", f"train.seq_len={T}",
-                    f"train.microbatches={microbatches}", f"moe.balancing={balancing}")
+                    f"train.microbatches={microbatches}", f"moe.balancing={balancing}",
+                    f"train.recompute_pieces={pieces}")
 
 
 class _Host:
@@ -60,7 +62,11 @@ def _like_cuda(offload) -> None:
     offload.min_bytes = 0
     offload._to_host = _Host
     # Every unpack a new copy on the "device", as ``host.to(device)`` makes on CUDA.
-    offload.unpack = lambda p: torch.from_numpy(p.array).clone() if isinstance(p, _Host) else p
+    # A view of a copied tensor (a block's token piece, train.recompute_pieces) comes back as
+    # that view of the copy.
+    offload.unpack = lambda p: (torch.from_numpy(p.array).clone() if isinstance(p, _Host) else
+                                torch.from_numpy(p.copy.array).as_strided(p.size, p.stride, p.offset).clone()
+                                if isinstance(p, _HostView) else p)
 
 
 def _measured_peak(cfg) -> int:
@@ -90,15 +96,21 @@ def _planned(cfg) -> float:
     return plan.peak_activations[cfg.train.recompute] + plan.moe_buffers + plan.routing_last
 
 
-@pytest.mark.parametrize("mode, offload", [("none", False), ("selective", False), ("full", False), ("full", True)],
-                         ids=["none", "selective", "full", "full-offload"])
-def test_device_peak_matches_the_allocator_within_10_percent(world1, mode, offload):
-    cfg = _cfg(offload, mode)
+@pytest.mark.parametrize("mode, offload, pieces", [("none", False, 1), ("selective", False, 1), ("full", False, 1),
+                                                   ("full", True, 1), ("full", True, 4)],
+                         ids=["none", "selective", "full", "full-offload", "full-offload-pieces"])
+def test_device_peak_matches_the_allocator_within_10_percent(world1, mode, offload, pieces):
+    cfg = _cfg(offload, mode, pieces=pieces)
     measured, predicted = _measured_peak(cfg), _planned(cfg)
     print(f"{mode} offload={offload}: planned {predicted / 2**20:.3f} MiB, measured {measured / 2**20:.3f} MiB, "
           f"ratio {predicted / measured:.3f}")
     assert predicted == pytest.approx(measured, rel=0.10), (predicted, measured, predicted / measured)
-    if offload:
+    if pieces > 1:
+        # At these widths the torch KDA's mixer half, not the FFN half, sets the peak, so the
+        # pieces cannot lower it (the allocator measured 3.7% more with them: the MoE's
+        # per-piece transients); the plan still lowers its MoE buffers, one piece's.
+        assert predicted < _planned(_cfg(offload, mode))
+    elif offload:
         # The planner before the two backward terms (the head, the larger half with its inputs
         # copied back, the MoE buffers) is more than 10% under: they are what closes the gap.
         (plan,) = plan_memory(cfg, ops="torch", act_bytes=4)
