@@ -51,7 +51,8 @@ layer the key side of the layer's activations (``mla_key_bytes_per_token``: the 
 kv_norm, kv_up's input, the attention's k and v) for each token the rank expands beyond its
 own (the gathered latent up to the end of its last piece), under the pure-torch forms SDPA's
 probabilities over those keys, on CUDA kernels the explicit mask's additive bias that SDPA's
-memory-efficient kernel keeps (flash attention takes no mask; predicted, not measured on a GPU),
+fused kernel keeps (cuDNN attention on torch 2.11; flash attention takes no mask: measured for
+SDPA alone on an H200, not yet inside the layer),
 and under head-tail the int64 index that puts the gathered latent in sequence order; per KDA
 layer the fold's fp32 states, per piece the rank holds (one, two under head-tail): its folded
 initial state ``[H, K, V]`` and its transition, a view of the kernel's ``[H, K, V + K]`` end
@@ -299,7 +300,7 @@ def cp_extra_bytes(cfg: RunConfig, layers: list[int], act_bytes: int, cp: int,
     ``layers`` (module docstring), beyond its own tokens' activations; 0 at ``cp`` = 1.
     partition: ``contiguous`` or ``head_tail`` (default ``parallel.cp_partition``); ops as
     :func:`plan_memory`'s (``torch``: SDPA's math path keeps the probabilities; ``fused``:
-    SDPA's memory-efficient kernel keeps the mask as an additive bias)."""
+    SDPA's fused kernel keeps the mask as an additive bias)."""
     if cp == 1:
         return 0.0
     partition = cfg.parallel.cp_partition if partition is None else partition
@@ -328,13 +329,14 @@ def cp_extra_bytes(cfg: RunConfig, layers: list[int], act_bytes: int, cp: int,
     probs = (H * (sum(n * (p + 1) * n for p in pieces) - T * T) * f
              + sum((p + 1) * n for p in pieces if p != max(pieces)) * H * (w.qk + w.v) * f) if ops == "torch" else 0
     # On CUDA the CP attention passes an explicit mask (causal at the queries' global positions,
-    # and within documents under document masking), which rules flash attention out: SDPA's
-    # memory-efficient kernel runs it, the boolean mask turned into an additive bias in the
-    # activation dtype that the kernel keeps for backward, broadcast over heads (predicted:
-    # not measured on a GPU). Per piece p, [n, (p + 1) n] (mla_attention_cp: one call per
-    # piece, the batch broadcast); under document masking one [B, T, keys] for the rank's
-    # queries (MultiHeadLatentAttention._documents_cp). The math path (ops=torch) adds the
-    # mask to its scores and keeps none.
+    # and within documents under document masking), which rules flash attention out: SDPA runs
+    # it in a fused kernel (cuDNN attention on torch 2.11) that keeps the boolean mask turned
+    # into an additive bias in the activation dtype for backward, broadcast over heads (measured
+    # for SDPA alone on an H200: [8K, 16K] kept 256 MiB, the bool not kept; not yet inside the
+    # layer). Per piece p, [n, (p + 1) n] (mla_attention_cp: one call per piece, the batch
+    # broadcast); under document masking one [B, T, keys] for the rank's queries
+    # (MultiHeadLatentAttention._documents_cp). The math path (ops=torch) adds the mask to its
+    # scores and keeps none.
     if ops == "torch":
         mask = 0
     elif cfg.data.masks_documents:

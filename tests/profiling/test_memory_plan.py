@@ -113,7 +113,7 @@ def test_model_info_prints_the_memory_plan_and_refuses_a_bad_dp(capsys):
 def test_context_parallel_plan_is_the_shorter_sequence_plus_the_exchanges(world1):
     """cp ranks each keep seq_len/cp tokens' activations (the plan of the shorter sequence) plus,
     per MLA layer, the key side of every other token the gathered latent is expanded for and
-    the mask's bias SDPA's memory-efficient kernel keeps, and per KDA layer the fold's fp32
+    the mask's bias SDPA's fused kernel keeps, and per KDA layer the fold's fp32
     states, fla's seed and the wider values and correction copy per local token; counted here
     from the config's widths (ops fused, bf16 activations)."""
     base = ["train.seq_len=256", "train.micro_batch_size=2", "train.device=cuda"]
