@@ -108,6 +108,24 @@ def mla_key_bytes_per_token(w: Widths, a: int, ops: str) -> float:
         + w.kvl * a + w.Hm * (w.qk + w.v) * (f if ops == "torch" else a)
 
 
+def kda_cp_bytes_per_token(w: Widths, n: int, a: int, ops: str) -> float:
+    """What a KDA layer keeps per local token under context parallelism beyond :func:`_kda`'s,
+    for pieces of ``n`` tokens (``k3train.ops.context_parallel.kda_local_states`` and
+    ``kda_cp``): the kernel runs on values ``[v, 0]`` of width V + K, so each tensor it keeps
+    at the values' width keeps K more columns per head; and the output correction
+    ``o0 + q~ S`` keeps its GEMM's copy of ``q~`` ``[H, K]`` per token, in the activation dtype
+    (under autocast the GEMM runs in bf16 and keeps the cast copy; in fp32, the contiguous copy
+    the einsum makes). fla's chunk_kda keeps v (the only value-wide tensor it saves);
+    chunk_kda_torch keeps three value-wide fp32 rows per token (the solve's right-hand side
+    before and after it, and each chunk's delta) and one ``[K, V]`` state per chunk of C
+    tokens, on whole chunks of each piece."""
+    wide = w.H * w.K    # the K extra value columns of every head
+    if ops == "torch":
+        pad = math.ceil(n / w.C) * w.C / n
+        return wide * a + (3 * wide + wide * w.K / w.C) * 4 * pad
+    return wide * a + wide * a
+
+
 def _glu(n: int, a: int, ops: str) -> float:
     """SiTU-GLU of width n plus its down-projection input: eager keeps 6 tensors, compiled 2."""
     return (7 if _eager(ops) else 3) * n * a

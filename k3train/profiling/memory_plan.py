@@ -50,13 +50,18 @@ last piece ends the sequence (the last rank when contiguous, rank 0 under head-t
 layer the key side of the layer's activations (``mla_key_bytes_per_token``: the latent,
 kv_norm, kv_up's input, the attention's k and v) for each token the rank expands beyond its
 own (the gathered latent up to the end of its last piece), under the pure-torch forms SDPA's
-probabilities over those keys, and under head-tail the int64 index that puts the gathered
-latent in sequence order; per KDA layer the fold's fp32 states, per piece the rank holds (one,
-two under head-tail): its folded initial state ``[H, K, V]`` and its transition, a view of the
-kernel's ``[H, K, V + K]`` end state (rows with a document start keep a fresh ``[H, K, K]``
-instead; the plan counts the rows without one). ``cp_extra`` in the plan;
-tests/profiling/test_memory_plan.py measures both on 2 CPU ranks (the fold to the byte, MLA
-within 15%), both partitions.
+probabilities over those keys, on CUDA kernels the explicit mask's additive bias that SDPA's
+fused kernel keeps (cuDNN attention on torch 2.11; flash attention takes no mask: measured for
+SDPA alone on an H200, not yet inside the layer),
+and under head-tail the int64 index that puts the gathered latent in sequence order; per KDA
+layer the fold's fp32 states, per piece the rank holds (one, two under head-tail): its folded
+initial state ``[H, K, V]`` and its transition, a view of the kernel's ``[H, K, V + K]`` end
+state (rows with a document start keep a fresh ``[H, K, K]`` instead; the plan counts the rows
+without one), fla's copy of the ``[H, K, V + K]`` seed, and per local token the kernel's
+value-wide tensors K columns wider (it runs on ``[v, 0]``) and the output correction's copy of
+``q~`` (``kda_cp_bytes_per_token``). ``cp_extra`` in the plan;
+tests/profiling/test_memory_plan.py measures them on 2 CPU ranks (the fold to the byte, the
+MLA and KDA layers within 15% and 10%), both partitions.
 
 Offload (``train.offload_activations``, k3train/model/offload.py): under ``full`` and
 ``selective`` what the layers' regions keep moves to host memory (``host_offload`` in the plan,
@@ -82,7 +87,8 @@ from k3train.errors import UsageError
 from k3train.model.model import build_model
 from k3train.ops.context_parallel import cp_pieces, num_pieces
 from k3train.profiling.activation_bytes import (FUSED_HALF_BACKWARD, OPS, Widths, block_grads_bytes_per_token,
-                                               head_bytes_per_token, layer_bytes_per_token, mla_key_bytes_per_token,
+                                               head_bytes_per_token, kda_cp_bytes_per_token, layer_bytes_per_token,
+                                               mla_key_bytes_per_token,
                                                offload_bytes_per_token, recomputed_bytes_per_token,
                                                records_bytes_per_token, records_shared_bytes_per_token,
                                                routing_last_bytes_per_token)
@@ -271,12 +277,30 @@ def _count_split(cfg: RunConfig) -> tuple[dict[int, dict[str, int]], dict[str, i
     return per_layer, outer
 
 
+def kda_fold_state_bytes(cfg: RunConfig, cp: int, partition: str | None = None) -> float:
+    """The fp32 states one KDA layer's CP fold keeps for backward on every CP rank, whatever
+    the length: per piece the rank holds (one, two under head-tail) and row of the microbatch,
+    ``_KdaStateExchange``'s folded initial state S_p ``[H, K, V]`` and M, a view of the
+    kernel's ``[E, M]`` end state, whose storage ``[H, K, V + K]`` stays. Under document
+    masking KimiDeltaAttention folds row by row, and a row with a document start in the rank's
+    share stacks its M into a fresh ``[H, K, K]`` (K (V + K) per piece and head, a third less);
+    a row without one (a document longer than the share: the long-context case) keeps the wide
+    storage, so this counts every row so. 0 at ``cp`` = 1."""
+    if cp == 1:
+        return 0.0
+    partition = cfg.parallel.cp_partition if partition is None else partition
+    w = Widths.of(cfg)
+    V = w.K
+    return len(cp_pieces(0, cp, partition)) * cfg.train.micro_batch_size * w.H * w.K * ((V + w.K) + V) * 4
+
+
 def cp_extra_bytes(cfg: RunConfig, layers: list[int], act_bytes: int, cp: int,
                    partition: str | None = None, *, ops: str = "fused") -> float:
     """Bytes one microbatch's forward keeps on the heaviest CP rank for the CP exchanges of
     ``layers`` (module docstring), beyond its own tokens' activations; 0 at ``cp`` = 1.
     partition: ``contiguous`` or ``head_tail`` (default ``parallel.cp_partition``); ops as
-    :func:`plan_memory`'s (``torch``: SDPA's math path keeps the probabilities)."""
+    :func:`plan_memory`'s (``torch``: SDPA's math path keeps the probabilities; ``fused``:
+    SDPA's fused kernel keeps the mask as an additive bias)."""
     if cp == 1:
         return 0.0
     partition = cfg.parallel.cp_partition if partition is None else partition
@@ -304,17 +328,31 @@ def cp_extra_bytes(cfg: RunConfig, layers: list[int], act_bytes: int, cp: int,
     # The math path also copies each shorter prefix's keys and values it gets as a strided slice.
     probs = (H * (sum(n * (p + 1) * n for p in pieces) - T * T) * f
              + sum((p + 1) * n for p in pieces if p != max(pieces)) * H * (w.qk + w.v) * f) if ops == "torch" else 0
+    # On CUDA the CP attention passes an explicit mask (causal at the queries' global positions,
+    # and within documents under document masking), which rules flash attention out: SDPA runs
+    # it in a fused kernel (cuDNN attention on torch 2.11) that keeps the boolean mask turned
+    # into an additive bias in the activation dtype for backward, broadcast over heads (measured
+    # for SDPA alone on an H200: [8K, 16K] kept 256 MiB, the bool not kept; not yet inside the
+    # layer). Per piece p, [n, (p + 1) n] (mla_attention_cp: one call per piece, the batch
+    # broadcast); under document masking one [B, T, keys] for the rank's queries
+    # (MultiHeadLatentAttention._documents_cp). The math path (ops=torch) adds the mask to its
+    # scores and keeps none.
+    if ops == "torch":
+        mask = 0
+    elif cfg.data.masks_documents:
+        mask = B * T * keys * a
+    else:
+        mask = sum(n * (p + 1) * n for p in pieces) * a
     order = 0 if partition == "contiguous" else S * 8
     expanded = B * ((keys - T) * kv_side + probs)
-    V = w.K
-    # Per piece, fp32: _KdaStateExchange keeps its folded initial state S_p (K x V) and M, a view
-    # of the kernel's [E, M] end state, whose storage (K x (V + K)) stays. Under document masking
-    # KimiDeltaAttention folds row by row, and a row with a document start in the rank's share
-    # stacks its M into a fresh K x K tensor (K x (V + K) per piece, a third less); a row
-    # without one (a document longer than the share: the long-context case) keeps the wide
-    # storage, so the plan counts every row so. Head-tail folds each of the rank's two pieces.
-    fold = len(cp_pieces(0, cp, partition)) * B * w.H * w.K * ((V + w.K) + V) * 4
-    return mla * (expanded + order) + kda * fold
+    # KDA: the fold's states (kda_fold_state_bytes; the same on every rank) and, per local
+    # token, what running the kernel on [v, 0] and correcting its output keep more
+    # (kda_cp_bytes_per_token, pieces of n tokens). Under ops=fused fla's kernel also keeps its
+    # initial state, the [0, I] seed [H, K, V + K] fp32 per piece and row (chunk_kda_torch
+    # folds it into its first chunk's state, counted per token).
+    seed = 0 if ops == "torch" else len(pieces) * B * w.H * w.K * (w.K + w.K) * 4
+    local = kda_fold_state_bytes(cfg, cp, partition) + seed + B * T * kda_cp_bytes_per_token(w, n, a, ops)
+    return mla * (expanded + order + mask) + kda * local
 
 
 def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: int = 1,

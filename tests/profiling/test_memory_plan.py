@@ -19,7 +19,7 @@ from k3train.config import load_config
 from k3train.model.model import build_model
 from k3train.ops.context_parallel import kda_cp
 from k3train.ops.kda import kda
-from k3train.profiling.memory_plan import cp_extra_bytes, plan_memory
+from k3train.profiling.memory_plan import cp_extra_bytes, kda_fold_state_bytes, plan_memory
 from k3train.runtime.distributed import init_distributed, parallel_context
 from tests.helpers import SavedBytes, saved_bytes, tiny_cfg
 from tests.multiproc import run_multiprocess
@@ -112,10 +112,13 @@ def test_model_info_prints_the_memory_plan_and_refuses_a_bad_dp(capsys):
 
 def test_context_parallel_plan_is_the_shorter_sequence_plus_the_exchanges(world1):
     """cp ranks each keep seq_len/cp tokens' activations (the plan of the shorter sequence) plus,
-    per MLA layer, the key side of every other token the gathered latent is expanded for, and
-    per KDA layer the fold's fp32 states; counted here from the config's widths."""
+    per MLA layer, the key side of every other token the gathered latent is expanded for and
+    the mask's bias SDPA's fused kernel keeps, and per KDA layer the fold's fp32
+    states, fla's seed and the wider values and correction copy per local token; counted here
+    from the config's widths (ops fused, bf16 activations)."""
     base = ["train.seq_len=256", "train.micro_batch_size=2", "train.device=cuda"]
     cfg = load_config("configs/k3_tiny.yaml", base)
+    assert cfg.data.masks_documents   # the default: the CP attention masks within documents
     short = load_config("configs/k3_tiny.yaml", [*base, "train.seq_len=64"])
     (four,), (one,) = plan_memory(cfg, cp=4), plan_memory(short, cp=1)
     for mode in ("none", "selective", "full"):
@@ -129,17 +132,30 @@ def test_context_parallel_plan_is_the_shorter_sequence_plus_the_exchanges(world1
     a_ = m.mla
     per_mla = 2 * (256 - 64) * ((a_.kv_lora_rank + a_.qk_rope_head_dim) * a + 4 + a_.kv_lora_rank * a
                                 + a_.num_heads * (a_.qk_nope_head_dim + a_.qk_rope_head_dim + a_.v_head_dim) * a)
-    # [E, M]: K x (V + K), S_r: K x V, fp32, per head and window (V = K = head_dim)
-    per_kda = 2 * m.kda.num_heads * (m.kda.head_dim * 2 * m.kda.head_dim + m.kda.head_dim ** 2) * 4
-    assert four.cp_extra["none"] == four.cp_extra["selective"] == n_mla * per_mla + n_kda * per_kda
-    assert four.cp_extra["full"] == per_mla
+    # the document mask's bias, [B, 64 queries, 256 keys] in bf16
+    mask = 2 * 64 * 256 * a
+    # [E, M]: K x (V + K), S_r: K x V, fp32, per head and window (V = K = head_dim); fla keeps
+    # the [0, I] seed, K x (V + K) fp32; per local token (2 x 64) the K extra columns of v and
+    # the correction's q~, one K per head each, bf16
+    H, K = m.kda.num_heads, m.kda.head_dim
+    states = 2 * H * (K * 2 * K + K * K) * 4
+    seed = 2 * H * K * 2 * K * 4
+    per_kda = states + seed + 2 * 64 * 2 * H * K * a
+    assert four.cp_extra["none"] == four.cp_extra["selective"] == n_mla * (per_mla + mask) + n_kda * per_kda
+    assert four.cp_extra["full"] == max(per_mla + mask, per_kda)
     assert one.cp_extra["none"] == 0 and four.total("none", False) == one.total("none", False) + four.cp_extra["none"]
-    # head-tail: two pieces per rank, so two folds' states per KDA layer; rank 0's second piece
-    # ends the sequence (its keys are every key) and the gathered latent is reordered by an
-    # int64 index of the sequence's length
+    # head-tail: two pieces per rank, so two folds' states and seeds per KDA layer; rank 0's
+    # second piece ends the sequence (its keys are every key) and the gathered latent is
+    # reordered by an int64 index of the sequence's length
     ht = load_config("configs/k3_tiny.yaml", [*base, "parallel.cp_partition=head_tail"])
     (four_ht,) = plan_memory(ht, cp=4)
-    assert four_ht.cp_extra["none"] == n_mla * (per_mla + 256 * 8) + n_kda * 2 * per_kda
+    per_kda_ht = 2 * (states + seed) + 2 * 64 * 2 * H * K * a
+    assert four_ht.cp_extra["none"] == n_mla * (per_mla + mask + 256 * 8) + n_kda * per_kda_ht
+    # without document masking each piece attends its own prefix: rank 0's pieces 0 and 7 of
+    # 32 tokens, [32, 32] and [32, 256] masks broadcast over the batch
+    plain = load_config("configs/k3_tiny.yaml", [*base, "parallel.cp_partition=head_tail", "data.document_mask=false"])
+    (four_plain,) = plan_memory(plain, cp=4)
+    assert four_plain.cp_extra["none"] == n_mla * (per_mla + (32 * 32 + 32 * 256) * a + 256 * 8) + n_kda * per_kda_ht
     assert four_ht.peak_activations == four.peak_activations
     with pytest.raises(ValueError, match="divisible by 8"):
         plan_memory(ht.model_copy(update={"train": ht.train.model_copy(update={"seq_len": 260})}), cp=4)
@@ -193,7 +209,7 @@ def _cp_fold_body(rank, world, partition):
     # per-token correction's q~ (the kernel's output, linear in it): the states are the part
     # that does not grow, 2 x kept(T) - kept(2T).
     measured = 2 * _fold_kept_bytes(rank, group, partition, CP_T) - _fold_kept_bytes(rank, group, partition, 2 * CP_T)
-    planned = cp_extra_bytes(_cp_cfg("K", partition), [0], 4, 2)
+    planned = kda_fold_state_bytes(_cp_cfg("K", partition), 2)
     assert planned == measured, (rank, planned, measured)
 
 
@@ -208,7 +224,7 @@ def _cp_fold_documents_body(rank, world, partition):
     with_start, without = states((5,)), states(())
     cfg = _cp_cfg("K", partition, "data.document_mask=true")
     assert cfg.data.masks_documents
-    planned = cp_extra_bytes(cfg, [0], 4, 2)
+    planned = kda_fold_state_bytes(cfg, 2)
     L, H, K = (2 if partition == "head_tail" else 1), 2, 8
     # a row with a start stacks M afresh: S and M, K x (V + K) per piece; one without keeps the
     # kernel's [E, M] storage beside S, K x (2V + K): the bound the plan counts
@@ -219,7 +235,7 @@ def _cp_fold_documents_body(rank, world, partition):
 @pytest.mark.parametrize("partition", ["contiguous", "head_tail"])
 def test_cp_kda_fold_plan_matches_the_states_kept_per_partition(partition):
     """KDA's CP fold (``kda_cp`` called on each of 2 gloo ranks, fp32): the bytes kept for its
-    backward beside the kernel's own equal ``cp_extra_bytes``, to the byte. Head-tail keeps one
+    backward beside the kernel's own equal ``kda_fold_state_bytes``, to the byte. Head-tail keeps one
     ``[E, M]`` and one folded state per piece, twice the contiguous bytes: planned as contiguous it
     would be half the measured bytes."""
     run_multiprocess(_cp_fold_body, 2, partition)
@@ -269,3 +285,36 @@ def test_cp_mla_plan_matches_the_heaviest_rank(partition):
     probabilities over the extra keys. Contiguous measures 39,168 bytes, planned 40,192; the
     formula that counted the gathered latent and k, v of every key planned 30,720 (0.78)."""
     run_multiprocess(_cp_mla_body, 2, partition)
+
+
+def _cp_kda_body(rank, world, partition):
+    group = parallel_context(init_distributed(cp=2)).cp_group
+    local = 2 * CP_T   # head-tail pieces of 128: two of the torch kernel's chunks, as without CP
+    cfg = _cp_cfg("K", partition, local=local)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    mixer = model.layers[0].mixer
+    x = torch.randn(CP_B, local, cfg.model.hidden_size, generator=torch.Generator().manual_seed(rank),
+                    requires_grad=True)
+    alone = _layer_saved(mixer, x, model.parameters())   # the same tokens' activations, no exchange
+    model.use_context_parallel(group, None, partition)
+    extra = torch.tensor(float(_layer_saved(mixer, x, model.parameters()) - alone))
+    dist.all_reduce(extra, op=dist.ReduceOp.MAX, group=group)   # the heaviest rank's
+    planned = cp_extra_bytes(cfg, [0], 4, 2, ops="torch")
+    assert planned == pytest.approx(extra.item(), rel=0.10), (rank, planned, extra.item())
+    # the fold's states alone (the plan before the per-token terms) are a few percent of it
+    assert kda_fold_state_bytes(cfg, 2) < 0.05 * extra.item()
+
+
+@pytest.mark.parametrize("partition", ["contiguous", "head_tail"])
+def test_cp_kda_layer_plan_matches_the_heaviest_rank(partition):
+    """The KDA layer (each of 2 gloo ranks, fp32, 256 local tokens): what it keeps under CP beyond
+    the same tokens' activations without CP, against ``cp_extra_bytes`` within 10%: the fold's
+    states, and per local token the kernel's value-wide tensors run K columns wider (values
+    ``[v, 0]``: the solve's right-hand side and solution and each chunk's delta, and the
+    per-chunk states) and the output correction's copy of ``q~``. Measured 140,544 bytes
+    (contiguous) and 130,688 (head-tail) against 138,240 and 141,312 planned; the fold's states
+    alone, the plan before, were 3,072 and 6,144. Not planned: the short convs' halos (3 tokens
+    per piece, 2,304 / 5,760 bytes here) and, under head-tail, the torch kernel's per-chunk
+    GEMM copies that its shorter pieces lay out differently (16 KiB fewer here)."""
+    run_multiprocess(_cp_kda_body, 2, partition)
