@@ -10,7 +10,7 @@ warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not i
 
 @pytest.fixture
 def world1():
-    """A one-process gloo group plus megatron-core's model-parallel groups (TP=PP=1)."""
+    """A one-process gloo group plus its size-1 model-parallel groups (TP=PP=1)."""
     from k3train.runtime.distributed import init_distributed
 
     return init_distributed()

@@ -1,9 +1,11 @@
 """Pieces shared by every sublayer: RMSNorm and the tensor-parallel linear wrappers.
 
 Projections are megatron-core ``ColumnParallelLinear`` / ``RowParallelLinear`` so that
-``parallel.tp > 1`` shards heads and FFN width. They are built with CPU initialisation: the full
-master weight is drawn from the global RNG on every rank and each rank keeps its slice, so a
-TP=2 model holds exactly the weights of the TP=1 model with the same seed.
+``parallel.tp > 1`` shards heads and FFN width; at ``parallel.tp == 1`` the same layer is
+``k3train.ops.whole_linear.WholeLinear`` (megatron-core is then never imported). They are built
+with CPU initialisation: the full master weight is drawn from the global RNG on every rank and
+each rank keeps its slice, so a TP=2 model holds exactly the weights of the TP=1 model with the
+same seed.
 
 ``ColumnLinear`` / ``RowLinear`` take an optional ``quant`` function ``(x [..., in],
 weight [out, in]) -> [..., out]`` that replaces the matmul (MX fake-quant QAT, chosen by
@@ -17,11 +19,9 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-from megatron.core import parallel_state
-from megatron.core.model_parallel_config import ModelParallelConfig
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-
 from k3train.errors import LayoutError
+from k3train.ops.whole_linear import WholeLinear
+from k3train.runtime.distributed import tensor_parallel_group, tensor_parallel_rank, tensor_parallel_size
 from moe.layer import RMSNorm  # noqa: F401 - one RMSNorm module for the model and the MoE layer
 from moe.norm import rms_norm_eager
 
@@ -33,11 +33,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 
 def tp_size() -> int:
-    return parallel_state.get_tensor_model_parallel_world_size()
+    return tensor_parallel_size()
 
 
 def tp_rank() -> int:
-    return parallel_state.get_tensor_model_parallel_rank()
+    return tensor_parallel_rank()
 
 
 def divide(total: int, parts: int, what: str) -> int:
@@ -47,7 +47,9 @@ def divide(total: int, parts: int, what: str) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def _mp_config(tp: int) -> ModelParallelConfig:
+def _mp_config(tp: int):
+    from megatron.core.model_parallel_config import ModelParallelConfig  # tp > 1 only
+
     return ModelParallelConfig(
         tensor_model_parallel_size=tp,
         use_cpu_initialization=True,
@@ -65,7 +67,8 @@ def _normal(std: float):
 
 
 class _TPLinear(nn.Module):
-    """A megatron-core tensor-parallel linear without bias, returning only the output.
+    """A megatron-core tensor-parallel linear without bias (``WholeLinear`` at tp=1), returning
+    only the output.
 
     quant: optional ``(x, weight) -> y`` replacing the matmul (QAT recipes, tp=1 only).
     """
@@ -89,9 +92,15 @@ class ColumnLinear(_TPLinear):
 
     def __init__(self, in_features: int, out_features: int, std: float,
                  quant: LinearFn | None = None):
-        super().__init__(ColumnParallelLinear(
-            in_features, out_features, config=_mp_config(tp_size()), init_method=_normal(std),
-            bias=False, gather_output=False), quant)
+        if tp_size() == 1:
+            inner = WholeLinear(in_features, out_features, partition_dim=0, init_method=_normal(std))
+        else:
+            from megatron.core.tensor_parallel import ColumnParallelLinear
+
+            inner = ColumnParallelLinear(
+                in_features, out_features, config=_mp_config(tp_size()), init_method=_normal(std),
+                bias=False, gather_output=False)
+        super().__init__(inner, quant)
 
 
 class RowLinear(_TPLinear):
@@ -99,9 +108,15 @@ class RowLinear(_TPLinear):
 
     def __init__(self, in_features: int, out_features: int, std: float,
                  quant: LinearFn | None = None):
-        super().__init__(RowParallelLinear(
-            in_features, out_features, config=_mp_config(tp_size()), init_method=_normal(std),
-            bias=False, input_is_parallel=True, skip_bias_add=False), quant)
+        if tp_size() == 1:
+            inner = WholeLinear(in_features, out_features, partition_dim=1, init_method=_normal(std))
+        else:
+            from megatron.core.tensor_parallel import RowParallelLinear
+
+            inner = RowParallelLinear(
+                in_features, out_features, config=_mp_config(tp_size()), init_method=_normal(std),
+                bias=False, input_is_parallel=True, skip_bias_add=False)
+        super().__init__(inner, quant)
 
 
 class _SumGradOverTP(torch.autograd.Function):
@@ -119,7 +134,7 @@ class _SumGradOverTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         grad = grad.contiguous()
-        torch.distributed.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
+        torch.distributed.all_reduce(grad, group=tensor_parallel_group())
         return grad
 
 

@@ -1,8 +1,11 @@
 """Process groups: torch.distributed (gloo on CPU, NCCL on CUDA) plus megatron-core's groups.
 
-A run without ``torchrun`` still initialises a one-process group so that the same code (and
-megatron-core's tensor-parallel layers, which ask ``parallel_state`` for their group) runs
-unchanged on a laptop.
+A run without ``torchrun`` still initialises a one-process group so that the same code runs
+unchanged on a laptop. A one-process world makes its size-1 groups here (``_SoloGroups``)
+without megatron-core: importing it costs seconds (it pulls in Dynamo, Inductor and wandb) that
+a one-GPU run would pay before its first step. Several processes take megatron-core's groups
+(``parallel_state``, imported then): its rank order (tp-cp-ep-dp-pp) is the run's layout, and
+its tensor-parallel linears (``parallel.tp > 1``) ask it for their group.
 
 This module is the one place that makes process groups: ``init_distributed`` (the world and
 megatron-core's groups) and ``parallel_context`` (this rank's groups and ranks in one frozen
@@ -12,12 +15,12 @@ pipeline engine receive groups from it instead of creating or fetching their own
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from k3train.errors import LayoutError
 
@@ -86,11 +89,56 @@ def check_layout(world_size: int, tp: int, pp: int, ep: int, vpp: int = 1, cp: i
     return dp
 
 
+@dataclass(frozen=True)
+class _SoloGroups:
+    """The groups of a one-process world, each of size 1 (one ``new_group([0])`` per role, as
+    megatron-core makes them): tensor, pipeline, data, expert, expert-data, context."""
+
+    tp: dist.ProcessGroup
+    pp: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    ep: dist.ProcessGroup
+    edp: dist.ProcessGroup
+    cp: dist.ProcessGroup
+
+
+# The one-process groups in force (None under several processes, or before init_distributed):
+# process-wide, as torch.distributed's world and megatron-core's parallel_state are.
+_solo: _SoloGroups | None = None
+
+
+def _megatron_state():
+    """megatron-core's ``parallel_state``, imported on first use (several processes, or tp > 1)."""
+    from megatron.core import parallel_state
+
+    return parallel_state
+
+
+def _megatron_groups_made() -> bool:
+    """Whether megatron-core's groups exist, without importing megatron-core to ask."""
+    ps = sys.modules.get("megatron.core.parallel_state")
+    return ps is not None and ps.model_parallel_is_initialized()
+
+
+def groups_initialized() -> bool:
+    """Whether ``init_distributed`` (or a harness that made megatron-core's groups) has run."""
+    return _solo is not None or _megatron_groups_made()
+
+
+def _drop_groups() -> None:
+    global _solo
+    _solo = None
+    if _megatron_groups_made():
+        _megatron_state().destroy_model_parallel()
+
+
 def init_distributed(tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, device: str = "cpu",
                      cp: int = 1) -> ParallelInfo:
-    """Initialise torch.distributed (if needed) and megatron-core's model-parallel groups.
+    """Initialise torch.distributed (if needed) and the model-parallel groups: size-1 groups of
+    our own in a one-process world, megatron-core's otherwise.
     cp: context-parallel size (megatron-core's order tp-cp-ep-dp-pp: the cp ranks of one
     data-parallel replica are consecutive after tp); ``ParallelInfo.dp`` excludes it."""
+    global _solo
     if not dist.is_initialized():
         backend = "nccl" if device == "cuda" else "gloo"
         if _launched_by_torchrun():
@@ -103,16 +151,37 @@ def init_distributed(tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, device
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     world, rank = dist.get_world_size(), dist.get_rank()
     dp = check_layout(world, tp, pp, ep, vpp, cp)
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
-        expert_model_parallel_size=ep,
-        context_parallel_size=cp,
-    )
+    _drop_groups()
+    if world == 1:  # check_layout leaves tp = pp = ep = cp = 1 (vpp needs no group)
+        _solo = _SoloGroups(*(dist.new_group([0]) for _ in range(6)))
+    else:
+        _megatron_state().initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+            expert_model_parallel_size=ep,
+            context_parallel_size=cp,
+        )
     return ParallelInfo(world, rank, int(os.environ.get("LOCAL_RANK", "0")), tp, pp, vpp, ep, dp, cp)
+
+
+def tensor_parallel_size() -> int:
+    """This rank's tensor-parallel group size (1 in a one-process world)."""
+    return 1 if _solo is not None else _megatron_state().get_tensor_model_parallel_world_size()
+
+
+def tensor_parallel_rank() -> int:
+    """This rank's index in its tensor-parallel group (0 in a one-process world)."""
+    return 0 if _solo is not None else _megatron_state().get_tensor_model_parallel_rank()
+
+
+def tensor_parallel_group() -> dist.ProcessGroup:
+    """This rank's tensor-parallel group."""
+    return _solo.tp if _solo is not None else _megatron_state().get_tensor_model_parallel_group()
+
+
+def _pipeline_group() -> dist.ProcessGroup:
+    return _solo.pp if _solo is not None else _megatron_state().get_pipeline_model_parallel_group()
 
 
 @dataclass(frozen=True)
@@ -158,7 +227,7 @@ def pipeline_message_groups(p2p_backend: str = "auto") -> tuple | None:
     gloo = p2p_backend == "gloo"  # its own groups on a gloo world too (what the CPU tests run)
     if dist.get_backend() != "nccl" and not gloo:
         return None
-    mine = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+    mine = dist.get_process_group_ranks(_pipeline_group())
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     result = None
@@ -176,8 +245,14 @@ def parallel_context(info: ParallelInfo, *, p2p_backend: str = "auto") -> Parall
     """This rank's groups and ranks after ``init_distributed`` (collective over the world when
     the run has a pipeline engine, i.e. pp > 1 or vpp > 1: its message groups are made here).
     p2p_backend: ``pipeline.p2p_backend`` ("auto" or "gloo")."""
-    ps = parallel_state
     engine = info.pp > 1 or info.vpp > 1
+    messages = pipeline_message_groups(p2p_backend) if engine else None
+    if _solo is not None:
+        g = _solo
+        return ParallelContext(info=info, tp_rank=0, pp_rank=0, ep_rank=0, dp_rank=0, tp_group=g.tp,
+                               pp_group=g.pp, dp_group=g.dp, ep_group=g.ep, edp_group=g.edp,
+                               pp_messages=messages, cp_rank=0, cp_group=g.cp, dp_cp_group=g.dp)
+    ps = _megatron_state()
     return ParallelContext(
         info=info,
         tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
@@ -185,7 +260,7 @@ def parallel_context(info: ParallelInfo, *, p2p_backend: str = "auto") -> Parall
         tp_group=ps.get_tensor_model_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(),
         dp_group=ps.get_data_parallel_group(), ep_group=ps.get_expert_model_parallel_group(),
         edp_group=ps.get_expert_data_parallel_group(),
-        pp_messages=pipeline_message_groups(p2p_backend) if engine else None,
+        pp_messages=messages,
         cp_rank=ps.get_context_parallel_rank(), cp_group=ps.get_context_parallel_group(),
         dp_cp_group=(ps.get_data_parallel_group(with_context_parallel=True) if info.cp > 1
                      else ps.get_data_parallel_group()),
@@ -193,17 +268,18 @@ def parallel_context(info: ParallelInfo, *, p2p_backend: str = "auto") -> Parall
 
 
 def expert_group_in_force(ep: int) -> dist.ProcessGroup | None:
-    """The expert-parallel group for a builder that holds no run context: megatron-core's where
-    its groups exist (size 1 at ep=1), and None (the world group) where they do not, as in a
+    """The expert-parallel group for a builder that holds no run context: the run's where its
+    groups exist (size 1 at ep=1), and None (the world group) where they do not, as in a
     meta-device model-info. Never None in a multi-process run: the world group would split the
     experts over the data-parallel ranks of an ep=1 run. ``ep > 1`` requires the groups."""
-    if ep > 1 or parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_expert_model_parallel_group()
+    if _solo is not None:
+        return _solo.ep
+    if ep > 1 or _megatron_groups_made():
+        return _megatron_state().get_expert_model_parallel_group()
     return None
 
 
 def shutdown_distributed() -> None:
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+    _drop_groups()
     if dist.is_initialized():
         dist.destroy_process_group()

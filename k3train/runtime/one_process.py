@@ -7,9 +7,8 @@ import contextlib
 from typing import Iterator
 
 import torch.distributed as dist
-from megatron.core import parallel_state
 
-from k3train.runtime.distributed import ParallelInfo, init_distributed, shutdown_distributed
+from k3train.runtime.distributed import ParallelInfo, groups_initialized, init_distributed, shutdown_distributed
 
 
 @contextlib.contextmanager
@@ -17,10 +16,10 @@ def process_groups(tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, device: 
                    reuse_existing: bool = False) -> Iterator[ParallelInfo | None]:
     """``init_distributed`` (this layout) for the body; a world this context made is shut down
     after it, one the caller made (torchrun, a test harness) is left. reuse_existing: when
-    megatron's groups already exist, use them as they are and yield None (building a model on
+    the model-parallel groups already exist, use them as they are and yield None (building a model on
     the meta device needs some groups, not a layout)."""
     owned = not dist.is_initialized()
-    if reuse_existing and parallel_state.model_parallel_is_initialized():
+    if reuse_existing and groups_initialized():
         yield None
         return
     info = init_distributed(tp, pp, vpp, ep, device)

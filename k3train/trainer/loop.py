@@ -27,6 +27,7 @@ from k3train.trainer.context import RunContext
 from k3train.trainer.data import build_data
 from k3train.trainer.guards import last_checkpoint_note, params_finite
 from k3train.trainer.metrics import MetricsLogger
+from k3train.trainer.plots import preload_pyplot
 from k3train.trainer.report import datasheet_peak, measure_peak_flops, write_end_of_run_plots
 from k3train.trainer.restore import data_record, data_source, init_from, restore_training
 from k3train.trainer.run_dir import decided_on_rank0, keep_recorded_settings, plan_run_dir, save_config
@@ -118,6 +119,8 @@ class Trainer:
         if main:  # only now: a refused resume must leave the config its checkpoints were saved with
             save_config(cfg, run_dir / "config.yaml")
             kernels.write_resolved(run_dir, dev)
+        if main and cfg.train.plots:
+            preload_pyplot()  # imported while the run trains, for the end-of-run plots
         if cfg.train.compile_ahead:
             state.compile_kernels()
         self.logger = MetricsLogger(run_dir, cfg.logging.wandb, cfg.model_dump(mode="json"), enabled=main,

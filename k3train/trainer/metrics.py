@@ -3,8 +3,11 @@
 three."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +32,7 @@ class MetricsLogger:
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self._wandb = None
+        self._wandb_starting: Future | None = None
         self._tensorboard = None
         if not enabled:
             return
@@ -39,14 +43,21 @@ class MetricsLogger:
         if resume and keep_through is not None:
             _drop_records_after(self.path, keep_through)
         if wandb_cfg.mode != "disabled":
-            self._wandb = _start_wandb(Path(run_dir), wandb_cfg, config)
+            self._wandb_starting = _start_wandb(Path(run_dir), wandb_cfg, config)
+
+    def _wandb_run(self):
+        """The wandb run (None without one), once its start (``_start_wandb``) has finished."""
+        if self._wandb_starting is not None:
+            starting, self._wandb_starting = self._wandb_starting, None
+            self._wandb = starting.result()  # an error of wandb.init is raised here
+        return self._wandb
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        if self._wandb is not None:
+        if self._wandb_run() is not None:
             self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
         if self._tensorboard is not None:
             for key, value in record.items():
@@ -58,7 +69,7 @@ class MetricsLogger:
     def log_images(self, paths: dict[str, str | Path], step: int) -> None:
         """Log PNGs (e.g. from ``k3train.trainer.plots``) as ``plots/<key>`` in one wandb step; files
         that do not exist are skipped, so a plot that could not be drawn never stops a run."""
-        if self._wandb is None:
+        if self._wandb_run() is None:
             return
         import wandb
 
@@ -68,7 +79,7 @@ class MetricsLogger:
             self._wandb.log(images, step=step)
 
     def close(self) -> None:
-        if self._wandb is not None:
+        if self._wandb_run() is not None:
             self._wandb.finish()
             self._wandb = None
         if self._tensorboard is not None:
@@ -94,21 +105,39 @@ def _step_of(line: str) -> int | None:
         return None
 
 
-def _start_wandb(run_dir: Path, cfg: WandbConfig, config: dict):
+def _start_wandb(run_dir: Path, cfg: WandbConfig, config: dict) -> Future:
+    """``wandb.init`` for this run, as a future of the run (None: no wandb run).
+
+    Offline (the default) it runs on a thread of its own: importing wandb and starting its
+    service process take 1-2 s that need not delay the first step; the logger waits for it at
+    its first use. Online it runs here, before training: it may ask for a login."""
     # An explicit WANDB_MODE in the environment wins (e.g. a user who exported it for a cluster).
     mode = os.environ.get("WANDB_MODE", cfg.mode)
+    done: Future = Future()
     if mode == "disabled":
-        return None
-    try:
-        import wandb
-    except ImportError:
+        done.set_result(None)
+        return done
+    if "wandb" not in sys.modules and importlib.util.find_spec("wandb") is None:
         print("[k3train] wandb is not installed: logging to metrics.jsonl only "
               "(pip install wandb, or set logging.wandb.mode=disabled to silence this)")
-        return None
-    return wandb.init(
-        project=cfg.project, group=cfg.group, name=cfg.name or run_dir.name, dir=str(run_dir),
-        mode=mode, config=config, settings=wandb.Settings(silent=True, console="off"),
-    )
+        done.set_result(None)
+        return done
+
+    def init():
+        import wandb
+
+        return wandb.init(
+            project=cfg.project, group=cfg.group, name=cfg.name or run_dir.name, dir=str(run_dir),
+            mode=mode, config=config, settings=wandb.Settings(silent=True, console="off"),
+        )
+
+    if mode != "offline":
+        done.set_result(init())
+        return done
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wandb-init")
+    starting = pool.submit(init)
+    pool.shutdown(wait=False)  # the thread ends with init()
+    return starting
 
 
 def _start_tensorboard(run_dir: Path, keep_through: int | None):
