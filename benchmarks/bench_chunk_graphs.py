@@ -22,8 +22,10 @@ chunk graphs / eager engine (target >= 2).
 Check (``--check-steps N``, before timing): the eager and the graphed engine drive the same
 chunks; each step both run on the same weights and microbatches, their losses and every
 gradient are compared (bf16 autocast: same kernels, so equal up to the order of the
-parameter-gradient sums), then an AdamW step is taken with the graphed gradients, N steps.
-Prints PASS/FAIL with the largest relative differences, and the loss of the first and last
+parameter-gradient sums and the kernels' atomics: the eager engine runs twice as a control),
+then an AdamW step is taken with the graphed gradients, N steps. PASS: the losses within 1e-3
+and every gradient within 2e-2 or twice the control's difference. Prints the largest relative
+differences, and the loss of the first and last
 step (a short run that learns).
 
 ``--mask``: the check only, with document masking: about one document start in 256 tokens
@@ -136,12 +138,22 @@ def check(args, parallel) -> bool:
     exact, padded = (docs, docs.padded) if args.mask else (None, None)
     compile_ahead(lambda: run_e(_with_documents(_batches(cfg, 1, eod)[0], exact)), label="the engine step")
     worst_loss, worst_grad, losses, documents, worst_name = 0.0, 0.0, [], 0, None
+    worst_control, control_name = 0.0, None
     for step, mbs in enumerate(_batches(cfg, args.check_steps, eod), start=1):
         if docs is not None:
             assert all(docs.fits(torch.cat([x, y[:, -1:]], dim=1)) for x, y in mbs)
             documents += sum(int(exact(torch.cat([x, y[:, -1:]], dim=1)).numel()) - 1 for x, y in mbs)
+        # A control: the eager engine twice on the same weights and batch. The fused kernels'
+        # atomics make two eager backwards differ; the graphed one may differ as much.
+        run_e(_with_documents(mbs, exact))
+        grads_c = [p.grad.clone() if p.grad is not None else None for p in params]
         loss_e = run_e(_with_documents(mbs, exact))
         grads_e = [p.grad.clone() if p.grad is not None else None for p in params]
+        for (name, p), ge, gc in zip(named, grads_e, grads_c):
+            if ge is not None:
+                d = ((gc - ge).norm() / ge.norm().clamp_min(1e-30)).item()
+                if d > worst_control:
+                    worst_control, control_name = d, f"{name} (step {step})"
         loss_g = run_g(_with_documents(mbs, padded))
         worst_loss = max(worst_loss, abs(loss_g.item() - loss_e.item()) / abs(loss_e.item()))
         for (name, p), ge in zip(named, grads_e):
@@ -154,10 +166,11 @@ def check(args, parallel) -> bool:
         losses.append(loss_g.item())
         opt.step()
         opt.zero_grad(set_to_none=True)
-    ok = worst_loss < 1e-3 and worst_grad < 2e-2 and losses[-1] < losses[0]
+    ok = worst_loss < 1e-3 and worst_grad < max(2e-2, 2 * worst_control) and losses[-1] < losses[0]
     print(json.dumps({"check": "PASS" if ok else "FAIL", "steps": args.check_steps,
                       "graphs": graphed.graphs.captured, "max_rel_loss_diff": worst_loss,
-                      "max_rel_grad_diff": worst_grad, "worst_grad": worst_name, "first_loss": losses[0], "last_loss": losses[-1],
+                      "max_rel_grad_diff": worst_grad, "worst_grad": worst_name,
+                      "eager_twice_max_rel_grad_diff": worst_control, "eager_twice_worst": control_name, "first_loss": losses[0], "last_loss": losses[-1],
                       "masked": args.mask,
                       "documents_per_microbatch": documents / (args.check_steps * cfg.train.microbatches)}),
           flush=True)

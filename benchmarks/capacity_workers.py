@@ -302,8 +302,7 @@ def worker_mask(args) -> None:
                 ("masked_eager", [*base, "train.cuda_graph=false", "data.document_mask=true"]),
                 ("unmasked_graphed", [*base, "train.cuda_graph=false" if args.device == "cpu" else "train.cuda_graph=auto",
                                       "data.document_mask=false"]),
-                # graphed where the trainer can graph masked windows (below 16K tokens; true opts in
-                # while auto waits for the path's first GPU training run)
+                # graphed where the trainer can graph masked windows (below 16K tokens)
                 ("masked_graphed", [*base, "train.cuda_graph=false" if args.device == "cpu" else
                                     "train.cuda_graph=true" if seq < PER_DOCUMENT_MIN_WINDOW else "train.cuda_graph=auto",
                                     "data.document_mask=true"])]

@@ -60,13 +60,9 @@ def cuda_graph_blockers(cfg: RunConfig, *, device: str | None = None, auto: bool
                                      f"{cfg.train.seq_len}: from {PER_DOCUMENT_MIN_WINDOW} tokens MLA attends "
                                      f"one call per document, reading the boundaries on the host; it needs "
                                      f"train.seq_len < {PER_DOCUMENT_MIN_WINDOW} or data.document_mask=false")
-    elif cfg.data.masks_documents and auto:
-        # Recorded KDA, conv and MLA replay exactly on new boundaries on an H200 (scripts/
-        # gpu_check_document_mask.py, 2026-12-04); the trainer's graphed masked step (one graph,
-        # or the pipeline's chunk graphs) has not yet trained there, so auto leaves it off until
-        # it has, and true opts in.
-        out["data.document_mask"] = ("graphed document masking has not yet trained on a GPU, so "
-                                     "train.cuda_graph=auto leaves it off; train.cuda_graph=true opts in")
+    # Below 16K, graphed document masking trained on an H200 as eagerly (2026-12-04: the whole
+    # step, scripts/gpu_check_graphed_documents.py; the chunk graphs, bench_chunk_graphs --mask),
+    # so auto turns it on; no path is waiting for its first GPU run now.
     if cfg.precision.param_dtype != "fp32":
         out["precision.param_dtype"] = (f"train.cuda_graph cannot capture precision.param_dtype="
                                         f"{cfg.precision.param_dtype} (its fp32 gradient accumulation "

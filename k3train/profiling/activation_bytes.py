@@ -194,11 +194,13 @@ def recomputed_bytes_per_token(cfg: RunConfig, index: int, mode: str, ops: str, 
     return live
 
 
-def offload_bytes_per_token(cfg: RunConfig, index: int, mode: str, ops: str, T: int, a: int) -> tuple[float, float]:
+def offload_bytes_per_token(cfg: RunConfig, index: int, mode: str, ops: str, T: int, a: int,
+                            pieces: int | None = None) -> tuple[float, float]:
     """Under ``train.offload_activations`` (a layer is two regions, its mixer half and its FFN
     half, the latter in ``train.recompute_pieces`` token pieces): (bytes per token layer
     ``index`` keeps in host memory, bytes per token live on the device while its larger half is
-    recomputed, that half's kept bytes copied back included).
+    recomputed, that half's kept bytes copied back included). ``pieces``: the FFN half's pieces
+    (default the config's; 1: the whole half).
     Host: the layer's kept bytes plus the mixer half's output, the FFN half's input."""
     w, f = Widths.of(cfg), 4
     m = cfg.model
@@ -222,7 +224,7 @@ def offload_bytes_per_token(cfg: RunConfig, index: int, mode: str, ops: str, T: 
         inputs_a += cores
     half_a = _norm(w.D, a, f, ops) + mixer + mix_a + inputs_a
     half_b = _norm(w.D, a, f, ops) + ffn + mix_b + inputs_b
-    pieces = cfg.train.recompute_pieces
+    pieces = cfg.train.recompute_pieces if pieces is None else pieces
     if pieces > 1:
         # train.recompute_pieces: the FFN half recomputes one token piece at a time; its input
         # gradients arrive per piece and are joined once the last piece is done (one whole

@@ -17,10 +17,10 @@ def prepare_cuda_env(cfg: RunConfig) -> None:
     whenever step 1 launches a kernel for the first time, and CUDA's lazy loading can stall a
     device with kernels in flight (the CUDA programming guide's lazy-loading caveat about
     kernels that wait on each other). A PP=2 run on 2x H200 hung in its first backward with
-    lazy loading: both ranks inside autograd, each GPU waiting on the other. For the same reason
-    ``kernels.compile=auto`` resolves to off in those runs (``k3train/ops/kernels.py``): Inductor
-    loads the kernels it generates at their first call, inside the step. A value the user set
-    is kept.
+    lazy loading: both ranks inside autograd, each GPU waiting on the other. Inductor loads the
+    kernels it generates at their first call too; compile-ahead (``TrainState.compile_kernels``)
+    makes that call on every rank before step 1 (``k3train/ops/kernels.py``). A value the user
+    set is kept.
     """
     if cfg.parallel.pp > 1 and cfg.train.device != "cpu" and "CUDA_MODULE_LOADING" not in os.environ:
         import torch

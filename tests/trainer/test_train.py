@@ -147,11 +147,13 @@ def test_cuda_graph_auto_turns_on_exactly_where_supported():
     auto = load_config("configs/k3_tiny.yaml", ["train.cuda_graph=auto", "data.document_mask=false"])
     assert use_cuda_graph(auto, one, cuda) and use_cuda_graph(auto, two, cuda)   # DP: reduced after the replay
     assert not use_cuda_graph(auto, one, cpu)
-    # document masking (the default) is recorded in a fixed shape below 16K tokens, which true opts
-    # into and auto leaves off until it has trained on a GPU; from 16K MLA reads each batch's
-    # boundaries on the host, and true is refused
-    assert not use_cuda_graph(load_config("configs/k3_tiny.yaml", ["train.cuda_graph=auto"]), one, cuda)
+    # document masking (the default) is recorded in a fixed shape below 16K tokens, auto and true
+    # alike; from 16K MLA reads each batch's boundaries on the host: auto leaves the graph off,
+    # true is refused
+    assert use_cuda_graph(load_config("configs/k3_tiny.yaml", ["train.cuda_graph=auto"]), one, cuda)
     assert use_cuda_graph(load_config("configs/k3_tiny.yaml", ["train.cuda_graph=true"]), one, cuda)
+    assert not use_cuda_graph(load_config("configs/k3_tiny.yaml", ["train.cuda_graph=auto", "train.seq_len=16384"]),
+                              one, cuda)
     with pytest.raises(K3TrainError, match="16384"):   # refused when the config loads
         load_config("configs/k3_tiny.yaml", ["train.cuda_graph=true", "train.seq_len=16384"])
     unmasked = ["train.cuda_graph=auto", "data.document_mask=false"]
