@@ -5,7 +5,7 @@ from its first forward and the trainer needs no extra call. It hands each in-sco
 quantisation hook, the configuration its constructor also accepts:
   * ``GroupedExperts``: ``weight_quant`` / ``act_quant`` (``QuantSpec`` methods);
   * ``nn.Linear``: replaced by ``MXLinear`` sharing the same Parameters;
-  * ``ColumnLinear`` / ``RowLinear`` (megatron-core TP linears): ``quant = spec.linear``, valid at
+  * ``ColumnLinear`` / ``RowLinear`` (the TP linears; megatron-core's at tp > 1): ``quant = spec.linear``, valid at
     ``parallel.tp == 1`` only (the fake-quantised product is the unsharded one); tp > 1 is refused.
 fp8 converts in-scope ``nn.Linear`` modules with torchao's ``convert_to_float8_training`` and
 gives in-scope ``ColumnLinear`` / ``RowLinear`` (tp == 1) torchao's float8 matmul as their

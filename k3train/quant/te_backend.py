@@ -7,9 +7,10 @@ shapes:
 
 * an ``nn.Linear`` (latent projections, shared experts) is replaced by a ``TELinear`` in its
   slot: its state-dict key stays ``<name>.weight``;
-* a ``ColumnLinear`` / ``RowLinear`` (attention projections, megatron-core at ``parallel.tp ==
-  1``) keeps its wrapper and gets a ``TELinear`` as its ``inner`` module: the key stays
-  ``<name>.inner.weight``.
+* a ``ColumnLinear`` / ``RowLinear`` (attention projections, ``parallel.tp == 1``, where its
+  ``inner`` is ``k3train.ops.whole_linear.WholeLinear``, megatron-core's tp=1 linear in
+  behaviour and keys) keeps its wrapper and gets a ``TELinear`` as its ``inner`` module: the
+  key stays ``<name>.inner.weight``.
 
 TE modules normally add an ``_extra_state`` entry per module to the state dict (the recipe and,
 for DelayedScaling, the amax history and scales, pickled). ``TELinear`` carries none: its state

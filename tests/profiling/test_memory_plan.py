@@ -259,10 +259,11 @@ def _layer_saved(mixer, x, params) -> int:
     return saved.total
 
 
-def _cp_mla_body(rank, world, partition):
+def _cp_layer_extra(rank, kind: str, partition: str, local: int):
+    """(cfg, bytes) on 2 gloo ranks: what the first layer (``kind``) keeps under CP beyond the same
+    tokens' activations without it, on the heaviest rank."""
     group = parallel_context(init_distributed(cp=2)).cp_group
-    local = 32
-    cfg = _cp_cfg("M", partition, local=local)
+    cfg = _cp_cfg(kind, partition, local=local)
     torch.manual_seed(0)
     model = build_model(cfg)
     mixer = model.layers[0].mixer
@@ -272,8 +273,13 @@ def _cp_mla_body(rank, world, partition):
     model.use_context_parallel(group, None, partition)
     extra = torch.tensor(float(_layer_saved(mixer, x, model.parameters()) - alone))
     dist.all_reduce(extra, op=dist.ReduceOp.MAX, group=group)   # the heaviest rank's
+    return cfg, extra.item()
+
+
+def _cp_mla_body(rank, world, partition):
+    cfg, extra = _cp_layer_extra(rank, "M", partition, local=32)
     planned = cp_extra_bytes(cfg, [0], 4, 2, ops="torch")   # CPU: SDPA's math path
-    assert planned == pytest.approx(extra.item(), rel=0.15), (rank, planned, extra.item())
+    assert planned == pytest.approx(extra, rel=0.15), (rank, planned, extra)
 
 
 @pytest.mark.parametrize("partition", ["contiguous", "head_tail"])
@@ -288,22 +294,12 @@ def test_cp_mla_plan_matches_the_heaviest_rank(partition):
 
 
 def _cp_kda_body(rank, world, partition):
-    group = parallel_context(init_distributed(cp=2)).cp_group
-    local = 2 * CP_T   # head-tail pieces of 128: two of the torch kernel's chunks, as without CP
-    cfg = _cp_cfg("K", partition, local=local)
-    torch.manual_seed(0)
-    model = build_model(cfg)
-    mixer = model.layers[0].mixer
-    x = torch.randn(CP_B, local, cfg.model.hidden_size, generator=torch.Generator().manual_seed(rank),
-                    requires_grad=True)
-    alone = _layer_saved(mixer, x, model.parameters())   # the same tokens' activations, no exchange
-    model.use_context_parallel(group, None, partition)
-    extra = torch.tensor(float(_layer_saved(mixer, x, model.parameters()) - alone))
-    dist.all_reduce(extra, op=dist.ReduceOp.MAX, group=group)   # the heaviest rank's
+    # head-tail pieces of 128: two of the torch kernel's chunks, as without CP
+    cfg, extra = _cp_layer_extra(rank, "K", partition, local=2 * CP_T)
     planned = cp_extra_bytes(cfg, [0], 4, 2, ops="torch")
-    assert planned == pytest.approx(extra.item(), rel=0.10), (rank, planned, extra.item())
+    assert planned == pytest.approx(extra, rel=0.10), (rank, planned, extra)
     # the fold's states alone (the plan before the per-token terms) are a few percent of it
-    assert kda_fold_state_bytes(cfg, 2) < 0.05 * extra.item()
+    assert kda_fold_state_bytes(cfg, 2) < 0.05 * extra
 
 
 @pytest.mark.parametrize("partition", ["contiguous", "head_tail"])
