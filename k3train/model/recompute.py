@@ -165,7 +165,8 @@ def _ffn_in_pieces(layer: nn.Module, io: StageIO, mode: str, pieces: int) -> Sta
     not per token (the aux loss's window statistics, the static dispatcher's capacity, expert
     parallelism's collectives; ``layout_rules.layout_refusal``). What it saves: the backward
     recomputes one piece at a time, so the device holds one piece's FFN activations instead of
-    the whole window's (the MoE half is the larger half of a layer; docs/long_context.md). A
+    the whole window's (the MoE half is the larger half of a layer's planned activations; on one
+    H200 that moved k3_mini's 256K peak by 1%, docs/long_context.md). A
     block's pieces are views of the block, which the mixer half saved whole: the offload keeps
     them as views of that one host copy (``ActivationOffload.pack``).
     io.hidden ``[B, T, D]``, io.blocks ``{id: [B, T, D]}`` -> the half's StageIO, whole ``T``."""
