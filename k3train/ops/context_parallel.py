@@ -345,13 +345,21 @@ def kda_local_states(q, k, v, g, beta, *, scale: float | None = None, kernel: Kd
     return o0, q_tilde, E, M
 
 
+def _fp32_einsum(equation: str, *operands: torch.Tensor) -> torch.Tensor:
+    """``torch.einsum`` outside autocast: the fold's states and the output correction stay in
+    their own (fp32) dtype. Under bf16 autocast einsum would round every operand to bf16, the
+    chain of state products included."""
+    with torch.autocast(operands[0].device.type, enabled=False):
+        return torch.einsum(equation, *operands)
+
+
 def fold_kda_states(E_all: torch.Tensor, M_all: torch.Tensor, rank: int) -> torch.Tensor:
     """Initial state of ``rank``'s chunk from its predecessors: ``S_0 = 0``,
     ``S_{j+1} = M_j S_j + E_j`` for ``j < rank``. E_all ``[P, B, H, K, V]``, M_all ``[P, B, H, K, K]``
     -> ``[B, H, K, V]`` (fp32 at least: the chain of products must not round to bf16)."""
     S = torch.zeros_like(E_all[0])
     for j in range(rank):
-        S = torch.einsum("bhkl,bhlv->bhkv", M_all[j], S) + E_all[j]
+        S = _fp32_einsum("bhkl,bhlv->bhkv", M_all[j], S) + E_all[j]
     return S
 
 
@@ -391,7 +399,7 @@ class _KdaStateExchange(torch.autograd.Function):
         owners = [piece_owner(j, size, partition) for j in range(max(pieces))]
         states = [torch.zeros_like(E_all[0, 0])]
         for r, s in owners:
-            states.append(torch.einsum("bhkl,bhlv->bhkv", M_all[r, s], states[-1]) + E_all[r, s])
+            states.append(_fp32_einsum("bhkl,bhlv->bhkv", M_all[r, s], states[-1]) + E_all[r, s])
         S = torch.stack([states[p] for p in pieces])
         ctx.save_for_backward(S, M.to(sdt))
         ctx.group, ctx.log, ctx.rank, ctx.size, ctx.dtypes = group, log, rank, size, (E.dtype, M.dtype)
@@ -407,9 +415,9 @@ class _KdaStateExchange(torch.autograd.Function):
         D = {total - 1: torch.zeros_like(S[0])}
         for j in range(total - 1, min(pieces), -1):  # D[j - 1]: dL/dS_end of piece j - 1
             r, s = piece_owner(j, ctx.size, ctx.partition)
-            D[j - 1] = G_all[r, s] + torch.einsum("bhlk,bhlv->bhkv", M_all[r, s], D[j])
+            D[j - 1] = G_all[r, s] + _fp32_einsum("bhlk,bhlv->bhkv", M_all[r, s], D[j])
         dE = torch.stack([D[p] for p in pieces])
-        dM = torch.einsum("nbhkv,nbhlv->nbhkl", dE, S)
+        dM = _fp32_einsum("nbhkv,nbhlv->nbhkl", dE, S)
         return dE.to(ctx.dtypes[0]), dM.to(ctx.dtypes[1]), None, None, None
 
 
@@ -450,14 +458,14 @@ def kda_cp(q, k, v, g, beta, *, group=None, scale: float | None = None, kernel: 
         # the flag: nothing before a piece with a start reaches past it
         M = torch.stack([torch.zeros_like(M[i]) if starts[i] else M[i] for i in range(L)])
     S = _KdaStateExchange.apply(E, M, group, log, partition)  # [L, B, H, K, V]
-    o = o0.to(S.dtype) + torch.einsum("lbthk,lbhkv->lbthv", q_tilde.to(S.dtype), S)
+    o = o0.to(S.dtype) + _fp32_einsum("lbthk,lbhkv->lbthv", q_tilde.to(S.dtype), S)
     return torch.cat(o.unbind(0), dim=1).to(v.dtype)
 
 
 def _fold_and_correct(o0, q_tilde, E_all, M_all, rank: int) -> torch.Tensor:
     """``o0 + q~ S_rank`` with ``S_rank`` folded from the predecessors' ``(E, M)``, in the state dtype."""
     S = fold_kda_states(E_all, M_all, rank)
-    return o0.to(S.dtype) + torch.einsum("bthk,bhkv->bthv", q_tilde.to(S.dtype), S)
+    return o0.to(S.dtype) + _fp32_einsum("bthk,bhkv->bthv", q_tilde.to(S.dtype), S)
 
 
 def kda_chunks_folded(q, k, v, g, beta, *, num_chunks: int, scale: float | None = None,

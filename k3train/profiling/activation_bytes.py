@@ -113,17 +113,18 @@ def kda_cp_bytes_per_token(w: Widths, n: int, a: int, ops: str) -> float:
     for pieces of ``n`` tokens (``k3train.ops.context_parallel.kda_local_states`` and
     ``kda_cp``): the kernel runs on values ``[v, 0]`` of width V + K, so each tensor it keeps
     at the values' width keeps K more columns per head; and the output correction
-    ``o0 + q~ S`` keeps its GEMM's copy of ``q~`` ``[H, K]`` per token, in the activation dtype
-    (under autocast the GEMM runs in bf16 and keeps the cast copy; in fp32, the contiguous copy
-    the einsum makes). fla's chunk_kda keeps v (the only value-wide tensor it saves);
+    ``o0 + q~ S`` keeps its GEMM's copy of ``q~`` ``[H, K]`` per token in fp32 (the correction
+    runs outside autocast, ``context_parallel._fp32_einsum``). fla's chunk_kda keeps v (the only
+    value-wide tensor it saves);
     chunk_kda_torch keeps three value-wide fp32 rows per token (the solve's right-hand side
     before and after it, and each chunk's delta) and one ``[K, V]`` state per chunk of C
     tokens, on whole chunks of each piece."""
     wide = w.H * w.K    # the K extra value columns of every head
+    q_copy = wide * 4   # the correction's fp32 copy of q~
     if ops == "torch":
         pad = math.ceil(n / w.C) * w.C / n
-        return wide * a + (3 * wide + wide * w.K / w.C) * 4 * pad
-    return wide * a + wide * a
+        return q_copy + (3 * wide + wide * w.K / w.C) * 4 * pad
+    return wide * a + q_copy
 
 
 def _glu(n: int, a: int, ops: str) -> float:

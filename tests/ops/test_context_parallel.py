@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from k3train.ops.context_parallel import (
     CPCommLog, CPShapeError, causal_pairs_per_rank, cp_bytes_per_rank, cp_pieces, cp_token_index, fold_kda_states,
-    kda_chunks_folded, kda_cp, kda_local_states, mla_attention_cp, piece_owner, short_conv_cp,
+    _fold_and_correct, kda_chunks_folded, kda_cp, kda_local_states, mla_attention_cp, piece_owner, short_conv_cp,
 )
 from k3train.config import load_config
 from k3train.model.flops import flops_breakdown
@@ -72,6 +72,22 @@ def test_fold_equals_running_the_chunks_in_sequence():
         expected = torch.zeros_like(S_fold) if S is None else S
         torch.testing.assert_close(S_fold, expected, **TOL)
         _, S = naive_recurrent_kda(*chunks[r], initial_state=S, output_final_state=True)
+
+
+def test_fold_and_correction_ignore_bf16_autocast():
+    """The fold's state chain and the output correction run in the states' fp32 under bf16
+    autocast too (bitwise the same as without autocast): autocast would round every product's
+    operands to bf16 (the GPU trainer's steps run under it)."""
+    gen = torch.Generator().manual_seed(7)
+    E_all = torch.randn(4, B, H, K, V, generator=gen)
+    M_all = torch.randn(4, B, H, K, K, generator=gen) * 0.5
+    o0, q_tilde = torch.randn(B, TL, H, V, generator=gen), torch.randn(B, TL, H, K, generator=gen)
+    plain = [fold_kda_states(E_all, M_all, 3), _fold_and_correct(o0, q_tilde, E_all, M_all, 3)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = [fold_kda_states(E_all, M_all, 3), _fold_and_correct(o0, q_tilde, E_all, M_all, 3)]
+    for a, b in zip(under, plain):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_chunks_folded_on_one_device_equal_the_whole_sequence():

@@ -135,12 +135,13 @@ def test_context_parallel_plan_is_the_shorter_sequence_plus_the_exchanges(world1
     # the document mask's bias, [B, 64 queries, 256 keys] in bf16
     mask = 2 * 64 * 256 * a
     # [E, M]: K x (V + K), S_r: K x V, fp32, per head and window (V = K = head_dim); fla keeps
-    # the [0, I] seed, K x (V + K) fp32; per local token (2 x 64) the K extra columns of v and
-    # the correction's q~, one K per head each, bf16
+    # the [0, I] seed, K x (V + K) fp32; per local token (2 x 64) the K extra columns of v
+    # (bf16) and the correction's q~ (fp32: the correction runs outside autocast), one K per
+    # head each
     H, K = m.kda.num_heads, m.kda.head_dim
     states = 2 * H * (K * 2 * K + K * K) * 4
     seed = 2 * H * K * 2 * K * 4
-    per_kda = states + seed + 2 * 64 * 2 * H * K * a
+    per_kda = states + seed + 2 * 64 * H * K * (a + 4)
     assert four.cp_extra["none"] == four.cp_extra["selective"] == n_mla * (per_mla + mask) + n_kda * per_kda
     assert four.cp_extra["full"] == max(per_mla + mask, per_kda)
     assert one.cp_extra["none"] == 0 and four.total("none", False) == one.total("none", False) + four.cp_extra["none"]
@@ -149,7 +150,7 @@ def test_context_parallel_plan_is_the_shorter_sequence_plus_the_exchanges(world1
     # reordered by an int64 index of the sequence's length
     ht = load_config("configs/k3_tiny.yaml", [*base, "parallel.cp_partition=head_tail"])
     (four_ht,) = plan_memory(ht, cp=4)
-    per_kda_ht = 2 * (states + seed) + 2 * 64 * 2 * H * K * a
+    per_kda_ht = 2 * (states + seed) + 2 * 64 * H * K * (a + 4)
     assert four_ht.cp_extra["none"] == n_mla * (per_mla + mask + 256 * 8) + n_kda * per_kda_ht
     # without document masking each piece attends its own prefix: rank 0's pieces 0 and 7 of
     # 32 tokens, [32, 32] and [32, 256] masks broadcast over the batch
