@@ -144,7 +144,9 @@ def test_every_microbatch_adds_its_routing_records_until_the_step_ends(world1, m
     records = records_bytes_per_token(one, plan.layers, 4) * T
     planned = _planned(two) - _planned(one)
     assert planned == pytest.approx(records, rel=1e-9)
-    measured = _measured_peak(two) - _measured_peak(one)
+    # Each peak the smaller of two measurements: another thread's allocation inside the profile
+    # only ever raises one (a run of the whole suite once measured one microbatch 110 KB high).
+    measured = min(_measured_peak(two) for _ in range(2)) - min(_measured_peak(one) for _ in range(2))
     print(f"{mode} {balancing}: 2 microbatches over 1, planned +{planned / 2**20:.3f} MiB, measured +{measured / 2**20:.3f} MiB")
     # Under aux_free the ids alone are small beside the peak's jitter (8 KB seen): within 10%
     # of what one microbatch's scores would add, which a record keeping them would exceed.
