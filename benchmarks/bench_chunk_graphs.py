@@ -43,7 +43,7 @@ import time
 import torch
 
 from k3train.config import load_config
-from k3train.data.documents import WindowDocuments
+from k3train.data.documents import WindowDocuments, max_documents
 from k3train.model.forward_state import forward_state_holders
 from k3train.model.model import build_model
 from k3train.ops import kernels
@@ -141,15 +141,16 @@ def check(args, parallel) -> bool:
     worst_loss, worst_grad, losses, documents, worst_name = 0.0, 0.0, [], 0, None
     worst_control, control_name = 0.0, None
     for step, mbs in enumerate(_batches(cfg, args.check_steps, eod), start=1):
+        exact_mbs = _with_documents(mbs, exact)
         if docs is not None:
-            assert all(docs.fits(torch.cat([x, y[:, -1:]], dim=1)) for x, y in mbs)
-            documents += sum(int(exact(torch.cat([x, y[:, -1:]], dim=1)).numel()) - 1 for x, y in mbs)
+            documents += sum(len(cu) - 1 for _, _, cu in exact_mbs)
+            assert all(len(cu) - 1 <= max_documents(*x.shape) for x, _, cu in exact_mbs)   # docs.fits
         # A control: the eager engine twice on the same weights and batch. On an H200 at 4096
         # tokens two eager backwards differed (3.2e-2 on an AttnRes query, 2026-12-04); the
         # graphed one may differ as much.
-        run_e(_with_documents(mbs, exact))
+        run_e(exact_mbs)
         grads_c = [p.grad.clone() if p.grad is not None else None for p in params]
-        loss_e = run_e(_with_documents(mbs, exact))
+        loss_e = run_e(exact_mbs)
         grads_e = [p.grad.clone() if p.grad is not None else None for p in params]
         for (name, p), ge, gc in zip(named, grads_e, grads_c):
             if ge is not None:

@@ -428,8 +428,11 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
                 # ``none`` part of them is saved for backward too, counted in the layers.
                 records[c] = records_bytes_per_token(cfg, lay, act_bytes) * tokens
                 shared[c] = records_shared_bytes_per_token(cfg, lay, mode, act_bytes) * tokens
-                if offload and mode != "none":   # what the layers' regions keep is in host memory
-                    host[c] = sum(offload_bytes_per_token(cfg, i, mode, ops, T, act_bytes)[0] for i in lay) * tokens
+                # under offload: (host bytes, the larger half's device bytes) per layer
+                off = ({i: offload_bytes_per_token(cfg, i, mode, ops, T, act_bytes) for i in lay}
+                       if offload and mode != "none" else None)
+                if off is not None:   # what the layers' regions keep is in host memory
+                    host[c] = sum(off[i][0] for i in lay) * tokens
                     b = 0.0
                 if c == C - 1:
                     b += head_bytes_per_token(cfg, mode, ops, act_bytes)
@@ -447,10 +450,11 @@ def plan_memory(cfg: RunConfig, *, ops: str = "fused", act_bytes: int = 2, dp: i
                 if mode == "none":
                     again = {i: 0.0 for i in lay}
                 elif offload:
-                    again = {i: offload_bytes_per_token(cfg, i, mode, ops, T, act_bytes)[1] for i in lay}
+                    again = {i: off[i][1] for i in lay}
                     if ops != "torch":
-                        extra = {i: FUSED_HALF_BACKWARD * offload_bytes_per_token(cfg, i, mode, ops, T, act_bytes,
-                                                                                  pieces=1)[1] for i in lay}
+                        whole = again if cfg.train.recompute_pieces == 1 else \
+                            {i: offload_bytes_per_token(cfg, i, mode, ops, T, act_bytes, pieces=1)[1] for i in lay}
+                        extra = {i: FUSED_HALF_BACKWARD * whole[i] for i in lay}
                 else:
                     again = {i: recomputed_bytes_per_token(cfg, i, mode, ops, T, act_bytes) for i in lay}
                 forward[c] = max(again.values()) * tokens
