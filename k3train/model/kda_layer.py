@@ -25,6 +25,7 @@ from k3train.ops.layers import (
 )
 from k3train.model.recompute import keep_output
 from k3train.model.cp_documents import halo_cu_seqlens, pieces_document_starts
+from k3train.model.mixer_pieces import MixerPiece, carried_state, initial_state
 from k3train.ops.context_parallel import CPCommLog, cp_pieces, kda_cp, short_conv_cp
 from k3train.ops.gated_norm import head_norm_gate
 from k3train.ops.kda import kda_gated, kda_gated_state
@@ -153,3 +154,35 @@ class KimiDeltaAttention(nn.Module):
                             cu_seqlens=cu_seqlens)
         o = head_norm_gate(o, self.o_norm_weight, self.g_proj(x).view(shape), self.eps)
         return self.o_proj(o.reshape(B, T, -1).to(x.dtype))
+
+    @property
+    def halo(self) -> int:
+        """Tokens before a token that its output reads outside the recurrence (the conv's)."""
+        return self.q_conv.shape[1] - 1
+
+    def forward_piece(self, x: torch.Tensor, piece: MixerPiece,
+                      state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward`` of the tokens ``[piece.start, piece.end)`` of the window, continuing from
+        ``state`` (``k3train/model/mixer_pieces.py``). x ``[B, halo + n, D]``: the piece with
+        its ``piece.halo`` tokens before; state ``[B, H, K, V]`` after the piece before (None for
+        the first) -> (``[B, n, D]``, the state after this piece ``[B, H, K, V]``, or None for
+        the last). Not under context parallelism (the fold owns the state there)."""
+        if self.cp_group is not None:
+            raise RuntimeError("KDA pieces (train.recompute_pieces) do not run under context parallelism")
+        B, n = x.shape[0], x.shape[1] - piece.halo
+        h, shape = piece.halo, (B, n, self.num_heads, self.head_dim)
+        v, q, k = (self._qkv(p, c, x, piece.conv_cu)[:, h:]
+                   for p, c in ((self.v_proj, self.v_conv), (self.q_proj, self.q_conv), (self.k_proj, self.k_conv)))
+        xs = x[:, h:]
+        f, dt_bias = self.gate_inputs(xs)
+        o, after = keep_output(self._kda_piece, q, k, v, f, self.b_proj(xs), dt_bias, piece, state)
+        o = head_norm_gate(o, self.o_norm_weight, self.g_proj(xs).view(shape), self.eps)
+        return self.o_proj(o.reshape(B, n, -1).to(x.dtype)), after
+
+    def _kda_piece(self, q, k, v, f, beta_logits, dt_bias, piece: MixerPiece, state):
+        """The recurrence over one piece from ``state``: (o ``[B, n, H, V]``, the rows' states
+        after it or None)."""
+        o, final = kda_gated_state(q, k, v, f, beta_logits, self.A_log, dt_bias, self.lower_bound,
+                                   initial_state=initial_state(piece, state),
+                                   output_final_state=piece.hand_over, cu_seqlens=piece.core_cu)
+        return o, (carried_state(piece, final) if piece.hand_over else None)

@@ -76,18 +76,32 @@ class K3Layer(nn.Module):
         norms and the depth mixes are per token and need none. The output carries them on."""
         return self.ffn_half(StageIO(hidden=self.mixer_half(io), blocks=io.blocks, segments=io.segments))
 
+    def _mixer_in(self, io: StageIO) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the mixer's normalised input ``[B, T, D]``, what its output adds to: the residual
+        stream, the block's partial sum, or None right after a block closed)."""
+        if self.block_size is None:
+            return self.mixer_norm(io.hidden), io.hidden
+        done = [io.blocks[i] for i in sorted(io.blocks)]
+        partial = io.hidden
+        h = self.mixer_res(done if partial is None else done + [partial])
+        return self.mixer_norm(h), partial
+
     def mixer_half(self, io: StageIO) -> torch.Tensor:
         """The mixer sublayer: the residual stream after it ``[B, T, D]`` (with AttnRes, the
         block's partial sum). Split from ``ffn_half`` so that recompute can checkpoint the two
         halves as separate regions (``k3train/model/recompute.py``, under offload)."""
-        if self.block_size is None:
-            h = io.hidden
-            return h + self._mix(self.mixer_norm(h), io.segments)
-        done = [io.blocks[i] for i in sorted(io.blocks)]
-        partial = io.hidden
-        h = self.mixer_res(done if partial is None else done + [partial])
-        y = self._mix(self.mixer_norm(h), io.segments)
-        return y if partial is None else partial + y
+        x, base = self._mixer_in(io)
+        y = self._mix(x, io.segments)
+        return y if base is None else base + y
+
+    def mixer_half_piece(self, io: StageIO, state: torch.Tensor | None, *, piece) -> tuple:
+        """``mixer_half`` of the tokens ``[piece.start, piece.end)`` (a KDA mixer's
+        ``MixerPiece``, ``k3train/model/mixer_pieces.py``): io holds them with the
+        ``piece.halo`` tokens before; state: the recurrence's state after the piece before ->
+        (the stream after the mixer over the piece ``[B, n, D]``, the state after it)."""
+        x, base = self._mixer_in(io)
+        y, after = self.mixer.forward_piece(x, piece, state)
+        return (y if base is None else base[:, piece.halo:] + y), after
 
     def ffn_half(self, io: StageIO) -> StageIO:
         """The FFN sublayer on ``io.hidden``, ``mixer_half``'s output; with AttnRes it closes the

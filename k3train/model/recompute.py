@@ -40,6 +40,7 @@ activations at a time instead of the whole layer's (at 1M tokens on k3_mini, the
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import torch
@@ -48,6 +49,7 @@ from torch.utils.checkpoint import checkpoint
 
 from k3train.config.schema import RECOMPUTE_MODES
 from k3train.model.forward_state import forward_state_holders, restore, snapshot
+from k3train.model.mixer_pieces import mixer_piece, piece_bounds
 from k3train.model.offload import ActivationOffload
 from pipeline.stage_io import StageIO
 
@@ -82,7 +84,9 @@ class _LayerRegion:
         self.kept: list = []   # (packed core output, requires_grad) of the forward, in call order
         self.next_kept = 0
 
-    def __call__(self, hidden, *blocks) -> StageIO:
+    def __call__(self, hidden, *tensors) -> StageIO:
+        # The blocks in id order, then what ``run`` takes besides the StageIO (a KDA piece's state).
+        blocks, extra = tensors[:len(self.block_ids)], tensors[len(self.block_ids):]
         self.recomputing, self.next_kept = self.calls > 0, 0
         self.calls += 1
         holders = forward_state_holders(self.layer) if self.recomputing else []
@@ -91,14 +95,15 @@ class _LayerRegion:
         _active.region = self
         try:
             return self.run(StageIO(hidden=hidden, blocks=dict(zip(self.block_ids, blocks)),
-                                    segments=self.segments))
+                                    segments=self.segments), *extra)
         finally:
             _active.region = previous
             restore(holders, states)
 
 
-def keep_output(fn, *args, **kwargs) -> torch.Tensor:
-    """``fn(*args, **kwargs)`` (a tensor); under ``selective`` recompute its output is kept.
+def keep_output(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` (a tensor, or a tuple of tensors and Nones); under ``selective``
+    recompute its output is kept.
 
     Outside a selective region this is a plain call. In a selective forward, ``fn`` saves its
     tensors for real (not as recompute placeholders) and its output is kept; in the recompute
@@ -109,14 +114,17 @@ def keep_output(fn, *args, **kwargs) -> torch.Tensor:
         return fn(*args, **kwargs)
     pack, unpack = region.outer_hooks
     if region.recomputing:
-        packed, requires_grad = region.kept[region.next_kept]
+        kept = region.kept[region.next_kept]
         region.next_kept += 1
-        # A leaf that requires grad, so the ops after it save what they saved in the forward.
-        return unpack(packed).detach().requires_grad_(requires_grad)
+        # Leaves that require grad, so the ops after them save what they saved in the forward.
+        back = [None if k is None else unpack(k[0]).detach().requires_grad_(k[1]) for k in kept]
+        return tuple(back) if isinstance(kept, tuple) else back[0]
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         out = fn(*args, **kwargs)
     # The kept output is a saved tensor of the region: it goes through the same hooks.
-    region.kept.append((pack(out.detach()), out.requires_grad))
+    outs = out if isinstance(out, tuple) else [out]
+    kept = [None if t is None else (pack(t.detach()), t.requires_grad) for t in outs]
+    region.kept.append(tuple(kept) if isinstance(out, tuple) else kept)
     return out
 
 
@@ -136,8 +144,9 @@ def run_layer(layer: nn.Module, io: StageIO, mode: str, offload: ActivationOfflo
     layer as two regions, ``layer.mixer_half`` then ``layer.ffn_half`` (the mixer's output is one
     more kept tensor, on the host); only with recompute (``train.offload_activations`` needs
     ``full`` or ``selective``).
-    pieces: under offload, the FFN half as that many regions over consecutive token pieces
-    (``train.recompute_pieces``, ``_ffn_in_pieces``).
+    pieces: under offload, the FFN half, and a KDA layer's mixer half, as that many regions over
+    consecutive token pieces (``train.recompute_pieces``, ``_ffn_in_pieces``,
+    ``_mixer_in_pieces``).
     """
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"train.recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
@@ -149,7 +158,10 @@ def run_layer(layer: nn.Module, io: StageIO, mode: str, offload: ActivationOfflo
         # What the regions keep lives on the host, so a finer cut costs the device nothing: the
         # mixer and the FFN halves are regions of their own, and the backward recomputes one
         # half at a time (the peak is the larger half's activations, not the whole layer's).
-        mid = _region(layer, io, mode, layer.mixer_half)
+        if pieces > 1 and _pieceable(layer):
+            mid = _mixer_in_pieces(layer, io, mode, pieces, offload)
+        else:
+            mid = _region(layer, io, mode, layer.mixer_half)
         ffn_io = StageIO(hidden=mid, blocks=io.blocks, segments=io.segments)
         if pieces > 1:
             return _ffn_in_pieces(layer, ffn_io, mode, pieces)
@@ -171,7 +183,7 @@ def _ffn_in_pieces(layer: nn.Module, io: StageIO, mode: str, pieces: int) -> Sta
     them as views of that one host copy (``ActivationOffload.pack``).
     io.hidden ``[B, T, D]``, io.blocks ``{id: [B, T, D]}`` -> the half's StageIO, whole ``T``."""
     T = io.hidden.shape[1]
-    sizes = [T // pieces + (j < T % pieces) for j in range(pieces)]
+    sizes = [e - s for s, e in piece_bounds(T, pieces)]
     hidden = io.hidden.split(sizes, dim=1)
     blocks = {i: b.split(sizes, dim=1) for i, b in io.blocks.items()}
     outs = [_region(layer, StageIO(hidden=hidden[j], blocks={i: b[j] for i, b in blocks.items()}),
@@ -182,14 +194,48 @@ def _ffn_in_pieces(layer: nn.Module, io: StageIO, mode: str, pieces: int) -> Sta
                    segments=io.segments)
 
 
-def _region(layer: nn.Module, io: StageIO, mode: str, run=None):
-    """``run(io)`` (default the whole layer) in one checkpoint region; its inputs are ``io.hidden``
-    and the blocks in id order."""
+def _pieceable(layer: nn.Module) -> bool:
+    """Whether the layer's mixer runs in token pieces: KDA (``forward_piece``) without context
+    parallelism, whose fold owns the state there. MLA's attention reads every key before a
+    query, so its half stays whole."""
+    return hasattr(layer.mixer, "forward_piece") and layer.mixer.cp_group is None
+
+
+def _mixer_in_pieces(layer: nn.Module, io: StageIO, mode: str, pieces: int,
+                     offload: ActivationOffload | None) -> torch.Tensor:
+    """``layer.mixer_half(io)`` as ``pieces`` regions over consecutive token pieces, each with
+    the conv's halo of tokens before it and the recurrence's state after the piece before as
+    inputs (``k3train/model/mixer_pieces.py``). io.hidden ``[B, T, D]`` or None, io.blocks
+    ``{id: [B, T, D]}`` -> ``[B, T, D]``."""
+    ref = io.hidden if io.hidden is not None else io.blocks[min(io.blocks)]
+    B, T = ref.shape[:2]
+    if offload is not None:
+        # The whole inputs go to the host once, before the pieces save their (overlapping)
+        # views of them: each piece then keeps views of these copies (ActivationOffload.pack).
+        for t in [io.hidden, *io.blocks.values()]:
+            if t is not None:
+                offload.pack(t)
+    bounds = piece_bounds(T, pieces)
+    state, outs = None, []
+    for j, (s, e) in enumerate(bounds):
+        piece = mixer_piece(s, e, halo=layer.mixer.halo, hand_over=j < len(bounds) - 1, cu_seqlens=io.segments,
+                            batch=B, seq_len=T, device=ref.device)
+        lo = s - piece.halo
+        sub = StageIO(hidden=None if io.hidden is None else io.hidden[:, lo:e],
+                      blocks={i: b[:, lo:e] for i, b in io.blocks.items()})
+        out, state = _region(layer, sub, mode, functools.partial(layer.mixer_half_piece, piece=piece), extra=(state,))
+        outs.append(out)
+    return torch.cat(outs, dim=1)
+
+
+def _region(layer: nn.Module, io: StageIO, mode: str, run=None, extra: tuple = ()):
+    """``run(io, *extra)`` (default the whole layer) in one checkpoint region; its inputs are
+    ``io.hidden``, the blocks in id order and ``extra``."""
     ids = sorted(io.blocks)
     region = _LayerRegion(layer=layer, block_ids=ids, selective=mode == "selective",
                           outer_hooks=torch._C._autograd._top_saved_tensors_default_hooks(False),
                           segments=io.segments, run=run)
-    return checkpoint(region, io.hidden, *(io.blocks[i] for i in ids),
+    return checkpoint(region, io.hidden, *(io.blocks[i] for i in ids), *extra,
                       use_reentrant=False, preserve_rng_state=False)
 
 

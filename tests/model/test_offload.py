@@ -173,11 +173,13 @@ def _run_fp64(cfg):
 @pytest.mark.parametrize("balancing", ["quantile", "aux_free"])
 @pytest.mark.parametrize("attnres", [True, False], ids=["attnres", "standard"])
 def test_ffn_in_pieces_equals_the_whole_half(world1, attnres, balancing):
-    """train.recompute_pieces=3 (pieces of 6, 5 and 5 of T = 16 tokens) against 1, fp64, same
-    weights: the loss and every gradient within 1e-12 (only the order of the weight gradients'
-    sums over pieces differs), the same host bytes (a block's pieces are views of the block's
-    one host copy), and the balancer's bias update from the step's records (each piece appends
-    its own, in order) equal."""
+    """train.recompute_pieces=3 (pieces of 6, 5 and 5 of T = 16 tokens: the FFN halves, and the
+    KDA layers' mixer halves with their conv halo and state) against 1, fp64, same weights: the
+    loss and every gradient within 1e-12 (only the order of the weight gradients' sums over
+    pieces differs), the same host bytes but for the states handed between KDA pieces (a
+    block's pieces are views of the block's one host copy, the halo's overlapping ones too), and
+    the balancer's bias update from the step's records (each piece appends its own, in order)
+    equal."""
     extra = [f"moe.balancing={balancing}"]
     cfg = load_config(None, [*_tiny_overrides(attnres), *extra, "train.recompute_pieces=3"])
     ref_cfg = load_config(None, [*_tiny_overrides(attnres), *extra])
@@ -185,8 +187,10 @@ def test_ffn_in_pieces_equals_the_whole_half(world1, attnres, balancing):
     torch.testing.assert_close(l3, l1, rtol=1e-12, atol=1e-12)
     for name, g in g1.items():
         torch.testing.assert_close(g3[name], g, rtol=1e-12, atol=1e-12, msg=lambda s: f"{name}: {s}")
-    assert h3["offloaded_bytes"] == h1["offloaded_bytes"]
-    assert (h3["shared"] > h1["shared"]) == attnres   # the blocks' pieces: views of their copies
+    kda = cfg.model.layer_pattern.count("K") * cfg.model.num_layers // len(cfg.model.layer_pattern)
+    state = B * cfg.model.kda.num_heads * cfg.model.kda.head_dim ** 2 * 8   # [B, H, K, V] fp64
+    assert h3["offloaded_bytes"] == h1["offloaded_bytes"] + kda * 2 * state   # 2 hand-overs per layer
+    assert h3["shared"] > h1["shared"]   # the pieces: views of the whole inputs' copies
     for a, b in zip(m1.moe_layers(), m3.moe_layers()):
         assert len(a.routing.step) == 1 and len(b.routing.step) == 3
         bal = Balancer(balancing)
@@ -205,3 +209,54 @@ def test_recompute_pieces_refuses_what_is_not_per_token(override, needs):
     with pytest.raises(ConfigError, match=needs):
         load_config(None, [*_tiny_overrides(True), "train.recompute_pieces=3", "moe.dispatcher=grouped_a2a",
                            override])
+
+
+# Document starts (flat over B = 2 rows of T = 16; pieces [0, 6), [6, 11), [11, 16), halo 3):
+# row 0 at a piece's first token (6) and inside the next piece's halo (9); row 1 inside the last
+# piece (13), so its first document runs across both boundaries with its state handed over.
+_DOCS = torch.tensor([0, 6, 9, 16, 29, 32])
+
+
+@pytest.mark.parametrize("documents", [True, False], ids=["documents", "windows"])
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_kda_mixer_in_pieces_equals_the_whole_half(world1, mode, documents):
+    """The KDA mixer halves in 3 pieces (each with the conv's halo and the state after the piece
+    before) against the whole halves, fp64, same weights and batch: loss and every gradient
+    within 1e-12. With documents, one starts at a piece's first token, one inside a halo and one
+    runs across both hand-overs: a halo that leaked across a start, a state handed to a document
+    that starts at the piece, or one not handed to a document that continues, changes the loss.
+    Under selective the pieces' kept outputs (the core's output and state) come back in the
+    recompute."""
+    over = [o for o in _tiny_overrides(True) if not o.startswith("train.recompute=")]
+    over += [f"train.recompute={mode}", "moe.balancing=quantile", "model.layer_pattern=KKM", "model.num_layers=3"]
+    segments = _DOCS if documents else None
+    runs = {}
+    for pieces in (1, 3):
+        cfg = load_config(None, [*over, f"train.recompute_pieces={pieces}"])
+        torch.manual_seed(0)
+        model = build_model(cfg).double()
+        model.offload.min_bytes = 0
+        tokens = torch.randint(0, 257, (B, T + 1), generator=torch.Generator().manual_seed(3))
+        loss = model(tokens[:, :-1], tokens[:, 1:], segments=segments)
+        loss.backward()
+        runs[pieces] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    (l1, g1), (l3, g3) = runs[1], runs[3]
+    torch.testing.assert_close(l3, l1, rtol=1e-12, atol=1e-12)
+    for name, g in g1.items():
+        assert g3[name] is not None, name
+        torch.testing.assert_close(g3[name], g, rtol=1e-12, atol=1e-12, msg=lambda s: f"{name}: {s}")
+
+
+def test_mixer_piece_boundaries():
+    """The piece's own boundaries cut from the window's (_DOCS): the conv's [halo, piece] rows
+    restart at every start inside them, the core's rows at every start inside the piece, and a
+    row's first document continues unless a document starts at the piece's first token."""
+    from k3train.model.mixer_pieces import mixer_piece
+    p = mixer_piece(6, 11, halo=3, hand_over=True, cu_seqlens=_DOCS, batch=2, seq_len=16, device="cpu")
+    assert p.halo == 3 and p.conv_cu.tolist() == [0, 3, 6, 8, 16] and p.core_cu.tolist() == [0, 3, 5, 10]
+    assert p.first.tolist() == [0, 2] and p.last.tolist() == [1, 2] and p.continues.tolist() == [False, True]
+    q = mixer_piece(11, 16, halo=3, hand_over=False, cu_seqlens=_DOCS, batch=2, seq_len=16, device="cpu")
+    assert q.conv_cu.tolist() == [0, 1, 8, 13, 16] and q.core_cu.tolist() == [0, 5, 7, 10]
+    assert q.continues.tolist() == [True, True] and q.last.tolist() == [0, 2]
+    first = mixer_piece(0, 6, halo=3, hand_over=True, cu_seqlens=_DOCS, batch=2, seq_len=16, device="cpu")
+    assert first.halo == 0 and first.continues.tolist() == [False, False]

@@ -38,7 +38,8 @@ from tests.helpers import allocator_peak, tiny_cfg
 T = 128
 
 
-def _cfg(offload: bool, mode: str = "full", microbatches: int = 1, balancing: str = "quantile", pieces: int = 1):
+def _cfg(offload: bool, mode: str = "full", microbatches: int = 1, balancing: str = "quantile", pieces: int = 1,
+         seq: int = T):
     return tiny_cfg("model.layer_pattern=KKKM", "model.num_layers=16", "model.dense_layers=1",
                     "model.hidden_size=128", "model.kda.num_heads=2", "model.kda.head_dim=32",
                     "model.kda.chunk_size=16", "model.mla.num_heads=2", "model.mla.q_lora_rank=48",
@@ -46,7 +47,7 @@ def _cfg(offload: bool, mode: str = "full", microbatches: int = 1, balancing: st
                     "model.mla.v_head_dim=16", "model.ffn.intermediate_size=256", "moe.num_experts=64",
                     "moe.topk=4", "moe.latent_size=64", "moe.expert_ffn_size=64", "moe.shared_ffn_size=128",
                     "model.attnres.enabled=true", "model.attnres.block_size=4", f"train.recompute={mode}",
-                    f"train.offload_activations={offload}", "train.micro_batch_size=1", f"train.seq_len={T}",
+                    f"train.offload_activations={offload}", "train.micro_batch_size=1", f"train.seq_len={seq}",
                     f"train.microbatches={microbatches}", f"moe.balancing={balancing}",
                     f"train.recompute_pieces={pieces}")
 
@@ -77,8 +78,8 @@ def _measured_peak(cfg) -> int:
     model = build_model(cfg)
     if model.offload is not None:
         _like_cuda(model.offload)
-    m = cfg.train.microbatches
-    tokens = torch.randint(0, cfg.model.vocab_size, (m, T + 1), generator=torch.Generator().manual_seed(0))
+    m, seq = cfg.train.microbatches, cfg.train.seq_len
+    tokens = torch.randint(0, cfg.model.vocab_size, (m, seq + 1), generator=torch.Generator().manual_seed(0))
 
     def step():
         for mb in tokens.split(1):
@@ -101,27 +102,44 @@ def _planned(cfg) -> float:
     return plan.peak_activations[cfg.train.recompute] + plan.moe_buffers + plan.routing_last
 
 
-@pytest.mark.parametrize("mode, offload, pieces", [("none", False, 1), ("selective", False, 1), ("full", False, 1),
-                                                   ("full", True, 1), ("full", True, 4)],
-                         ids=["none", "selective", "full", "full-offload", "full-offload-pieces"])
-def test_device_peak_matches_the_allocator_within_10_percent(world1, mode, offload, pieces):
-    cfg = _cfg(offload, mode, pieces=pieces)
+@pytest.mark.parametrize("mode, offload", [("none", False), ("selective", False), ("full", False), ("full", True)],
+                         ids=["none", "selective", "full", "full-offload"])
+def test_device_peak_matches_the_allocator_within_10_percent(world1, mode, offload):
+    cfg = _cfg(offload, mode)
     measured, predicted = _measured_peak(cfg), _planned(cfg)
     print(f"{mode} offload={offload}: planned {predicted / 2**20:.3f} MiB, measured {measured / 2**20:.3f} MiB, "
           f"ratio {predicted / measured:.3f}")
     assert predicted == pytest.approx(measured, rel=0.10), (predicted, measured, predicted / measured)
-    if pieces > 1:
-        # At these widths the torch KDA's mixer half, not the FFN half, sets the peak, so the
-        # pieces cannot lower it (the allocator measured 3.7% more with them: the MoE's
-        # per-piece transients); the plan still lowers its MoE buffers, one piece's.
-        assert predicted < _planned(_cfg(offload, mode))
-    elif offload:
+    if offload:
         # The planner before the two backward terms (the head, the larger half with its inputs
         # copied back, the MoE buffers) is more than 10% under: they are what closes the gap.
         (plan,) = plan_memory(cfg, ops="torch", act_bytes=4)
         half = max(offload_bytes_per_token(cfg, i, "full", "torch", T, 4)[1] for i in plan.layers)
         before = (head_bytes_per_token(cfg, "full", "torch", 4) + half) * T + plan.moe_buffers
         assert before < 0.9 * measured, (before, measured)
+
+
+@pytest.mark.slow   # three steps at 512 tokens (17 s)
+def test_pieces_lower_the_peak_where_the_kda_half_sets_it(world1, monkeypatch):
+    """train.recompute_pieces=4 under full + offload at 512 tokens, where the torch KDA's mixer
+    half sets the peak: with the KDA mixer halves in pieces the allocator's peak falls to 0.65 of
+    the whole halves' (14.9 against 22.9 MiB when written); with the FFN halves alone in pieces
+    (the KDA halves left whole) to 0.93 (21.3 MiB), so the bound of 0.8 fails unless the KDA
+    halves run in pieces. The planner lowers its figure too (12.9 against 24.1 MiB; at these
+    widths it is 0.87 of the measured peak with pieces: what it does not count, SDPA's math-path
+    temporaries on CPU (quadratic in the length; they set the peak at 1024 tokens) and the MoE
+    backward's weight gradients (one per call), weighs more once the halves are small). At 128
+    tokens the pieces are 32 tokens and the MoE backward sets the peak with or without them."""
+    from k3train.model import recompute
+    seq = 512
+    whole, pieces = _cfg(True, "full", seq=seq), _cfg(True, "full", pieces=4, seq=seq)
+    measured_whole, measured_pieces = _measured_peak(whole), _measured_peak(pieces)
+    print(f"pieces: measured {measured_pieces / 2**20:.2f} against {measured_whole / 2**20:.2f} MiB; planned "
+          f"{_planned(pieces) / 2**20:.2f} against {_planned(whole) / 2**20:.2f} MiB")
+    assert measured_pieces < 0.8 * measured_whole, (measured_pieces, measured_whole)
+    assert _planned(pieces) < 0.8 * _planned(whole)
+    monkeypatch.setattr(recompute, "_pieceable", lambda layer: False)
+    assert _measured_peak(pieces) > 0.8 * measured_whole   # the FFN halves alone in pieces
 
 
 def test_full_recompute_peak_needs_both_backward_terms(world1):
