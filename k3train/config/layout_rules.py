@@ -152,14 +152,14 @@ def layout_refusal(cfg: RunConfig) -> str | None:
 
 
 def _pieces_refusal(cfg: RunConfig) -> str | None:
-    """The first rule a ``train.recompute_pieces > 1`` config breaks (one line), or None: the FFN
-    half in token pieces must compute what the whole half computes (k3train/model/recompute.py,
-    ``_ffn_in_pieces``)."""
+    """The first rule a ``train.recompute_pieces > 1`` config breaks (one line), or None: the
+    halves in token pieces must compute what the whole halves compute (k3train/model/recompute.py,
+    ``_ffn_in_pieces``, ``_mixer_in_pieces``)."""
     t, moe, n = cfg.train, cfg.moe, cfg.train.recompute_pieces
     has_moe = cfg.model.dense_layers < cfg.model.num_layers
     if not t.offload_activations:
-        return (f"train.recompute_pieces={n} cuts the FFN half that train.offload_activations=true "
-                f"makes a region of its own; set train.offload_activations=true or recompute_pieces=1")
+        return (f"train.recompute_pieces={n} cuts the layer halves that train.offload_activations=true "
+                f"makes regions of their own; set train.offload_activations=true or recompute_pieces=1")
     if has_moe and moe.balancing == "aux_loss":
         return (f"train.recompute_pieces={n} with moe.balancing=aux_loss: the balance loss is a "
                 f"statistic of the whole window, not of a piece; use quantile, aux_free or none, "

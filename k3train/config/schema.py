@@ -89,12 +89,14 @@ class TrainConfig(StrictModel):
 
     recompute_pieces: int = Field(1, ge=1)
     """Under train.offload_activations: each layer's FFN half (norm, depth mix, dense FFN or
-    MoE, all per token) runs as this many regions over consecutive token pieces of the window,
-    so the backward recomputes one piece's FFN activations at a time instead of the whole
-    window's (the MoE half is the larger half of a K3 layer). Losses and gradients are those of
-    1 up to the order of the weight gradients' sums. On one H200, 8 pieces moved k3_mini's 256K
-    peak by 1% (the backward's peak is elsewhere; docs/long_context.md); 1: off. Refused with
-    what is not per token: moe.balancing=aux_loss, moe.capacity_factor, parallel.ep > 1."""
+    MoE, all per token) and each KDA layer's mixer half (the conv's halo of tokens and the
+    recurrent state handed from piece to piece; not under parallel.cp, whose fold owns the
+    state) run as this many regions over consecutive token pieces of the window, so the backward
+    recomputes one piece's activations at a time instead of the whole window's. Losses and
+    gradients are those of 1 up to the order of the weight gradients' sums. On one H200 8 FFN
+    pieces moved k3_mini's 256K peak by 1%; the KDA pieces are measured on CPU only
+    (docs/long_context.md); 1: off. Refused with what is not per token: moe.balancing=aux_loss,
+    moe.capacity_factor, parallel.ep > 1."""
 
     @model_validator(mode="after")
     def _offload_needs_recompute(self) -> "TrainConfig":
