@@ -35,7 +35,9 @@ checkpoint placeholder. With what a region keeps off the device, a finer cut cos
 nothing, so under offload each layer is two regions, its mixer half and its FFN half
 (``K3Layer.mixer_half``, ``ffn_half``): the backward then holds one half's recomputed
 activations at a time instead of the whole layer's (at 1M tokens on k3_mini, the MoE half's
-~40 GiB instead of the layer's ~71 GiB; docs/long_context.md).
+~40 GiB instead of the layer's ~71 GiB; docs/long_context.md). ``train.recompute_pieces`` cuts
+the FFN half, and a KDA layer's mixer half (with its conv halo and the recurrent state handed
+from piece to piece, ``k3train/model/mixer_pieces.py``), into token pieces, a region each.
 """
 from __future__ import annotations
 
@@ -81,7 +83,9 @@ class _LayerRegion:
         self.outer_hooks = outer_hooks or (_identity, _identity)
         self.calls = 0
         self.recomputing = False
-        self.kept: list = []   # (packed core output, requires_grad) of the forward, in call order
+        # Per keep_output call of the forward, in call order: (packed output, requires_grad), or a
+        # tuple of those (None for a None) where the core returns several (a KDA piece's state).
+        self.kept: list = []
         self.next_kept = 0
 
     def __call__(self, hidden, *tensors) -> StageIO:
