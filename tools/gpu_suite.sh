@@ -8,7 +8,7 @@
 # te_receive, te_install, te_bench (tools/te_device.sh), and the pending checks save_stall
 # decode_compile fp8_experts bf16_weights capacity_modes capacity_1m capacity_split
 # memory_plan_slice te_check docmask_check docmask_train capacity_mask_graphed kda_cp chunk_docs timeline_offload
-# kda_pieces capacity_pieces: explicit only);
+# mixer_pieces capacity_pieces: explicit only);
 # gpu_parallel (GPU_PARALLEL_ONLY=a,b picks variants) bench_moe_ep2 bench_pipeline pp_debug (two
 # GPUs, skipped on one).
 # Together the stages need more than one 10-minute device call: pass a subset per call.
@@ -146,9 +146,9 @@ stage fp8_experts 300 python3 scripts/gpu_check_fp8_experts.py --json "$OUT/fp8_
 stage bf16_weights 540 python3 scripts/gpu_check_bf16_weights.py --steps 20 --json "$OUT/bf16_weights.json"
 stage capacity_modes 560 python3 -m benchmarks.bench_capacity --modes none,selective,full --parts modes \
   --budget-s 540 --json "$OUT/capacity_modes.json"
-# train.recompute_pieces now cuts the KDA mixer halves too (k3train/model/mixer_pieces.py): the
-# layer on fla's varlen kernels in pieces against fp64, then 256K to 1M tokens with 8 pieces.
-stage kda_pieces 200 python3 scripts/gpu_check_kda_pieces.py --seq-len 8192 --pieces 4 --json "$OUT/kda_pieces.json"
+# train.recompute_pieces now cuts the mixer halves too (k3train/model/mixer_pieces.py): the
+# KDA and MLA layers in pieces on the GPU kernels against fp64, then 256K to 1M tokens with 8 pieces.
+stage mixer_pieces 240 python3 scripts/gpu_check_mixer_pieces.py --seq-len 8192 --pieces 4 --json "$OUT/mixer_pieces.json"
 stage capacity_pieces 560 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m benchmarks.bench_capacity \
   --config configs/k3_mini.yaml --modes full+offload --min-seq 262144 --max-seq 1048576 --parts modes --steps 1 \
   --warmup 1 --override train.recompute_pieces=8 --override kernels.autotune=fixed --budget-s 540 \

@@ -89,13 +89,13 @@ class TrainConfig(StrictModel):
 
     recompute_pieces: int = Field(1, ge=1)
     """Under train.offload_activations: each layer's FFN half (norm, depth mix, dense FFN or
-    MoE, all per token) and each KDA layer's mixer half (the conv's halo of tokens and the
-    recurrent state handed from piece to piece; not under parallel.cp, whose fold owns the
-    state) run as this many regions over consecutive token pieces of the window, so the backward
-    recomputes one piece's activations at a time instead of the whole window's. Losses and
-    gradients are those of 1 up to the order of the weight gradients' sums. On one H200 8 FFN
-    pieces moved k3_mini's 256K peak by 1%; the KDA pieces are measured on CPU only
-    (docs/long_context.md); 1: off. Refused with what is not per token: moe.balancing=aux_loss,
+    MoE, all per token) and its mixer half (KDA: the conv's halo of tokens and the recurrent
+    state handed from piece to piece; MLA: the whole window's latent, then each piece's queries
+    against its prefix; not under parallel.cp, whose exchanges own the sequence) run as this
+    many regions over consecutive token pieces of the window, so the backward recomputes one
+    piece's activations at a time instead of the whole window's. Losses and gradients are those
+    of 1 up to the order of the weight gradients' sums. On one H200 8 FFN pieces moved k3_mini's
+    256K peak by 1%; the mixer pieces are measured on CPU only (docs/long_context.md); 1: off. Refused with what is not per token: moe.balancing=aux_loss,
     moe.capacity_factor, parallel.ep > 1."""
 
     @model_validator(mode="after")

@@ -94,14 +94,20 @@ class K3Layer(nn.Module):
         y = self._mix(x, io.segments)
         return y if base is None else base + y
 
-    def mixer_half_piece(self, io: StageIO, state: torch.Tensor | None, *, piece) -> tuple:
-        """``mixer_half`` of the tokens ``[piece.start, piece.end)`` (a KDA mixer's
-        ``MixerPiece``, ``k3train/model/mixer_pieces.py``): io holds them with the
-        ``piece.halo`` tokens before; state: the recurrence's state after the piece before ->
-        (the stream after the mixer over the piece ``[B, n, D]``, the state after it)."""
+    def mixer_half_piece(self, io: StageIO, carry: torch.Tensor | None, *, piece) -> tuple:
+        """``mixer_half`` of the tokens ``[piece.start, piece.end)`` (``MixerPiece``,
+        ``k3train/model/mixer_pieces.py``): io holds them with the ``piece.halo`` tokens before;
+        carry: what the mixer's piece takes besides (KDA: the recurrence's state after the piece
+        before; MLA: the latent of every token up to the piece's end) -> (the stream after the
+        mixer over the piece ``[B, n, D]``, what goes to the next piece: KDA's state, or None)."""
         x, base = self._mixer_in(io)
-        y, after = self.mixer.forward_piece(x, piece, state)
+        y, after = self.mixer.forward_piece(x, piece, carry)
         return (y if base is None else base[:, piece.halo:] + y), after
+
+    def mixer_latent(self, io: StageIO) -> torch.Tensor:
+        """An MLA mixer's compact latent over the whole window ``[B, T, R]`` (``GatedMLA.latent``
+        of the mixer's input), what its pieces expand into keys and values."""
+        return self.mixer.latent(self._mixer_in(io)[0])
 
     def ffn_half(self, io: StageIO) -> StageIO:
         """The FFN sublayer on ``io.hidden``, ``mixer_half``'s output; with AttnRes it closes the

@@ -19,9 +19,16 @@ carried state only to the first document of a row when it began before ``s``.
 The sum is exact: the same recurrence, cut where the state is handed over (fp64 on CPU within
 1e-12 of the whole half, tests/model/test_offload.py). What it saves: the backward holds one
 piece's recomputed mixer activations and one piece's KDA backward working set (what fla's
-``chunk_kda_bwd`` allocates, ``activation_bytes.kda_backward_bytes``) instead of the whole
-window's. MLA's mixer half stays whole: each query of a
-piece reads every key before it (docs/long_context.md).
+``chunk_kda_bwd`` allocates besides the saved tensors: about 42 KB per token at k3_mini's
+widths, read from fla 0.6.0's source, docs/long_context.md) instead of the whole window's.
+
+An MLA layer's mixer half runs as one region over the whole window that makes the compact
+latent ``kv_down(x)`` (``[B, T, kv_lora_rank + rope]``, a third of the hidden state's width at
+K3), then one region per piece: its queries, gate and output over ``[s, e)`` from the half's
+inputs there, and its keys and values expanded from the latent of ``[0, e)`` (an input, a view
+of the latent region's output), each query attending the earlier keys of its document (SDPA's
+lower-right causal alignment). The backward then holds one piece's query side and the keys and
+values of its prefix instead of the whole window's query and key sides.
 """
 from __future__ import annotations
 
@@ -31,7 +38,7 @@ import torch
 
 from k3train.model.cp_documents import halo_cu_seqlens, rank_document_starts
 
-__all__ = ["MixerPiece", "carried_state", "initial_state", "mixer_piece", "piece_bounds"]
+__all__ = ["MixerPiece", "attention_piece", "carried_state", "initial_state", "mixer_piece", "piece_bounds"]
 
 
 def piece_bounds(length: int, pieces: int) -> list[tuple[int, int]]:
@@ -51,7 +58,9 @@ class MixerPiece:
     Without documents the boundary fields are None. With them: conv_cu, the ``cu_seqlens`` of
     the conv's ``[halo, piece]`` rows (int32); core_cu, those of the piece's rows (int64);
     first / last, per row, the index of its first / last document among core_cu's;
-    continues, per row, whether its first document began before ``start`` (bool ``[B]``)."""
+    continues, per row, whether its first document began before ``start`` (bool ``[B]``).
+    An attention piece (``attention_piece``) has none of those but spans: per row, the
+    ``(key_start, query_start, query_end)`` of each document the piece's queries lie in."""
 
     start: int
     end: int
@@ -62,6 +71,7 @@ class MixerPiece:
     first: torch.Tensor | None = None
     last: torch.Tensor | None = None
     continues: torch.Tensor | None = None
+    spans: tuple | None = None
 
 
 def mixer_piece(start: int, end: int, *, halo: int, hand_over: bool, cu_seqlens: torch.Tensor | None,
@@ -105,3 +115,21 @@ def carried_state(piece: MixerPiece, final: torch.Tensor) -> torch.Tensor:
     """The state each row hands to the next piece: ``final`` itself without documents
     (``[B, H, K, V]``), the row's last document's state with them (``final`` ``[N, H, K, V]``)."""
     return final if piece.core_cu is None else final.index_select(0, piece.last)
+
+
+def attention_piece(start: int, end: int, *, cu_seqlens: torch.Tensor | None, batch: int,
+                    seq_len: int) -> MixerPiece:
+    """An MLA layer's piece ``[start, end)``: its queries attend every earlier key of their
+    document, so the piece reads the keys ``[0, end)``; with documents, per row the spans
+    ``(a, lo, hi)`` of the documents ``[a, z)`` it meets, queries ``[lo, hi) = [a, z) & [start,
+    end)`` attending keys ``[a, hi)`` (row positions)."""
+    if cu_seqlens is None:
+        return MixerPiece(start, end, 0, False)
+    rows: list[list[tuple[int, int, int]]] = [[] for _ in range(batch)]
+    bounds = cu_seqlens.tolist()
+    for a, z in zip(bounds[:-1], bounds[1:]):
+        b, lo = divmod(a, seq_len)
+        hi = lo + (z - a)
+        if z > a and hi > start and lo < end:
+            rows[b].append((lo, max(lo, start), min(hi, end)))
+    return MixerPiece(start, end, 0, False, spans=tuple(tuple(r) for r in rows))

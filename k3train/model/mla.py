@@ -16,12 +16,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from k3train.ops.layers import (
     ColumnLinear, RMSNorm, RowLinear, divide, replicated_linear, sum_grad_over_tp, tp_size,
 )
 from k3train.model.recompute import keep_output
 from k3train.model.cp_documents import same_document_causal_mask_at
+from k3train.model.mixer_pieces import MixerPiece
 from k3train.ops.context_parallel import CPCommLog, all_gather_cp, cp_pieces, cp_token_index, global_order, mla_attention_cp
 from k3train.ops.documents import document_attention
 
@@ -98,3 +100,42 @@ class GatedMLA(nn.Module):
             attn = attn.transpose(1, 2)  # [B, T, H, v_dim]
         gate = torch.sigmoid(self.gate_proj(x)).view(B, T, H, self.v_dim)
         return self.o_proj((attn * gate).reshape(B, T, H * self.v_dim))
+
+    halo = 0   # a piece reads no tokens before it beside the latent prefix (forward_piece)
+
+    def latent(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[B, T, D]`` -> the compact latent ``kv_down x`` ``[B, T, kv_lora_rank + rope]``."""
+        return self.kv_down(x)
+
+    def forward_piece(self, x: torch.Tensor, piece: MixerPiece,
+                      latent: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """``forward`` of the tokens ``[piece.start, piece.end)`` (``k3train/model/mixer_pieces.py``):
+        x ``[B, n, D]`` the piece's tokens, latent ``[B, end, R]`` the latent of every token up to
+        the piece's end -> (``[B, n, D]``, None: nothing is handed to the next piece). Each query
+        attends the earlier keys of its document. Not under context parallelism."""
+        if self.cp_group is not None:
+            raise RuntimeError("MLA pieces (train.recompute_pieces) do not run under context parallelism")
+        B, n, _ = x.shape
+        H = self.num_heads
+        q = self.q_up(self.q_norm(self.q_down(x))).view(B, n, H, self.nope + self.rope)
+        k, v = self._expand(latent)
+        attn = keep_output(self._attend_piece, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), piece)
+        gate = torch.sigmoid(self.gate_proj(x)).view(B, n, H, self.v_dim)
+        return self.o_proj((attn.transpose(1, 2) * gate).reshape(B, n, H * self.v_dim)), None
+
+    def _attend_piece(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, piece: MixerPiece) -> torch.Tensor:
+        """q ``[B, H, n, Dqk]`` at positions ``[start, end)``, k ``[B, H, end, Dqk]``, v
+        ``[B, H, end, Dv]`` -> ``[B, H, n, Dv]``: causal with the queries aligned to the keys'
+        end (lower right); with documents one call per document the piece meets."""
+        n, e = q.shape[2], k.shape[2]
+        if piece.spans is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, e), scale=self.scale)
+        s = piece.start
+        rows = []
+        for b, spans in enumerate(piece.spans):
+            parts = [F.scaled_dot_product_attention(q[b:b + 1, :, lo - s:hi - s], k[b:b + 1, :, a:hi],
+                                                    v[b:b + 1, :, a:hi], scale=self.scale,
+                                                    attn_mask=causal_lower_right(hi - lo, hi - a))
+                     for a, lo, hi in spans]
+            rows.append(torch.cat(parts, dim=2))
+        return torch.cat(rows, dim=0)

@@ -36,8 +36,9 @@ nothing, so under offload each layer is two regions, its mixer half and its FFN 
 (``K3Layer.mixer_half``, ``ffn_half``): the backward then holds one half's recomputed
 activations at a time instead of the whole layer's (at 1M tokens on k3_mini, the MoE half's
 ~40 GiB instead of the layer's ~71 GiB; docs/long_context.md). ``train.recompute_pieces`` cuts
-the FFN half, and a KDA layer's mixer half (with its conv halo and the recurrent state handed
-from piece to piece, ``k3train/model/mixer_pieces.py``), into token pieces, a region each.
+the FFN half and the mixer half (KDA: with its conv halo and the recurrent state handed from
+piece to piece; MLA: a region for the whole window's latent, then each piece's queries against
+their prefix; ``k3train/model/mixer_pieces.py``) into token pieces, a region each.
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ from torch.utils.checkpoint import checkpoint
 
 from k3train.config.schema import RECOMPUTE_MODES
 from k3train.model.forward_state import forward_state_holders, restore, snapshot
-from k3train.model.mixer_pieces import mixer_piece, piece_bounds
+from k3train.model.mixer_pieces import attention_piece, mixer_piece, piece_bounds
 from k3train.model.offload import ActivationOffload
 from pipeline.stage_io import StageIO
 
@@ -148,9 +149,9 @@ def run_layer(layer: nn.Module, io: StageIO, mode: str, offload: ActivationOfflo
     layer as two regions, ``layer.mixer_half`` then ``layer.ffn_half`` (the mixer's output is one
     more kept tensor, on the host); only with recompute (``train.offload_activations`` needs
     ``full`` or ``selective``).
-    pieces: under offload, the FFN half, and a KDA layer's mixer half, as that many regions over
-    consecutive token pieces (``train.recompute_pieces``, ``_ffn_in_pieces``,
-    ``_mixer_in_pieces``).
+    pieces: under offload, both halves as that many regions over consecutive token pieces
+    (``train.recompute_pieces``, ``_ffn_in_pieces``, ``_mixer_in_pieces``,
+    ``_attention_in_pieces``).
     """
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"train.recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
@@ -162,8 +163,11 @@ def run_layer(layer: nn.Module, io: StageIO, mode: str, offload: ActivationOfflo
         # What the regions keep lives on the host, so a finer cut costs the device nothing: the
         # mixer and the FFN halves are regions of their own, and the backward recomputes one
         # half at a time (the peak is the larger half's activations, not the whole layer's).
-        if pieces > 1 and _pieceable(layer):
+        kind = _piece_kind(layer) if pieces > 1 else None
+        if kind == "kda":
             mid = _mixer_in_pieces(layer, io, mode, pieces, offload)
+        elif kind == "mla":
+            mid = _attention_in_pieces(layer, io, mode, pieces, offload)
         else:
             mid = _region(layer, io, mode, layer.mixer_half)
         ffn_io = StageIO(hidden=mid, blocks=io.blocks, segments=io.segments)
@@ -198,11 +202,23 @@ def _ffn_in_pieces(layer: nn.Module, io: StageIO, mode: str, pieces: int) -> Sta
                    segments=io.segments)
 
 
-def _pieceable(layer: nn.Module) -> bool:
-    """Whether the layer's mixer runs in token pieces: KDA (``forward_piece``) without context
-    parallelism, whose fold owns the state there. MLA's attention reads every key before a
-    query, so its half stays whole."""
-    return hasattr(layer.mixer, "forward_piece") and layer.mixer.cp_group is None
+def _piece_kind(layer: nn.Module) -> str | None:
+    """How the layer's mixer half runs in token pieces: ``"kda"`` (the conv's halo and the
+    recurrent state handed on), ``"mla"`` (the latent of the whole window, then each piece's
+    queries against their prefix), or None (whole) under context parallelism, whose exchanges
+    own the sequence there."""
+    if getattr(layer.mixer, "cp_group", None) is not None or not hasattr(layer.mixer, "forward_piece"):
+        return None
+    return "mla" if hasattr(layer.mixer, "latent") else "kda"
+
+
+def _prepack(offload: ActivationOffload | None, tensors) -> None:
+    """The whole tensors to the host once, before pieces save (overlapping) views of them: each
+    piece then keeps views of these copies (``ActivationOffload.pack``)."""
+    if offload is not None:
+        for t in tensors:
+            if t is not None:
+                offload.pack(t)
 
 
 def _mixer_in_pieces(layer: nn.Module, io: StageIO, mode: str, pieces: int,
@@ -213,12 +229,7 @@ def _mixer_in_pieces(layer: nn.Module, io: StageIO, mode: str, pieces: int,
     ``{id: [B, T, D]}`` -> ``[B, T, D]``."""
     ref = io.hidden if io.hidden is not None else io.blocks[min(io.blocks)]
     B, T = ref.shape[:2]
-    if offload is not None:
-        # The whole inputs go to the host once, before the pieces save their (overlapping)
-        # views of them: each piece then keeps views of these copies (ActivationOffload.pack).
-        for t in [io.hidden, *io.blocks.values()]:
-            if t is not None:
-                offload.pack(t)
+    _prepack(offload, [io.hidden, *io.blocks.values()])
     bounds = piece_bounds(T, pieces)
     state, outs = None, []
     for j, (s, e) in enumerate(bounds):
@@ -228,6 +239,28 @@ def _mixer_in_pieces(layer: nn.Module, io: StageIO, mode: str, pieces: int,
         sub = StageIO(hidden=None if io.hidden is None else io.hidden[:, lo:e],
                       blocks={i: b[:, lo:e] for i, b in io.blocks.items()})
         out, state = _region(layer, sub, mode, functools.partial(layer.mixer_half_piece, piece=piece), extra=(state,))
+        outs.append(out)
+    return torch.cat(outs, dim=1)
+
+
+def _attention_in_pieces(layer: nn.Module, io: StageIO, mode: str, pieces: int,
+                         offload: ActivationOffload | None) -> torch.Tensor:
+    """An MLA layer's ``mixer_half(io)`` as a region making the whole window's latent, then
+    ``pieces`` regions over consecutive token pieces, each with its tokens' inputs and the
+    latent of every token up to its end (``k3train/model/mixer_pieces.py``). io.hidden
+    ``[B, T, D]`` or None, io.blocks ``{id: [B, T, D]}`` -> ``[B, T, D]``."""
+    ref = io.hidden if io.hidden is not None else io.blocks[min(io.blocks)]
+    B, T = ref.shape[:2]
+    _prepack(offload, [io.hidden, *io.blocks.values()])
+    latent = _region(layer, io, mode, layer.mixer_latent)
+    _prepack(offload, [latent])
+    outs = []
+    for s, e in piece_bounds(T, pieces):
+        piece = attention_piece(s, e, cu_seqlens=io.segments, batch=B, seq_len=T)
+        sub = StageIO(hidden=None if io.hidden is None else io.hidden[:, s:e],
+                      blocks={i: b[:, s:e] for i, b in io.blocks.items()})
+        out, _ = _region(layer, sub, mode, functools.partial(layer.mixer_half_piece, piece=piece),
+                         extra=(latent[:, :e],))
         outs.append(out)
     return torch.cat(outs, dim=1)
 

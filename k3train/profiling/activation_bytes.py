@@ -198,7 +198,7 @@ def recomputed_bytes_per_token(cfg: RunConfig, index: int, mode: str, ops: str, 
 def offload_bytes_per_token(cfg: RunConfig, index: int, mode: str, ops: str, T: int, a: int,
                             pieces: int | None = None) -> tuple[float, float]:
     """Under ``train.offload_activations`` (a layer is two regions, its mixer half and its FFN
-    half, the latter and a KDA mixer half in ``train.recompute_pieces`` token pieces): (bytes per token layer
+    half, both in ``train.recompute_pieces`` token pieces): (bytes per token layer
     ``index`` keeps in host memory, bytes per token live on the device while its larger half is
     recomputed, that half's kept bytes copied back included). ``pieces``: the FFN half's pieces
     (default the config's; 1: the whole half).
@@ -227,15 +227,21 @@ def offload_bytes_per_token(cfg: RunConfig, index: int, mode: str, ops: str, T: 
     half_b = _norm(w.D, a, f, ops) + ffn + mix_b + inputs_b
     pieces = cfg.train.recompute_pieces if pieces is None else pieces
     if pieces > 1:
-        # train.recompute_pieces: the FFN half, and a KDA layer's mixer half (not under CP,
-        # whose fold owns the state; recompute._pieceable), recompute one token piece at a time;
-        # their input gradients arrive per piece and are joined once the last piece is done (one
-        # whole [T, D] per input, counted with the half: the measured backward factor then
-        # applies to them too, which overcounts). A KDA piece's conv halo (W - 1 tokens) and the
-        # state it hands over ([H, K, V] per row) do not grow with T.
+        # train.recompute_pieces: the FFN half and the mixer half (not under CP, whose exchanges
+        # own the sequence; recompute._piece_kind) recompute one token piece at a time; their
+        # input gradients arrive per piece and are joined once the last piece is done (one whole
+        # [T, D] per input, counted with the half: the measured backward factor then applies to
+        # them too, which overcounts). A KDA piece's conv halo (W - 1 tokens) and the state it
+        # hands over ([H, K, V] per row) do not grow with T. An MLA piece expands the latent of
+        # its whole prefix (the last piece's: every token) into keys and values; the region
+        # before the pieces makes the whole window's latent (depth mix, norm, kv_down).
         half_b = half_b / pieces + inputs_b
-        if kind == "K" and cfg.parallel.cp == 1:
+        if cfg.parallel.cp == 1 and kind == "K":
             half_a = half_a / pieces + inputs_a
+        elif cfg.parallel.cp == 1:
+            key = mla_key_bytes_per_token(w, a, ops)
+            latent = _norm(w.D, a, f, ops) + mix_a + inputs_a + (w.kvl + w.rope) * a
+            half_a = max((half_a - key - inputs_a) / pieces + key + inputs_a, latent)
     return kept + w.D * a, max(half_a, half_b)
 
 

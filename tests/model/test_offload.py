@@ -173,13 +173,13 @@ def _run_fp64(cfg):
 @pytest.mark.parametrize("balancing", ["quantile", "aux_free"])
 @pytest.mark.parametrize("attnres", [True, False], ids=["attnres", "standard"])
 def test_ffn_in_pieces_equals_the_whole_half(world1, attnres, balancing):
-    """train.recompute_pieces=3 (pieces of 6, 5 and 5 of T = 16 tokens: the FFN halves, and the
-    KDA layers' mixer halves with their conv halo and state) against 1, fp64, same weights: the
-    loss and every gradient within 1e-12 (only the order of the weight gradients' sums over
-    pieces differs), the same host bytes but for the states handed between KDA pieces (a
-    block's pieces are views of the block's one host copy, the halo's overlapping ones too), and
-    the balancer's bias update from the step's records (each piece appends its own, in order)
-    equal."""
+    """train.recompute_pieces=3 (pieces of 6, 5 and 5 of T = 16 tokens: the FFN halves and the
+    mixer halves, KDA's with their conv halo and state, MLA's with the latent of their prefix)
+    against 1, fp64, same weights: the loss and every gradient within 1e-12 (only the order of
+    the weight gradients' sums over pieces differs), the same host bytes but for the states
+    handed between KDA pieces and MLA's latents (a block's pieces are views of the block's one
+    host copy, the halo's overlapping ones too), and the balancer's bias update from the step's
+    records (each piece appends its own, in order) equal."""
     extra = [f"moe.balancing={balancing}"]
     cfg = load_config(None, [*_tiny_overrides(attnres), *extra, "train.recompute_pieces=3"])
     ref_cfg = load_config(None, [*_tiny_overrides(attnres), *extra])
@@ -187,9 +187,12 @@ def test_ffn_in_pieces_equals_the_whole_half(world1, attnres, balancing):
     torch.testing.assert_close(l3, l1, rtol=1e-12, atol=1e-12)
     for name, g in g1.items():
         torch.testing.assert_close(g3[name], g, rtol=1e-12, atol=1e-12, msg=lambda s: f"{name}: {s}")
-    kda = cfg.model.layer_pattern.count("K") * cfg.model.num_layers // len(cfg.model.layer_pattern)
-    state = B * cfg.model.kda.num_heads * cfg.model.kda.head_dim ** 2 * 8   # [B, H, K, V] fp64
-    assert h3["offloaded_bytes"] == h1["offloaded_bytes"] + kda * 2 * state   # 2 hand-overs per layer
+    m = cfg.model
+    kda = m.layer_pattern.count("K") * m.num_layers // len(m.layer_pattern)
+    state = B * m.kda.num_heads * m.kda.head_dim ** 2 * 8                  # [B, H, K, V] fp64
+    latent = B * T * (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim) * 8     # [B, T, R] fp64
+    # 2 hand-overs per KDA layer; an MLA layer's latent, whose prefixes the pieces read
+    assert h3["offloaded_bytes"] == h1["offloaded_bytes"] + kda * 2 * state + (m.num_layers - kda) * latent
     assert h3["shared"] > h1["shared"]   # the pieces: views of the whole inputs' copies
     for a, b in zip(m1.moe_layers(), m3.moe_layers()):
         assert len(a.routing.step) == 1 and len(b.routing.step) == 3
@@ -219,14 +222,15 @@ _DOCS = torch.tensor([0, 6, 9, 16, 29, 32])
 
 @pytest.mark.parametrize("documents", [True, False], ids=["documents", "windows"])
 @pytest.mark.parametrize("mode", ["full", "selective"])
-def test_kda_mixer_in_pieces_equals_the_whole_half(world1, mode, documents):
-    """The KDA mixer halves in 3 pieces (each with the conv's halo and the state after the piece
-    before) against the whole halves, fp64, same weights and batch: loss and every gradient
-    within 1e-12. With documents, one starts at a piece's first token, one inside a halo and one
-    runs across both hand-overs: a halo that leaked across a start, a state handed to a document
-    that starts at the piece, or one not handed to a document that continues, changes the loss.
-    Under selective the pieces' kept outputs (the core's output and state) come back in the
-    recompute."""
+def test_mixer_halves_in_pieces_equal_the_whole_halves(world1, mode, documents):
+    """The mixer halves in 3 pieces (KDA's each with the conv's halo and the state after the
+    piece before; MLA's each with the latent of its prefix) against the whole halves, fp64, same
+    weights and batch: loss and every gradient within 1e-12. With documents, one starts at a
+    piece's first token, one inside a halo and one runs across both hand-overs: a halo that
+    leaked across a start, a state handed to a document that starts at the piece, one not
+    handed to a document that continues, or a query attending a key of another document or a
+    later one, changes the loss. Under selective the pieces' kept outputs (KDA's output and
+    state, MLA's attention) come back in the recompute."""
     over = [o for o in _tiny_overrides(True) if not o.startswith("train.recompute=")]
     over += [f"train.recompute={mode}", "moe.balancing=quantile", "model.layer_pattern=KKM", "model.num_layers=3"]
     segments = _DOCS if documents else None
