@@ -29,6 +29,8 @@ from k3train.ops.documents import document_attention
 
 
 class GatedMLA(nn.Module):
+    halo = 0   # a token piece reads no tokens before it beside its latent prefix (forward_piece)
+
     def __init__(self, *, hidden_size: int, num_heads: int, q_lora_rank: int, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, std: float = 0.02,
                  out_std: float | None = None, eps: float = 1e-6):
@@ -100,8 +102,6 @@ class GatedMLA(nn.Module):
             attn = attn.transpose(1, 2)  # [B, T, H, v_dim]
         gate = torch.sigmoid(self.gate_proj(x)).view(B, T, H, self.v_dim)
         return self.o_proj((attn * gate).reshape(B, T, H * self.v_dim))
-
-    halo = 0   # a piece reads no tokens before it beside the latent prefix (forward_piece)
 
     def latent(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[B, T, D]`` -> the compact latent ``kv_down x`` ``[B, T, kv_lora_rank + rope]``."""

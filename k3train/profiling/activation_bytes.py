@@ -200,8 +200,8 @@ def offload_bytes_per_token(cfg: RunConfig, index: int, mode: str, ops: str, T: 
     """Under ``train.offload_activations`` (a layer is two regions, its mixer half and its FFN
     half, both in ``train.recompute_pieces`` token pieces): (bytes per token layer
     ``index`` keeps in host memory, bytes per token live on the device while its larger half is
-    recomputed, that half's kept bytes copied back included). ``pieces``: the FFN half's pieces
-    (default the config's; 1: the whole half).
+    recomputed, that half's kept bytes copied back included). ``pieces``: the halves' pieces
+    (default the config's; 1: whole halves).
     Host: the layer's kept bytes plus the mixer half's output, the FFN half's input."""
     w, f = Widths.of(cfg), 4
     m = cfg.model
