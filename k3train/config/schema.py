@@ -95,8 +95,9 @@ class TrainConfig(StrictModel):
     many regions over consecutive token pieces of the window, so the backward recomputes one
     piece's activations at a time instead of the whole window's. Losses and gradients are those
     of 1 up to the order of the weight gradients' sums. On one H200 8 FFN pieces moved k3_mini's
-    256K peak by 1%; the mixer pieces are measured on CPU only (docs/long_context.md); 1: off. Refused with what is not per token: moe.balancing=aux_loss,
-    moe.capacity_factor, parallel.ep > 1."""
+    256K peak by 1%; the mixer pieces are measured on CPU only (docs/long_context.md); 1: off.
+    Refused with what is not per token: moe.balancing=aux_loss, moe.capacity_factor,
+    parallel.ep > 1."""
 
     @model_validator(mode="after")
     def _offload_needs_recompute(self) -> "TrainConfig":

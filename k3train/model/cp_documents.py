@@ -19,13 +19,16 @@ __all__ = ["halo_cu_seqlens", "pieces_document_starts", "rank_document_starts", 
            "same_document_causal_mask_cp"]
 
 
-def rank_document_starts(cu_seqlens: torch.Tensor, batch: int, seq_len: int, start: int,
+def rank_document_starts(cu_seqlens: torch.Tensor | list[int], batch: int, seq_len: int, start: int,
                          length: int) -> list[list[int]]:
     """Per row, the local positions in ``[0, length)`` where a document starts, for a rank
     holding positions ``[start, start + length)`` of every row of ``seq_len`` tokens (``start``
-    may be negative: positions before a row's first token hold no start)."""
+    may be negative: positions before a row's first token hold no start). ``cu_seqlens``: the
+    tensor, or its values already read to the host (a caller asking for several ranges reads
+    them once)."""
     rows: list[list[int]] = [[] for _ in range(batch)]
-    for b in cu_seqlens.tolist()[:-1]:
+    bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
+    for b in bounds[:-1]:
         row, pos = divmod(int(b), seq_len)
         if start <= pos < start + length:
             rows[row].append(pos - start)

@@ -74,15 +74,18 @@ class MixerPiece:
     spans: tuple | None = None
 
 
-def mixer_piece(start: int, end: int, *, halo: int, hand_over: bool, cu_seqlens: torch.Tensor | None,
+def mixer_piece(start: int, end: int, *, halo: int, hand_over: bool, cu_seqlens: torch.Tensor | list[int] | None,
                 batch: int, seq_len: int, device) -> MixerPiece:
     """The piece ``[start, end)`` of rows of ``seq_len`` tokens, with up to ``halo`` tokens before
     it; ``cu_seqlens``: the window's document boundaries ``[N+1]`` over the ``batch * seq_len``
-    tokens (``k3train.ops.documents``), or None. Boundaries are read on the host, once per
-    forward (the recompute reuses the piece)."""
+    tokens (``k3train.ops.documents``), as a tensor or already read to the host (the caller of
+    several pieces reads them once: a read waits for the device), or None. Made once per forward
+    (the recompute reuses the piece)."""
     halo = min(halo, start)
     if cu_seqlens is None:
         return MixerPiece(start, end, halo, hand_over)
+    if isinstance(cu_seqlens, torch.Tensor):
+        cu_seqlens = cu_seqlens.tolist()
     n = end - start
     conv_starts = rank_document_starts(cu_seqlens, batch, seq_len, start - halo, n + halo)
     core_starts = rank_document_starts(cu_seqlens, batch, seq_len, start, n)
@@ -117,16 +120,16 @@ def carried_state(piece: MixerPiece, final: torch.Tensor) -> torch.Tensor:
     return final if piece.core_cu is None else final.index_select(0, piece.last)
 
 
-def attention_piece(start: int, end: int, *, cu_seqlens: torch.Tensor | None, batch: int,
+def attention_piece(start: int, end: int, *, cu_seqlens: torch.Tensor | list[int] | None, batch: int,
                     seq_len: int) -> MixerPiece:
     """An MLA layer's piece ``[start, end)``: its queries attend every earlier key of their
-    document, so the piece reads the keys ``[0, end)``; with documents, per row the spans
-    ``(a, lo, hi)`` of the documents ``[a, z)`` it meets, queries ``[lo, hi) = [a, z) & [start,
-    end)`` attending keys ``[a, hi)`` (row positions)."""
+    document, so the piece reads the keys ``[0, end)``; with documents (``cu_seqlens`` as in
+    ``mixer_piece``), per row the spans ``(a, lo, hi)`` of the documents ``[a, z)`` it meets,
+    queries ``[lo, hi) = [a, z) & [start, end)`` attending keys ``[a, hi)`` (row positions)."""
     if cu_seqlens is None:
         return MixerPiece(start, end, 0, False)
     rows: list[list[tuple[int, int, int]]] = [[] for _ in range(batch)]
-    bounds = cu_seqlens.tolist()
+    bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
     for a, z in zip(bounds[:-1], bounds[1:]):
         b, lo = divmod(a, seq_len)
         hi = lo + (z - a)

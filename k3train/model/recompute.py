@@ -221,24 +221,34 @@ def _prepack(offload: ActivationOffload | None, tensors) -> None:
                 offload.pack(t)
 
 
+def _window(io: StageIO) -> tuple[int, int, torch.device, list[int] | None]:
+    """(rows B, tokens T, device, the document boundaries read to the host once, or None) of a
+    half's inputs: the pieces' boundaries all come from one read (a read waits for the device)."""
+    ref = io.hidden if io.hidden is not None else io.blocks[min(io.blocks)]
+    return ref.shape[0], ref.shape[1], ref.device, None if io.segments is None else io.segments.tolist()
+
+
+def _tokens(io: StageIO, lo: int, hi: int) -> StageIO:
+    """The half's inputs over the tokens ``[lo, hi)`` of every row (views)."""
+    return StageIO(hidden=None if io.hidden is None else io.hidden[:, lo:hi],
+                   blocks={i: b[:, lo:hi] for i, b in io.blocks.items()})
+
+
 def _mixer_in_pieces(layer: nn.Module, io: StageIO, mode: str, pieces: int,
                      offload: ActivationOffload | None) -> torch.Tensor:
     """``layer.mixer_half(io)`` as ``pieces`` regions over consecutive token pieces, each with
     the conv's halo of tokens before it and the recurrence's state after the piece before as
     inputs (``k3train/model/mixer_pieces.py``). io.hidden ``[B, T, D]`` or None, io.blocks
     ``{id: [B, T, D]}`` -> ``[B, T, D]``."""
-    ref = io.hidden if io.hidden is not None else io.blocks[min(io.blocks)]
-    B, T = ref.shape[:2]
+    B, T, device, docs = _window(io)
     _prepack(offload, [io.hidden, *io.blocks.values()])
     bounds = piece_bounds(T, pieces)
     state, outs = None, []
     for j, (s, e) in enumerate(bounds):
-        piece = mixer_piece(s, e, halo=layer.mixer.halo, hand_over=j < len(bounds) - 1, cu_seqlens=io.segments,
-                            batch=B, seq_len=T, device=ref.device)
-        lo = s - piece.halo
-        sub = StageIO(hidden=None if io.hidden is None else io.hidden[:, lo:e],
-                      blocks={i: b[:, lo:e] for i, b in io.blocks.items()})
-        out, state = _region(layer, sub, mode, functools.partial(layer.mixer_half_piece, piece=piece), extra=(state,))
+        piece = mixer_piece(s, e, halo=layer.mixer.halo, hand_over=j < len(bounds) - 1, cu_seqlens=docs,
+                            batch=B, seq_len=T, device=device)
+        out, state = _region(layer, _tokens(io, s - piece.halo, e), mode,
+                             functools.partial(layer.mixer_half_piece, piece=piece), extra=(state,))
         outs.append(out)
     return torch.cat(outs, dim=1)
 
@@ -249,17 +259,14 @@ def _attention_in_pieces(layer: nn.Module, io: StageIO, mode: str, pieces: int,
     ``pieces`` regions over consecutive token pieces, each with its tokens' inputs and the
     latent of every token up to its end (``k3train/model/mixer_pieces.py``). io.hidden
     ``[B, T, D]`` or None, io.blocks ``{id: [B, T, D]}`` -> ``[B, T, D]``."""
-    ref = io.hidden if io.hidden is not None else io.blocks[min(io.blocks)]
-    B, T = ref.shape[:2]
+    B, T, _, docs = _window(io)
     _prepack(offload, [io.hidden, *io.blocks.values()])
     latent = _region(layer, io, mode, layer.mixer_latent)
     _prepack(offload, [latent])
     outs = []
     for s, e in piece_bounds(T, pieces):
-        piece = attention_piece(s, e, cu_seqlens=io.segments, batch=B, seq_len=T)
-        sub = StageIO(hidden=None if io.hidden is None else io.hidden[:, s:e],
-                      blocks={i: b[:, s:e] for i, b in io.blocks.items()})
-        out, _ = _region(layer, sub, mode, functools.partial(layer.mixer_half_piece, piece=piece),
+        piece = attention_piece(s, e, cu_seqlens=docs, batch=B, seq_len=T)
+        out, _ = _region(layer, _tokens(io, s, e), mode, functools.partial(layer.mixer_half_piece, piece=piece),
                          extra=(latent[:, :e],))
         outs.append(out)
     return torch.cat(outs, dim=1)
